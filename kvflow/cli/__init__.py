@@ -1,0 +1,1 @@
+"""Command-line interface: `kvflow <command>`; one module per command group."""

@@ -1,0 +1,41 @@
+"""Entry point of the `kvflow` command: builds the sub-command parser and dispatches."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each module listed here defines `register(subparsers)`, which adds its sub-commands and sets
+# `func` on them (a callable taking the parsed args and returning an exit code).
+COMMAND_MODULES = [
+    "kvflow.cli.generate",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: LLM serving built around KV-cache streaming")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvflow {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
