@@ -1,0 +1,1 @@
+"""Single-process engine: requests, scheduler (continuous batching), model runner, sampling, LLM API."""

@@ -1,0 +1,153 @@
+"""The single-process engine: add requests, then `step()` = schedule, run, update."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.engine.request import Request, RequestOutput
+from kvflow.engine.runner import ModelRunner
+from kvflow.engine.sampling import SamplingParams
+from kvflow.engine.scheduler import Scheduler, SchedulerConfig
+from kvflow.kv.cache import KVCache, KVLayout
+from kvflow.kv.manager import KVCacheManager
+from kvflow.model.llama import LayerHook, LlamaModel
+from kvflow.model.loader import load_checkpoint
+from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build an engine. `model` None means the embedded default (SmolLM2-135M-Instruct).
+
+    The KV cache gets `num_kv_blocks` blocks of `block_size` tokens, or, when that is None, as many
+    as fit in `kv_cache_memory_gb`. `max_model_len` None means the checkpoint's context length.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_model_len: int | None = None
+    scheduler: SchedulerConfig = SchedulerConfig()
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+class LLMEngine:
+    """Continuous-batching engine over one `LlamaModel` holding all layers.
+
+    Contract: `add_request` validates and queues (raising ValueError for input that can never run);
+    each `step()` advances every scheduled request by one forward pass and returns an output for
+    every request that produced a token or finished; `abort_request` frees a request's blocks.
+    """
+
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig, hook: LayerHook | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        mcfg = model.cfg
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        layout = KVLayout.for_model(mcfg, 1, config.block_size, dtype=config.torch_dtype)
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // layout.bytes_per_block))
+        layout = KVLayout.for_model(mcfg, num_blocks, config.block_size, dtype=config.torch_dtype)
+        self.kv_cache = KVCache(layout, config.device)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.runner = ModelRunner(model, self.kv_cache, hook)
+        eos = set(mcfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig = EngineConfig()) -> "LLMEngine":
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        ck = load_checkpoint(config.model)
+        log.info("loaded %s in %.2fs (%s)", ck.config.name, ck.load_seconds, "converted" if ck.converted else "cached")
+        model = LlamaModel.from_state_dict(ck.config, ck.state_dict, dtype=config.torch_dtype, device=config.device)
+        engine = cls(model, Tokenizer(ck.directory), config)
+        engine.checkpoint_load_seconds = ck.load_seconds
+        engine.checkpoint_converted = ck.converted
+        return engine
+
+    # ------------------------------------------------------------------ requests
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompts as lists of token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError("a prompt must be a string or a list of token ids")
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
+        req = Request(rid, self.encode_prompt(prompt), params, self.eos_token_ids, detok)
+        self.scheduler.add(req)
+        self.requests[rid] = req
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.abort(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        sampled = self.runner.run(batch)
+        changed = self.scheduler.update(batch, sampled)
+        outputs = [r.take_output() for r in changed]
+        for r in changed:
+            if r.is_finished:
+                self.requests.pop(r.request_id, None)
+        return outputs

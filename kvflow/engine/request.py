@@ -1,0 +1,146 @@
+"""One request's whole state (tokens, KV block table, progress, stop logic) and the output it reports."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvflow.engine.sampling import SamplerState, SamplingParams
+from kvflow.model.tokenizer import IncrementalDetokenizer
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not holding KV blocks (new, or preempted and to be recomputed)
+    RUNNING = "running"  # holds blocks; prompt partly or fully computed
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far. `new_token_ids`/`new_text` are the delta since the last report."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    detokenizer: IncrementalDetokenizer | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    _reported_tokens: int = 0
+    _reported_text: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output, what the model consumes
+        self.sampler = SamplerState.for_params(self.params)
+        self._max_stop_len = max((len(s) for s in self.params.stop), default=0)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to be run through the model before the next one can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Ids this request may not produce at its next step (stop/EOS ids before min_tokens)."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return ()
+        return tuple(set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(self.eos_token_ids)))
+
+    def append_token(self, token_id: int, max_model_len: int) -> FinishReason | None:
+        """Record a sampled token; returns why the request should finish now, if it should."""
+        now = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        n_out = len(self.output_token_ids)
+        p = self.params
+        if n_out >= p.min_tokens:
+            if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
+                return "stop"
+        if self.detokenizer is not None:
+            before = len(self.text)
+            self.text += self.detokenizer.add(token_id)
+            if self._max_stop_len and n_out >= p.min_tokens:
+                start = max(0, before - self._max_stop_len + 1)
+                hits = [i for i in (self.text.find(s, start) for s in p.stop) if i >= 0]
+                if hits:
+                    self.text = self.text[: min(hits)]
+                    return "stop"
+        if n_out >= p.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.monotonic()
+
+    def take_output(self) -> RequestOutput:
+        """A snapshot with the delta since the previous call (text held back while a stop string may be forming)."""
+        visible = len(self.text)
+        if not self.is_finished and self._max_stop_len:
+            visible = max(self._reported_text, visible - self._max_stop_len + 1)
+        new_ids = self.output_token_ids[self._reported_tokens :]
+        new_text = self.text[self._reported_text : visible]
+        self._reported_tokens = len(self.output_token_ids)
+        self._reported_text = visible
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.output_token_ids),
+            text=self.text[:visible],
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time,
+            finish_time=self.finish_time,
+            error=self.error,
+        )

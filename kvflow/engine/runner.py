@@ -1,0 +1,56 @@
+"""Turns a scheduler decision into one forward pass over the paged cache, and samples next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from kvflow.engine.sampling import sample
+from kvflow.engine.scheduler import SchedulerOutput
+from kvflow.kv.cache import KVCache
+from kvflow.model.batch import ForwardBatch, SeqSlice
+from kvflow.model.llama import LayerHook, LlamaModel
+
+
+class ModelRunner:
+    """Runs a whole model (all layers) on one device for the single-process engine.
+
+    Contract: `run(out)` computes the scheduled tokens of every request in `out` (writing their KV)
+    and returns {request_id: next token} for the requests whose KV now covers all their tokens.
+    """
+
+    def __init__(self, model: LlamaModel, kv: KVCache, hook: LayerHook | None = None) -> None:
+        if not (model.is_first and model.is_last):
+            raise ValueError("ModelRunner needs a model holding all layers")
+        self.model = model
+        self.kv = kv
+        self.hook = hook
+        self.device = kv.device
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
+        ids: list[int] = []
+        slices: list[SeqSlice] = []
+        for s in out.seqs:
+            r = s.request
+            start = r.num_computed_tokens
+            slices.append(SeqSlice(len(ids), s.num_new_tokens, start + s.num_new_tokens, tuple(r.block_ids)))
+            ids.extend(r.token_ids[start : start + s.num_new_tokens])
+        batch = ForwardBatch.build(slices, self.kv.layout.block_size, self.device)
+        return torch.tensor(ids, dtype=torch.long, device=self.device), batch
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> dict[str, int]:
+        if out.is_empty:
+            return {}
+        token_ids, batch = self.prepare(out)
+        logits = self.model.forward(token_ids, batch, self.kv, self.hook)
+        rows = [i for i, s in enumerate(out.seqs) if s.completes_prompt]
+        if not rows:
+            return {}
+        reqs = [out.seqs[i].request for i in rows]
+        next_ids = sample(
+            logits[rows].cpu(),
+            [r.params for r in reqs],
+            [r.sampler for r in reqs],
+            [r.banned_token_ids() for r in reqs],
+        )
+        return {r.request_id: t for r, t in zip(reqs, next_ids)}

