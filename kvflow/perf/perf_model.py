@@ -1,0 +1,112 @@
+"""The `PerfModel` interface (per-stage prompt and token times, KV bytes, transfers, memory) and
+its analytic implementation from a model shape and a machine spec."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from kvflow.perf.hardware import MachineSpec
+from kvflow.perf.model_shape import ModelShape
+
+
+class PerfModel(ABC):
+    """Predicts the cost of serving `shape` on machines of type `machine`.
+
+    Contract: a pipeline of `depth` machines splits the layers as evenly as possible; the
+    `*_stage_time` methods return seconds on the slowest stage (the one that sets the pipeline's
+    pace) for one microbatch of `batch` requests. Times are positive and non-decreasing in batch,
+    prompt length and context length. No method returns a sentinel: invalid input raises ValueError.
+    """
+
+    def __init__(self, shape: ModelShape, machine: MachineSpec) -> None:
+        self.shape = shape
+        self.machine = machine
+
+    @abstractmethod
+    def prompt_stage_time(self, batch: int, prompt_len: int, depth: int) -> float:
+        """Seconds one stage spends prefilling `batch` prompts of `prompt_len` tokens."""
+
+    @abstractmethod
+    def token_stage_time(self, batch: int, context_len: int, depth: int) -> float:
+        """Seconds one stage spends on one decode step of `batch` requests at `context_len`."""
+
+    # --- derived, shared by every source -------------------------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers."""
+        return self.shape.kv_bytes_per_token
+
+    def transfer_time(self, nbytes: float, bandwidth: float | None = None) -> float:
+        """Seconds to move `nbytes` over a link (default: the machine's network link)."""
+        if nbytes < 0:
+            raise ValueError("cannot transfer a negative number of bytes")
+        return nbytes / (bandwidth or self.machine.link_bandwidth)
+
+    def hop_time(self, batch: int, tokens: int) -> float:
+        """Seconds to send one microbatch's activations from one stage to the next."""
+        return self.transfer_time(batch * tokens * self.shape.hidden * self.shape.dtype_bytes)
+
+    def swap_in_time(self, batch: int, context_len: int, depth: int) -> float:
+        """Seconds to bring one microbatch's KV of one stage from host to device memory."""
+        nbytes = batch * context_len * self.shape.layers_per_stage(depth) * self.shape.kv_bytes_per_token_layer
+        return self.transfer_time(nbytes, self.machine.host_bandwidth)
+
+    def stage_weight_bytes(self, depth: int) -> int:
+        return self.shape.layers_per_stage(depth) * self.shape.layer_weight_bytes + (
+            self.shape.head_weight_bytes if depth == 1 else 0)
+
+    def max_microbatch(self, depth: int, max_tokens: int, slots: int) -> int:
+        """Largest microbatch whose KV for `slots` resident microbatches of `max_tokens` tokens
+        fits beside one stage's weights; 0 when even the weights do not fit (a count, not a flag)."""
+        free = self.machine.usable_memory - self.stage_weight_bytes(depth)
+        per_request = max_tokens * self.shape.layers_per_stage(depth) * self.shape.kv_bytes_per_token_layer
+        return max(0, int(free // (slots * per_request)))
+
+    def _slowest_stage(self, layer_time: float, head_time: float, depth: int) -> float:
+        """Stages hold ceil or floor of L/depth layers; the LM head sits on a lighter stage."""
+        hi = self.shape.layers_per_stage(depth)
+        lo = self.shape.layers // depth
+        return max(hi * layer_time, lo * layer_time + head_time) if depth > 1 else hi * layer_time + head_time
+
+
+class AnalyticPerfModel(PerfModel):
+    """Roofline model: each layer costs max(FLOPs / effective FLOP rate, bytes / effective
+    bandwidth), split over the machine's tensor-parallel devices, plus two ring all-reduces."""
+
+    def _roofline(self, flops: float, nbytes: float) -> float:
+        dev, n = self.machine.device, self.machine.devices
+        return max(flops / (dev.flops * dev.compute_efficiency * n),
+                   nbytes / (dev.mem_bandwidth * dev.bandwidth_efficiency * n))
+
+    def _allreduce(self, nbytes: float) -> float:
+        n = self.machine.devices
+        if n == 1:
+            return 0.0
+        return 2 * (2 * (n - 1) / n * nbytes / self.machine.intra_bandwidth + 10e-6)
+
+    def prompt_stage_time(self, batch: int, prompt_len: int, depth: int) -> float:
+        _check(batch, prompt_len)
+        s = self.shape
+        tokens = batch * prompt_len
+        attn_flops = 2 * batch * prompt_len * prompt_len * s.heads * s.head_dim  # causal QK^T + AV
+        layer = self._roofline(2 * s.params_per_layer * tokens + attn_flops,
+                               s.layer_weight_bytes + tokens * s.kv_bytes_per_token_layer)
+        layer += self._allreduce(tokens * s.hidden * s.dtype_bytes)
+        head = self._roofline(2 * s.vocab * s.hidden * batch, s.head_weight_bytes)
+        return self._slowest_stage(layer, head, depth)
+
+    def token_stage_time(self, batch: int, context_len: int, depth: int) -> float:
+        _check(batch, context_len)
+        s = self.shape
+        attn_flops = 4 * batch * context_len * s.heads * s.head_dim
+        layer = self._roofline(2 * s.params_per_layer * batch + attn_flops,
+                               s.layer_weight_bytes + batch * context_len * s.kv_bytes_per_token_layer)
+        layer += self._allreduce(batch * s.hidden * s.dtype_bytes)
+        head = self._roofline(2 * s.vocab * s.hidden * batch, s.head_weight_bytes)
+        return self._slowest_stage(layer, head, depth)
+
+
+def _check(batch: int, length: int) -> None:
+    if batch < 1 or length < 1:
+        raise ValueError(f"batch ({batch}) and length ({length}) must be >= 1")

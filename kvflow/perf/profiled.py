@@ -1,0 +1,119 @@
+"""Profiled performance model: linear fits of measured engine timings, saved as a JSON profile.
+
+Fitted forms (whole model on one machine; Aladdin and Vidur report these shapes hold closely):
+    prompt(b, s) = p0 + p1 * b*s + p2 * b*s^2        (weights GEMMs + causal attention)
+    token(b, c)  = q0 + q1 * b   + q2 * b*c          (per-step overhead, weights, KV reads)
+A stage of a depth-D pipeline pays the intercept once and the rest in proportion to its layers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvflow.perf.hardware import MachineSpec, machine
+from kvflow.perf.model_shape import ModelShape
+from kvflow.perf.perf_model import PerfModel, _check
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measurement: `batch` sequences of `length` tokens (prompt length or decode context)."""
+
+    batch: int
+    length: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """Non-negative coefficients of `y = c0 + c1*f1 + c2*f2` and the fit's worst relative error."""
+
+    coef: tuple[float, float, float]
+    max_rel_error: float
+
+    def __call__(self, f1: float, f2: float) -> float:
+        return self.coef[0] + self.coef[1] * f1 + self.coef[2] * f2
+
+
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0: drop the most negative column and refit until none is."""
+    active = list(range(x.shape[1]))
+    while True:
+        sol = np.zeros(x.shape[1])
+        if active:
+            sol[active] = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        neg = [i for i in active if sol[i] < 0]
+        if not neg:
+            return sol
+        active.remove(min(neg, key=lambda i: sol[i]))
+
+
+def _fit(samples: list[Sample], feats) -> LinearFit:
+    if len(samples) < 3:
+        raise ValueError("a fit needs at least 3 samples")
+    x = np.array([[1.0, *feats(s.batch, s.length)] for s in samples])
+    y = np.array([s.seconds for s in samples])
+    # Weight rows by 1/y so the fit minimises relative, not absolute, error.
+    coef = nonneg_lstsq(x / y[:, None], np.ones_like(y))
+    pred = x @ coef
+    return LinearFit(tuple(float(c) for c in coef), float(np.max(np.abs(pred - y) / y)))
+
+
+def prompt_features(b: int, s: int) -> tuple[float, float]:
+    return b * s, b * s * s
+
+
+def token_features(b: int, c: int) -> tuple[float, float]:
+    return b, b * c
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured timings of the whole model on one machine, as written by `kvflow profile`."""
+
+    shape: ModelShape
+    machine: str
+    prompt: tuple[Sample, ...]
+    token: tuple[Sample, ...]
+    meta: dict
+
+    def save(self, path: str | Path) -> None:
+        doc = {"shape": asdict(self.shape), "machine": self.machine, "meta": self.meta,
+               "prompt": [asdict(s) for s in self.prompt], "token": [asdict(s) for s in self.token]}
+        Path(path).write_text(json.dumps(doc, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        doc = json.loads(Path(path).read_text())
+        return cls(ModelShape(**doc["shape"]), doc["machine"], tuple(Sample(**s) for s in doc["prompt"]),
+                   tuple(Sample(**s) for s in doc["token"]), doc.get("meta", {}))
+
+
+class ProfiledPerfModel(PerfModel):
+    """PerfModel whose prompt and token times come from fits of a measured `Profile`."""
+
+    def __init__(self, profile: Profile, machine_spec: MachineSpec | None = None) -> None:
+        super().__init__(profile.shape, machine_spec or machine(profile.machine))
+        self.profile = profile
+        self.prompt_fit = _fit(list(profile.prompt), prompt_features)
+        self.token_fit = _fit(list(profile.token), token_features)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ProfiledPerfModel":
+        return cls(Profile.load(path))
+
+    def _stage(self, fit: LinearFit, f1: float, f2: float, depth: int) -> float:
+        share = self.shape.layers_per_stage(depth) / self.shape.layers
+        return fit.coef[0] + share * (fit(f1, f2) - fit.coef[0])
+
+    def prompt_stage_time(self, batch: int, prompt_len: int, depth: int) -> float:
+        _check(batch, prompt_len)
+        return self._stage(self.prompt_fit, *prompt_features(batch, prompt_len), depth)
+
+    def token_stage_time(self, batch: int, context_len: int, depth: int) -> float:
+        _check(batch, context_len)
+        return self._stage(self.token_fit, *token_features(batch, context_len), depth)

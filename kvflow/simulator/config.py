@@ -1,0 +1,126 @@
+"""What is simulated: the serving layout (colocated / data-parallel / disaggregated), swapping,
+dispatch, and injected worker failures with their recovery mode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """`count` identical pipelines of `depth` machines each, running microbatches of up to
+    `microbatch` requests with `depth` microbatches in flight (one per stage)."""
+
+    depth: int
+    microbatch: int
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.depth, self.microbatch, self.count) < 1:
+            raise ValueError(f"pipeline depth, microbatch and count must be >= 1: {self}")
+
+    @property
+    def machines(self) -> int:
+        return self.depth * self.count
+
+    def label(self) -> str:
+        return f"({self.count}d, {self.depth}p, {self.microbatch}b)" if self.count > 1 else \
+            f"({self.depth}p, {self.microbatch}b)"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Colocated (`token` is None: `prompt` pipelines do both phases; count > 1 is Baseline-DP)
+    or disaggregated (`prompt` pipelines prefill and stream KV to `token` pipelines)."""
+
+    prompt: PipelineSpec
+    token: PipelineSpec | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.token is not None
+
+    @property
+    def machines(self) -> int:
+        return self.prompt.machines + (self.token.machines if self.token else 0)
+
+    @property
+    def kind(self) -> str:
+        if self.token is not None:
+            return "disaggregated"
+        return "baseline-dp" if self.prompt.count > 1 else "baseline"
+
+    def label(self) -> str:
+        if self.token is None:
+            return self.prompt.label()
+        return f"({self.prompt.label()}, {self.token.label()})"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Worker `stage` of pipeline `pipeline` in group `role` ('prompt' or 'token'; a colocated
+    layout has only 'prompt') dies at `time` seconds."""
+
+    time: float
+    role: str = "prompt"
+    pipeline: int = 0
+    stage: int = 0
+
+    def __post_init__(self) -> None:
+        if self.time < 0 or self.pipeline < 0 or self.stage < 0:
+            raise ValueError(f"invalid failure {self}")
+        if self.role not in ("prompt", "token"):
+            raise ValueError("failure role must be 'prompt' or 'token'")
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """How a pipeline comes back after a failure.
+
+    'restart': every request in flight on the pipeline loses its progress and is queued again
+    (prompt included). 'resume': the replacement worker restores the lost stage's KV from its
+    replica (DéjàVu §4.2.3) and in-flight microbatches continue from their last replicated token.
+    Prompts in flight are redone in both modes (their KV was not yet replicated).
+    """
+
+    mode: str = "resume"
+    detect_s: float = 1.0  # heartbeat timeout
+    restart_s: float = 10.0  # spawn a worker and load its weights
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("restart", "resume"):
+            raise ValueError("recovery mode must be 'restart' or 'resume'")
+        if self.detect_s < 0 or self.restart_s < 0:
+            raise ValueError("recovery times must be non-negative")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything the simulator needs besides the performance model and the workload.
+
+    `dispatch`: 'shared' (any pipeline with a free slot takes the next request) or
+    'round_robin' (requests are bound to pipelines i mod count at arrival).
+    `swapping`: KV of microbatches not computing lives in host memory (DéjàVu §4.2.2); a token
+    step then lasts max(compute, swap-in of the next microbatch).
+    `rigid_rounds`: original FasterTransformer — a pipeline admits new microbatches only once all
+    in flight have finished (the setting of DéjàVu eq. 4).
+    """
+
+    layout: Layout
+    dispatch: str = "shared"
+    swapping: bool = False
+    rigid_rounds: bool = False
+    failures: tuple[Failure, ...] = field(default_factory=tuple)
+    recovery: Recovery = field(default_factory=Recovery)
+
+    def __post_init__(self) -> None:
+        if self.dispatch not in ("shared", "round_robin"):
+            raise ValueError("dispatch must be 'shared' or 'round_robin'")
+        if self.dispatch == "round_robin" and self.layout.disaggregated:
+            raise ValueError("round_robin dispatch applies to colocated layouts only")
+        if self.rigid_rounds and self.layout.disaggregated:
+            raise ValueError("rigid_rounds applies to colocated layouts only")
+        for f in self.failures:
+            group = self.layout.token if f.role == "token" else self.layout.prompt
+            if group is None or f.pipeline >= group.count or f.stage >= group.depth:
+                raise ValueError(f"failure {f} names a worker the layout does not have")
