@@ -1,5 +1,137 @@
-"""`kvflow generate` and `kvflow chat` (filled in by the engine)."""
+"""`kvflow generate` (one prompt, tokens streamed to stdout) and `kvflow chat` (interactive)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF-style checkpoint dir (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids")
+    p.add_argument("--ignore-eos", action="store_true")
 
 
 def register(sub) -> None:
-    pass
+    g = sub.add_parser("generate", help="generate a reply to one prompt, streaming tokens as they come")
+    g.add_argument("prompt", help="the prompt (a user message unless --raw)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template; use the prompt as raw text")
+    g.add_argument("--system", default=None, help="system message (chat template only)")
+    g.add_argument("--stats", action="store_true", help="print load time, TTFT and tokens/s to stderr")
+    _add_model_args(g)
+    _add_sampling_args(g, 256)
+    g.set_defaults(func=run_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with the model (Ctrl-D or /exit to quit, /reset to clear)")
+    c.add_argument("--system", default=None)
+    _add_model_args(c)
+    _add_sampling_args(c, 512)
+    c.set_defaults(func=run_chat)
+
+
+def _params(args):
+    from kvflow.engine.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_ids),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _load(args):
+    from kvflow.engine.llm import LLM
+
+    params = _params(args)  # validate flags before the (slow) model load
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    return llm, params, time.perf_counter() - t0
+
+
+def _stream(llm, prompt, params, chat: bool) -> tuple[float | None, int, str | None]:
+    t0 = time.perf_counter()
+    ttft = None
+    n = 0
+    reason = None
+    for out in llm.stream(prompt, params, chat=chat):
+        if out.new_token_ids and ttft is None:
+            ttft = time.perf_counter() - t0
+        n += len(out.new_token_ids)
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+        reason = out.finish_reason
+    sys.stdout.write("\n")
+    return ttft, n, reason
+
+
+def run_generate(args) -> int:
+    llm, params, load_s = _load(args)
+    if args.raw:
+        if args.system:
+            raise ValueError("--system needs the chat template (drop --raw)")
+        prompt, chat = args.prompt, False
+    else:
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
+        chat = True
+    t0 = time.perf_counter()
+    ttft, n, reason = _stream(llm, prompt, params, chat)
+    if args.stats:
+        dt = time.perf_counter() - t0
+        e = llm.engine
+        how = "converted from GGUF" if getattr(e, "checkpoint_converted", False) else "cached"
+        print(
+            f"[kvflow] load {load_s:.2f}s (weights {getattr(e, 'checkpoint_load_seconds', 0.0):.2f}s, {how}); "
+            f"TTFT {ttft or 0:.3f}s; {n} tokens in {dt:.2f}s ({n / dt:.1f} tok/s); finish: {reason}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def run_chat(args) -> int:
+    llm, params, load_s = _load(args)
+    print(f"[kvflow] {llm.engine.model.cfg.name} loaded in {load_s:.1f}s. /reset clears the history, /exit quits.", file=sys.stderr)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": text})
+        try:
+            reply = []
+            for out in llm.stream(history, params, chat=True):
+                reply.append(out.new_text)
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            history.append({"role": "assistant", "content": "".join(reply)})
+        except ValueError as e:  # e.g. the conversation outgrew the context
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)

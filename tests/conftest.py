@@ -1,0 +1,145 @@
+"""Shared factories: tiny random-weight Llama models (2-4 layers, hidden 64), optionally saved as a checkpoint dir."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+from kvflow.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from kvflow.engine.scheduler import SchedulerConfig  # noqa: E402
+from kvflow.kv.cache import KVCache, KVLayout  # noqa: E402
+from kvflow.model.config import ModelConfig, RopeScaling  # noqa: E402
+from kvflow.model.llama import LlamaModel  # noqa: E402
+
+TINY_VOCAB = 96
+
+
+def tiny_config(num_layers: int = 2, rope_scaling: RopeScaling | None = None, **kw) -> ModelConfig:
+    base = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=rope_scaling or RopeScaling(),
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="tiny",
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under Hugging Face Llama names (scaled so activations stay O(1))."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=0.15):
+        return torch.randn(*shape, generator=g) * scale
+
+    D, I = cfg.hidden_size, cfg.intermediate_size
+    sd = {"model.embed_tokens.weight": rnd(cfg.vocab_size, D, scale=1.0), "model.norm.weight": 1 + rnd(D, scale=0.1)}
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = rnd(cfg.vocab_size, D, scale=0.3)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = 1 + rnd(D, scale=0.1)
+        sd[p + "post_attention_layernorm.weight"] = 1 + rnd(D, scale=0.1)
+        sd[p + "self_attn.q_proj.weight"] = rnd(cfg.q_size, D)
+        sd[p + "self_attn.k_proj.weight"] = rnd(cfg.kv_size, D)
+        sd[p + "self_attn.v_proj.weight"] = rnd(cfg.kv_size, D)
+        sd[p + "self_attn.o_proj.weight"] = rnd(D, cfg.q_size)
+        sd[p + "mlp.gate_proj.weight"] = rnd(I, D)
+        sd[p + "mlp.up_proj.weight"] = rnd(I, D)
+        sd[p + "mlp.down_proj.weight"] = rnd(D, I)
+    return sd
+
+
+def tiny_model(cfg: ModelConfig | None = None, seed: int = 0, layer_range=None) -> LlamaModel:
+    cfg = cfg or tiny_config()
+    return LlamaModel.from_state_dict(cfg, tiny_state_dict(cfg, seed), layer_range=layer_range)
+
+
+def tiny_cache(cfg: ModelConfig, num_blocks: int = 64, block_size: int = 4, layer_range=None) -> KVCache:
+    return KVCache(KVLayout.for_model(cfg, num_blocks, block_size, layer_range))
+
+
+def tiny_engine(
+    cfg: ModelConfig | None = None,
+    num_kv_blocks: int = 128,
+    block_size: int = 4,
+    seed: int = 0,
+    tokenizer=None,
+    **sched,
+) -> LLMEngine:
+    cfg = cfg or tiny_config()
+    config = EngineConfig(
+        block_size=block_size, num_kv_blocks=num_kv_blocks, scheduler=SchedulerConfig(**sched) if sched else SchedulerConfig()
+    )
+    return LLMEngine(tiny_model(cfg, seed), tokenizer, config)
+
+
+def run_to_completion(engine: LLMEngine) -> dict[str, object]:
+    final = {}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        steps += 1
+        assert steps < 10_000, "engine did not finish"
+    return final
+
+
+def save_tiny_checkpoint(directory: Path, cfg: ModelConfig, seed: int = 0) -> Path:
+    """A HF-style checkpoint dir: config.json, model.safetensors and a word-level tokenizer ("w0".."wN")."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tiny_state_dict(cfg, seed), str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(cfg.to_hf()))
+    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for i in range(len(specials), cfg.vocab_size):
+        vocab[f"w{i}"] = i
+    tok = HFTok(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins word-level tokens with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        additional_special_tokens=["<|user|>", "<|assistant|>"],
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} {% else %}"
+        "<|assistant|> {{ m['content'] }} </s> {% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    fast.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture
+def cfg() -> ModelConfig:
+    return tiny_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_dir(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), tiny_config(num_layers=2))

@@ -1,0 +1,151 @@
+"""Forward pass over the paged cache: vs transformers, chunked == one-shot, split layers == all layers, batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.model.batch import ForwardBatch, SeqSlice
+from kvflow.model.config import RopeScaling
+
+from conftest import tiny_cache, tiny_config, tiny_model, tiny_state_dict
+
+
+def _prefill(model, kv, ids, blocks, block_size=4, past=0, hook=None):
+    b = ForwardBatch.build([SeqSlice(0, len(ids), past + len(ids), tuple(blocks))], block_size)
+    return model.forward(torch.tensor(ids), b, kv, hook)
+
+
+def _hf_model(cfg, sd):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaForCausalLM(LlamaConfig(**cfg.to_hf())).eval()
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return hf
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [RopeScaling(), RopeScaling(kind="linear", factor=2.0), RopeScaling(kind="llama3", factor=8.0, original_max_position_embeddings=64)],
+    ids=["default", "linear", "llama3"],
+)
+def test_matches_transformers_prefill_and_decode(rope):
+    cfg = tiny_config(num_layers=3, rope_scaling=rope)
+    sd = tiny_state_dict(cfg, seed=1)
+    hf = _hf_model(cfg, sd)
+    model = tiny_model(cfg, seed=1)
+    kv = tiny_cache(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    blocks = list(range(20))
+    ours = _prefill(model, kv, ids, blocks)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    assert (ours[0] - ref).abs().max().item() < 1e-4
+    seq = list(ids)
+    for step in range(5):
+        nxt = int(ours[0].argmax())
+        seq.append(nxt)
+        ours = _prefill(model, kv, [nxt], blocks, past=len(seq) - 1)
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0, -1]
+        assert (ours[0] - ref).abs().max().item() < 1e-4, f"decode step {step}"
+
+
+def test_chunked_prefill_equals_one_shot(cfg):
+    model = tiny_model(cfg)
+    ids = list(range(3, 3 + 30))
+    kv1, kv2 = tiny_cache(cfg), tiny_cache(cfg)
+    blocks = [5, 2, 9, 11, 0, 7, 3, 8]  # non-contiguous on purpose
+    one = _prefill(model, kv1, ids, blocks)
+    pos = 0
+    for chunk in (7, 1, 13, 9):
+        out = _prefill(model, kv2, ids[pos : pos + chunk], blocks, past=pos)
+        pos += chunk
+    assert torch.allclose(one, out, atol=1e-5)
+    for layer in range(cfg.num_layers):
+        k1, v1 = kv1.read(layer, blocks, 30)
+        k2, v2 = kv2.read(layer, blocks, 30)
+        assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_layer_ranges_compose(split):
+    cfg = tiny_config(num_layers=4)
+    sd = tiny_state_dict(cfg)
+    from kvflow.model.llama import LlamaModel
+
+    full = LlamaModel.from_state_dict(cfg, sd)
+    first = LlamaModel.from_state_dict(cfg, sd, layer_range=(0, split))
+    second = LlamaModel.from_state_dict(cfg, sd, layer_range=(split, 4))
+    assert first.is_first and not first.is_last and second.is_last and not second.is_first
+    ids = torch.tensor([4, 8, 15, 16, 23, 42, 7])
+    blocks = (0, 1)
+    b = ForwardBatch.build([SeqSlice(0, 7, 7, blocks)], 4)
+    ref = full.forward(ids, b, tiny_cache(cfg))
+    kv_a = tiny_cache(cfg, layer_range=(0, split))
+    kv_b = tiny_cache(cfg, layer_range=(split, 4))
+    hidden = first.run_layers(first.embed(ids), b, kv_a)
+    out = second.logits(second.run_layers(hidden, b, kv_b), b)
+    assert torch.allclose(ref, out, atol=1e-5)
+    with pytest.raises(RuntimeError, match="not the last stage"):
+        first.logits(hidden, b)
+    with pytest.raises(IndexError):
+        kv_a.layer(split)
+
+
+def test_batched_decode_equals_per_request():
+    cfg = tiny_config()
+    model = tiny_model(cfg)
+    prompts = [[5, 6, 7], list(range(10, 31)), [40] * 9, [3, 1, 4, 1, 5, 9, 2, 6]]
+    tables = [[0, 1, 2], [3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13], [14, 15, 16]]
+    solo_kv, batch_kv = tiny_cache(cfg), tiny_cache(cfg)
+    solo_last = [_prefill(model, solo_kv, p, t)[0] for p, t in zip(prompts, tables)]
+    # the batched cache gets the same prompts in one mixed step (several prefill sequences at once)
+    slices, ids, start = [], [], 0
+    for p, t in zip(prompts, tables):
+        slices.append(SeqSlice(start, len(p), len(p), tuple(t)))
+        ids += p
+        start += len(p)
+    logits = model.forward(torch.tensor(ids), ForwardBatch.build(slices, 4), batch_kv)
+    for i in range(4):
+        assert torch.allclose(logits[i], solo_last[i], atol=1e-5)
+    lens = [len(p) for p in prompts]
+    for step in range(4):
+        nxt = [int(l.argmax()) for l in logits]
+        slices = [SeqSlice(i, 1, lens[i] + 1, tuple(tables[i])) for i in range(4)]
+        logits = model.forward(torch.tensor(nxt), ForwardBatch.build(slices, 4), batch_kv)
+        for i in range(4):
+            solo = _prefill(model, solo_kv, [nxt[i]], tables[i], past=lens[i])[0]
+            assert torch.allclose(logits[i], solo, atol=1e-5), f"step {step} seq {i}"
+        lens = [n + 1 for n in lens]
+
+
+def test_layer_hook_sees_each_layer_after_its_kv_is_written(cfg):
+    model = tiny_model(cfg)
+    kv = tiny_cache(cfg)
+    seen = []
+
+    def hook(layer, batch):
+        k, _ = kv.read(layer, [0, 1], 6)
+        seen.append((layer, bool(k.abs().sum() > 0), batch.num_tokens))
+
+    _prefill(model, kv, [1, 2, 3, 4, 5, 6], [0, 1], hook=hook)
+    assert seen == [(0, True, 6), (1, True, 6)]
+
+
+def test_bad_inputs_rejected(cfg):
+    model = tiny_model(cfg)
+    with pytest.raises(ValueError, match="cannot hold"):
+        ForwardBatch.build([SeqSlice(0, 9, 9, (0, 1))], 4)
+    with pytest.raises(ValueError, match="tile"):
+        ForwardBatch.build([SeqSlice(1, 2, 2, (0,))], 4)
+    with pytest.raises(ValueError, match="bad sequence slice"):
+        SeqSlice(0, 3, 2, (0,))
+    b = ForwardBatch.build([SeqSlice(0, 2, 2, (0,))], 4)
+    with pytest.raises(ValueError, match="do not match"):
+        model.run_layers(torch.zeros(3, cfg.hidden_size), b, tiny_cache(cfg))
+    with pytest.raises(ValueError, match="multiple"):
+        tiny_config(num_heads=3, num_kv_heads=2)
+    with pytest.raises(ValueError, match="layer range"):
+        tiny_model(cfg, layer_range=(1, 5))

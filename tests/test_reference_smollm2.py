@@ -1,0 +1,91 @@
+"""Reference check on the real embedded SmolLM2-135M-Instruct: kvflow vs transformers on the same GGUF weights.
+
+transformers loads the GGUF itself (its own dequantization and Q/K un-permutation), so this also
+checks our converter, not only the forward pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.engine.sampling import SamplingParams
+from kvflow.model.batch import ForwardBatch, SeqSlice
+from kvflow.model.loader import default_model_path
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paperclip.",
+    "What is 17 times 3? Show your reasoning.",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from kvflow import LLM
+
+    return LLM()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def test_logits_match_at_prefill_and_32_decode_steps(llm, hf):
+    eng = llm.engine
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[2]}])
+    blocks = tuple(range(16))
+    bs = eng.config.block_size
+    seq = list(ids)
+    batch = ForwardBatch.build([SeqSlice(0, len(ids), len(ids), blocks)], bs)
+    ours = eng.model.forward(torch.tensor(ids), batch, eng.kv_cache)[0]
+    past = None
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), use_cache=True)
+    ref, past = out.logits[0, -1], out.past_key_values
+    diffs = [(ours - ref).abs().max().item()]
+    for _ in range(32):
+        nxt = int(ref.argmax())
+        seq.append(nxt)
+        batch = ForwardBatch.build([SeqSlice(0, 1, len(seq), blocks)], bs)
+        ours = eng.model.forward(torch.tensor([nxt]), batch, eng.kv_cache)[0]
+        with torch.no_grad():
+            out = hf(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+        ref, past = out.logits[0, -1], out.past_key_values
+        diffs.append((ours - ref).abs().max().item())
+    print(f"max |logit diff| prefill {diffs[0]:.2e}, decode max {max(diffs[1:]):.2e}")
+    assert max(diffs) < 1e-3, diffs
+
+
+def test_greedy_64_tokens_identical_for_5_chat_prompts(llm, hf):
+    tok = llm.tokenizer
+    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(max_tokens=64, temperature=0), use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):
+        ids = tok.apply_chat_template([{"role": "user", "content": p}])
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=list(llm.engine.eos_token_ids))
+        ref_ids = ref[0, len(ids) :].tolist()
+        assert o.token_ids == ref_ids, (p, tok.decode(o.token_ids), tok.decode(ref_ids))
+        assert len(o.token_ids) == 64 or o.finish_reason == "stop"
+
+
+def test_raw_prompt_special_tokens_parsed_like_transformers(llm):
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    ref_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+    assert llm.tokenizer.encode(text) == ref_tok(text)["input_ids"]
+    assert llm.tokenizer.encode(text)[0] == ref_tok.convert_tokens_to_ids("<|im_start|>")
+    out = llm.generate(text, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert out.finish_reason in ("stop", "length") and 1 <= len(out.token_ids) <= 8
+    assert isinstance(out.text, str) and out.text
