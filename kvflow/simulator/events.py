@@ -66,10 +66,14 @@ class WorkerFailure(Event):
 
 
 class Recovered(Event):
-    __slots__ = ("pipeline",)
+    """`pipeline` is repaired (void if it failed again meanwhile: that failure's repair counts)."""
+
+    __slots__ = ("pipeline", "epoch")
 
     def __init__(self, time: float, pipeline: "Pipeline") -> None:
-        self.time, self.pipeline = time, pipeline
+        self.time, self.pipeline, self.epoch = time, pipeline, pipeline.epoch
 
     def handle(self, sim: "Simulator") -> list[Event]:
+        if self.epoch != self.pipeline.epoch:
+            return []
         return sim.on_recovered(self.time, self.pipeline)

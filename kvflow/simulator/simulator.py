@@ -217,7 +217,8 @@ class Simulator:
                 ctx = mb.prompt_len + mb.done
                 restore_bytes += len(mb.live) * ctx * self.perf.shape.layers_per_stage(p.depth) * \
                     self.perf.shape.kv_bytes_per_token_layer
-        back = now + rec.detect_s + rec.restart_s + self.perf.transfer_time(restore_bytes)
+        back = max(now, p.stage_free[0] if p.down else now) + rec.detect_s + rec.restart_s + \
+            self.perf.transfer_time(restore_bytes)
         p.fail(now, back)
         # Restarted requests go back to the front of the queue that leads to a prompt pass.
         target = p.queue if p.role == "prompt" else self.prompt_queue

@@ -1,0 +1,79 @@
+"""The simulator against closed forms: M/D/1 (DistServe eq. 1), the colocated pipeline's inverse
+throughput (DéjàVu eq. 4), exact timelines of streaming and failure recovery."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sim_helpers import ConstantPerf, workload
+
+from kvflow.planner.formulas import colocated_inverse_throughput
+from kvflow.simulator import Failure, Layout, PipelineSpec, Recovery, SimConfig, simulate
+
+
+def test_md1_matches_lindley_exactly_and_distserve_eq1_on_average():
+    service, rate, n = 0.5, 1.0, 100_000  # utilisation R*D = 0.5
+    rng = np.random.default_rng(7)
+    arrival = np.cumsum(rng.exponential(1 / rate, n))
+    res = simulate(SimConfig(Layout(PipelineSpec(1, 1))), ConstantPerf(service, 0.01), workload(arrival, np.ones(n)))
+    # Lindley's recursion on the same sample path: W_{k+1} = max(0, W_k + D - (A_{k+1} - A_k)).
+    wait = np.zeros(n)
+    for k in range(1, n):
+        wait[k] = max(0.0, wait[k - 1] + service - (arrival[k] - arrival[k - 1]))
+    np.testing.assert_allclose(res.ttft, wait + service, rtol=0, atol=1e-9)
+    eq1 = service + rate * service**2 / (2 * (1 - rate * service))
+    assert abs(res.ttft.mean() - eq1) / eq1 < 0.02
+
+
+@pytest.mark.parametrize("depth,y,t,n", [(1, 2.0, 0.25, 5), (3, 2.0, 0.25, 5), (4, 1.5, 0.1, 17), (8, 3.0, 0.02, 40)])
+def test_rigid_colocated_pipeline_matches_dejavu_eq4(depth, y, t, n):
+    rounds = 5
+    w = workload(np.zeros(rounds * depth), np.full(rounds * depth, n))
+    res = simulate(SimConfig(Layout(PipelineSpec(depth, 1)), rigid_rounds=True), ConstantPerf(y, t), w)
+    per_microbatch = res.makespan / (rounds * depth)
+    # Eq. 4's S3 = (N-1) D t + t counts one token step more than the timeline has: the last
+    # microbatch's final token leaves stage D exactly (2D-1) Y + (N-1) D t after the round starts.
+    assert per_microbatch == pytest.approx(colocated_inverse_throughput(depth, y, t, n) - t / depth, abs=1e-9)
+    assert res.machine_busy == pytest.approx(np.full(depth, rounds * depth * (y + (n - 1) * t)))
+
+
+@pytest.mark.parametrize("y,flexible_wins", [(0.1, True), (1.0, False)])
+def test_microbatch_level_vs_rigid_rounds_with_early_stops(y, flexible_wins):
+    """With early stops, refilling a slot at once avoids waiting for a round's longest microbatch,
+    but each lone prompt then stalls the whole ring for ~D*Y; batching D prompts per round costs
+    only (2D-1)*Y. At Y/t = 5 the refill wins; at Y/t = 50 the rigid rounds do."""
+    rng = np.random.default_rng(3)
+    w = workload(np.zeros(64), rng.integers(2, 200, 64))
+    perf = ConstantPerf(y, 0.02)
+    flexible = simulate(SimConfig(Layout(PipelineSpec(4, 1))), perf, w)
+    rigid = simulate(SimConfig(Layout(PipelineSpec(4, 1)), rigid_rounds=True), perf, w)
+    assert (flexible.makespan < rigid.makespan) == flexible_wins
+
+
+def test_disaggregated_streaming_extra_time_is_transfer_minus_prompt():
+    perf = ConstantPerf(1.0, 0.1, link_gbps=0.01)
+    prompt = 1000
+    transfer = prompt * perf.kv_bytes_per_token / perf.machine.link_bandwidth
+    assert transfer > 1.0
+    res = simulate(SimConfig(Layout(PipelineSpec(1, 1), PipelineSpec(1, 1))), perf,
+                   workload([0.0], [11], prompt=prompt))
+    assert res.ttft[0] == pytest.approx(1.0)
+    assert res.finish[0] == pytest.approx(transfer + 10 * 0.1)  # KV ready at max(1, transfer)
+
+
+@pytest.mark.parametrize("mode", ["resume", "restart"])
+def test_failure_timeline(mode):
+    perf = ConstantPerf(1.0, 0.1)
+    rec = Recovery(mode=mode, detect_s=0.5, restart_s=2.0)
+    cfg = SimConfig(Layout(PipelineSpec(1, 1)), failures=(Failure(1.55),), recovery=rec)
+    res = simulate(cfg, perf, workload([0.0], [11]))
+    # Tokens 2..6 finished at 1.1..1.5; the failure at 1.55 voids token 7's step.
+    back = 1.55 + 0.5 + 2.0
+    if mode == "resume":
+        restore = (10 + 6) * perf.shape.kv_bytes_per_token / perf.machine.link_bandwidth
+        assert res.finish[0] == pytest.approx(back + restore + 5 * 0.1)
+        assert res.restarts == 0
+    else:
+        assert res.finish[0] == pytest.approx(back + 1.0 + 10 * 0.1)
+        assert res.restarts == 1
+    assert res.ttft[0] == pytest.approx(1.0)  # the first token the user saw keeps its time
