@@ -97,7 +97,10 @@ class LLMEngine:
         ck = load_checkpoint(config.model)
         log.info("loaded %s in %.2fs (%s)", ck.config.name, ck.load_seconds, "converted" if ck.converted else "cached")
         model = LlamaModel.from_state_dict(ck.config, ck.state_dict, dtype=config.torch_dtype, device=config.device)
-        engine = cls(model, Tokenizer(ck.directory), config)
+        tokenizer = Tokenizer(ck.directory) if Tokenizer.available(ck.directory) else None
+        if tokenizer is None:
+            log.warning("%s has no tokenizer: prompts must be token ids", ck.directory)
+        engine = cls(model, tokenizer, config)
         engine.checkpoint_load_seconds = ck.load_seconds
         engine.checkpoint_converted = ck.converted
         return engine

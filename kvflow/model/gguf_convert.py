@@ -121,7 +121,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name: str) -> ModelConfig:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
-    _convert_tokenizer(gguf_path, out_dir)
+    if "tokenizer.ggml.tokens" in reader.fields:
+        _convert_tokenizer(gguf_path, out_dir)
+    else:
+        log.warning("%s carries no tokenizer: prompts must be given as token ids", gguf_path)
     return cfg
 
 

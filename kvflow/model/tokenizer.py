@@ -20,6 +20,11 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(str(directory))
         self.vocab_size = len(self.hf)
 
+    @staticmethod
+    def available(directory: str | Path) -> bool:
+        d = Path(directory)
+        return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
+
     @property
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
