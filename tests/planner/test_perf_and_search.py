@@ -1,0 +1,94 @@
+"""Performance models, memory feasibility, the simulated search and goodput search."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvflow.perf import AnalyticPerfModel, Profile, ProfiledPerfModel, Sample, machine, model_shape
+from kvflow.perf.profiled import nonneg_lstsq
+from kvflow.planner import SearchSpace, colocated_layouts, max_rate, recommend
+from kvflow.planner.formulas import Infeasible
+from kvflow.simulator import SLO, LengthDist, Layout, PipelineSpec, synthetic
+
+
+def test_model_shape_bytes():
+    s = model_shape("opt-66b")
+    assert s.kv_bytes_per_token == 2 * 64 * 9216 * 2
+    assert s.params_per_layer == 12 * 9216 * 9216
+    assert s.layers_per_stage(3) == 22
+    with pytest.raises(ValueError):
+        s.layers_per_stage(65)
+    llama = model_shape("llama-2-70b")
+    assert llama.kv_bytes_per_token_layer == 2 * 8 * 128 * 2
+
+
+def test_analytic_model_scales_with_depth_and_batch():
+    perf = AnalyticPerfModel(model_shape("opt-66b"), machine("2xA100-80GB"))
+    assert perf.prompt_stage_time(8, 1000, 2) == pytest.approx(perf.prompt_stage_time(8, 1000, 4) * 2, rel=0.02)
+    assert perf.prompt_stage_time(16, 1000, 4) > 1.9 * perf.prompt_stage_time(8, 1000, 4)  # compute-bound
+    assert perf.token_stage_time(16, 1000, 4) < 1.5 * perf.token_stage_time(1, 1000, 4)  # memory-bound
+    assert perf.token_stage_time(8, 2000, 4) > perf.token_stage_time(8, 1000, 4)
+
+
+def test_memory_feasibility_matches_hand_count():
+    perf = AnalyticPerfModel(model_shape("opt-66b"), machine("2xA100-80GB"))
+    free = 160e9 * 0.9 - perf.stage_weight_bytes(2)
+    per_req = 2024 * 32 * 2 * 9216 * 2
+    assert perf.max_microbatch(2, 2024, 2) == int(free // (2 * per_req))
+    space = SearchSpace(1000, 2024, 215.0, microbatches=(1, 2, 4, 8, 16, 32))
+    lays = colocated_layouts(perf, 2, space)
+    assert {lay.label() for lay in lays if lay.prompt.count == 1} == {
+        f"(2p, {b}b)" for b in (1, 2, 4, 8, 16, 32) if b <= perf.max_microbatch(2, 2024, 2)}
+    bloom = AnalyticPerfModel(model_shape("bloom-176b"), machine("4xA100-80GB"))
+    assert colocated_layouts(bloom, 1, space) == []  # 352 GB of weights on 320 GB
+
+
+def test_nonneg_lstsq_and_profiled_fit_recover_coefficients():
+    x = np.array([[1, 0, 1], [1, 1, 0], [1, 2, 1], [1, 3, 5]], dtype=float)
+    assert nonneg_lstsq(x, x @ np.array([0.5, 2.0, 0.0])) == pytest.approx([0.5, 2.0, 0.0])
+    prompt = [Sample(b, s, 0.01 + 1e-5 * b * s + 2e-9 * b * s * s) for b in (1, 2, 4) for s in (16, 64, 256)]
+    token = [Sample(b, c, 0.005 + 1e-4 * b + 1e-7 * b * c) for b in (1, 4, 8) for c in (32, 128, 512)]
+    prof = Profile(model_shape("smollm2-135m"), "1xCPU", tuple(prompt), tuple(token), {})
+    perf = ProfiledPerfModel(prof)
+    assert perf.prompt_fit.coef == pytest.approx((0.01, 1e-5, 2e-9), rel=1e-6)
+    assert perf.token_fit.max_rel_error < 1e-9
+    assert perf.token_stage_time(4, 128, 1) == pytest.approx(0.005 + 4e-4 + 4 * 128e-7)
+    # depth 2: intercept once, variable part scaled by 15/30 layers
+    assert perf.token_stage_time(4, 128, 2) == pytest.approx(0.005 + 0.5 * (4e-4 + 4 * 128e-7))
+
+
+def test_profile_roundtrip(tmp_path):
+    prof = Profile(model_shape("opt-13b"), "2xA100-80GB", (Sample(1, 2, 0.5),), (Sample(3, 4, 0.25),), {"k": 1})
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
+
+
+def test_recommend_prefers_disaggregation_for_long_prompts():
+    """OPT-66B on 6 x 2xA100 (DéjàVu Table 2's setting): the paper's own choices come out —
+    Baseline (6p, 16b), Baseline-DP (3d, 2p, 16b), DéjàVu ((2p, 16b), (4p, 16b))."""
+    perf = AnalyticPerfModel(model_shape("opt-66b"), machine("2xA100-80GB"))
+    space = SearchSpace(1000, 2024, 215.0, microbatches=(4, 8, 16))
+    plan = recommend(perf, 6, space, lambda b: synthetic(600, 1000, LengthDist(), None, 0, group=b))
+    assert plan.formulas.disaggregation_wins
+    assert (plan.formulas.min_prompt_depth, plan.formulas.min_token_depth) == (2, 2)
+    assert plan.best["baseline"].layout.label() == "(6p, 16b)"
+    assert plan.best["baseline-dp"].layout.label() == "(3d, 2p, 16b)"
+    assert plan.best["disaggregated"].layout.label() == "((2p, 16b), (4p, 16b))"
+    assert set(plan.best) == {"baseline", "baseline-dp", "disaggregated"}
+    assert plan.recommended.layout.kind == "disaggregated"
+    assert plan.recommended.summary.makespan_s < plan.best["baseline"].summary.makespan_s
+    with pytest.raises(Infeasible):
+        recommend(AnalyticPerfModel(model_shape("bloom-176b"), machine("4xV100-16GB")), 2, space,
+                  lambda b: synthetic(10, 1000, LengthDist(), None, 0))
+
+
+def test_goodput_binary_search_brackets_the_target():
+    perf = AnalyticPerfModel(model_shape("opt-13b"), machine("1xA100-80GB"))
+    lay = Layout(PipelineSpec(1, 4), PipelineSpec(1, 8))
+    slo = SLO(ttft=2.0, tpot=0.1)
+    wl = lambda r: synthetic(400, 512, LengthDist("lognormal", median=50, p90=150, max_len=400), r, 11)  # noqa: E731
+    g = max_rate(perf, lay, wl, slo, target=0.9, hi=2.0, rel_tol=0.05)
+    assert g.attainment >= 0.9
+    from kvflow.planner.goodput import attainment_at
+    assert attainment_at(perf, lay, g.rate * 1.12, wl, slo) < 0.9
