@@ -1,0 +1,172 @@
+"""The chunk: a msgpack header describing a KV tensor (requests, layers, tokens, dtype, shape, seq, crc32) beside its raw bytes."""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from kvflow.streaming.errors import ChunkCorrupted, ChunkOversized, ChunkTruncated
+
+FORMAT_VERSION = 1
+KINDS = ("kv", "k", "v")
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens [token_start, token_end) of one request; a chunk's token axis is its segments concatenated."""
+
+    request_id: str
+    token_start: int
+    token_end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.token_start < self.token_end:
+            raise ValueError(f"bad token range [{self.token_start}, {self.token_end}) for {self.request_id!r}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+
+@dataclass(frozen=True)
+class ChunkDesc:
+    """What a chunk holds: K and/or V of layers [layer_start, layer_end) for `segments`.
+
+    The payload is a dense tensor [num_layers, len(kinds), total_tokens, kv_heads, head_dim], i.e.
+    described by geometry, not by the sender's block ids, so any destination layout can place it.
+    """
+
+    segments: tuple[Segment, ...]
+    layer_start: int
+    layer_end: int
+    kinds: str = "kv"
+
+    def __post_init__(self) -> None:
+        if not self.segments:
+            raise ValueError("a chunk needs at least one segment")
+        if not 0 <= self.layer_start < self.layer_end:
+            raise ValueError(f"bad layer range [{self.layer_start}, {self.layer_end})")
+        if self.kinds not in KINDS:
+            raise ValueError(f"kinds must be one of {KINDS}, got {self.kinds!r}")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.segments)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def shape(self, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (self.num_layers, len(self.kinds), self.num_tokens, kv_heads, head_dim)
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """Everything a receiver checks before touching a cache. `seq` numbers chunks within `stream`."""
+
+    stream: str
+    seq: int
+    desc: ChunkDesc
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ChunkCorrupted(f"unknown dtype {self.dtype!r}")
+        if len(self.shape) != 5 or self.shape[:3] != (self.desc.num_layers, len(self.desc.kinds), self.desc.num_tokens):
+            raise ChunkCorrupted(f"shape {self.shape} does not match the described layers/kinds/tokens")
+        expect = math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        if self.nbytes != expect:
+            raise ChunkCorrupted(f"header says {self.nbytes} bytes but shape {self.shape} of {self.dtype} is {expect}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def encode_header(h: ChunkHeader) -> bytes:
+    d = h.desc
+    return msgpack.packb(
+        [
+            FORMAT_VERSION,
+            h.stream,
+            h.seq,
+            [[s.request_id, s.token_start, s.token_end] for s in d.segments],
+            d.layer_start,
+            d.layer_end,
+            d.kinds,
+            h.dtype,
+            list(h.shape),
+            h.nbytes,
+            h.checksum,
+            h.meta,
+        ]
+    )
+
+
+def decode_header(raw: bytes | memoryview) -> ChunkHeader:
+    """Parse a header; anything malformed raises ChunkCorrupted."""
+    try:
+        v, stream, seq, segs, l0, l1, kinds, dtype, shape, nbytes, crc, meta = msgpack.unpackb(bytes(raw))
+        if v != FORMAT_VERSION:
+            raise ChunkCorrupted(f"chunk format version {v}, expected {FORMAT_VERSION}")
+        desc = ChunkDesc(tuple(Segment(str(r), int(a), int(b)) for r, a, b in segs), int(l0), int(l1), str(kinds))
+        return ChunkHeader(str(stream), int(seq), desc, str(dtype), tuple(int(x) for x in shape), int(nbytes), int(crc), dict(meta))
+    except ChunkCorrupted:
+        raise
+    except Exception as e:  # msgpack errors, wrong arity, bad values
+        raise ChunkCorrupted(f"unreadable chunk header: {e}") from e
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor."""
+    if t.device.type != "cpu":
+        raise ValueError("chunk payloads must be host tensors (stage device KV through a pinned buffer)")
+    if not t.is_contiguous():
+        raise ValueError("chunk payloads must be contiguous (pack non-contiguous regions first)")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def checksum(payload: memoryview | bytes) -> int:
+    return zlib.crc32(payload)
+
+
+def make_header(stream: str, seq: int, desc: ChunkDesc, data: torch.Tensor, meta: dict[str, Any] | None = None) -> ChunkHeader:
+    if data.dtype not in DTYPE_NAMES:
+        raise ValueError(f"unsupported KV dtype {data.dtype}")
+    shape = tuple(data.shape)
+    return ChunkHeader(stream, seq, desc, DTYPE_NAMES[data.dtype], shape, data.numel() * data.element_size(), checksum(tensor_bytes(data)), meta or {})
+
+
+def verify_payload(h: ChunkHeader, payload: memoryview | bytes, max_bytes: int) -> None:
+    """Size and checksum checks; raises ChunkTruncated / ChunkOversized / ChunkCorrupted."""
+    if h.nbytes > max_bytes:
+        raise ChunkOversized(f"chunk {h.stream}#{h.seq} is {h.nbytes} bytes; the receiver accepts at most {max_bytes}")
+    n = len(payload) if isinstance(payload, bytes) else payload.nbytes
+    if n < h.nbytes:
+        raise ChunkTruncated(f"chunk {h.stream}#{h.seq}: got {n} of {h.nbytes} payload bytes")
+    if n > h.nbytes:
+        raise ChunkOversized(f"chunk {h.stream}#{h.seq}: got {n} payload bytes, header says {h.nbytes}")
+    got = checksum(payload)
+    if got != h.checksum:
+        raise ChunkCorrupted(f"chunk {h.stream}#{h.seq}: checksum {got:#010x} != header {h.checksum:#010x}")
+
+
+def payload_tensor(h: ChunkHeader, payload: memoryview | bytes) -> torch.Tensor:
+    """A zero-copy tensor view of a verified payload (read-only memory: copy it out, never write)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer warns about read-only buffers
+        flat = torch.frombuffer(payload, dtype=torch.uint8, count=h.nbytes)
+    return flat.view(h.torch_dtype).view(h.shape)

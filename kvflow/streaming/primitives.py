@@ -1,0 +1,105 @@
+"""Level 1 of DéjàVuLib: `flush` one contiguous KV tensor to a stream, `fetch` the next verified one."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvflow.streaming.chunk import ChunkDesc, ChunkHeader, decode_header, encode_header, make_header, payload_tensor, tensor_bytes, verify_payload
+from kvflow.streaming.errors import ChunkError, ChunkOutOfOrder, DuplicateChunk
+from kvflow.streaming.transport import ChunkReceiver, ChunkSender, RawChunk
+
+DEFAULT_MAX_CHUNK_BYTES = 1 << 30
+
+
+class OutStream:
+    """A numbered sequence of chunks to one destination. The stream id is unique per instance."""
+
+    def __init__(self, sender: ChunkSender, stream_id: str | None = None) -> None:
+        self.sender = sender
+        self.stream_id = stream_id or uuid.uuid4().hex[:12]
+        self.next_seq = 0
+        self.bytes_sent = 0
+        self.chunks_sent = 0
+
+    def drain(self) -> None:
+        self.sender.drain()
+
+
+@dataclass
+class Chunk:
+    """A verified chunk: `data` is a read-only view into transport memory, valid until `release()`."""
+
+    header: ChunkHeader
+    data: torch.Tensor
+    raw: RawChunk
+
+    def release(self, error: str | None = None) -> None:
+        self.raw.release(error)
+
+    def __enter__(self) -> "Chunk":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.release(None if exc is None else f"{type(exc).__name__}: {exc}")
+
+
+class InStream:
+    """Receives chunks from any number of OutStreams through one receiver, checking each stream's
+    sequence numbers (no gaps, no repeats), sizes and checksums."""
+
+    def __init__(self, receiver: ChunkReceiver, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+        if max_chunk_bytes <= 0:
+            raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
+        self.receiver = receiver
+        self.max_chunk_bytes = max_chunk_bytes
+        self.expected_seq: dict[str, int] = {}
+
+    def check_order(self, h: ChunkHeader) -> None:
+        want = self.expected_seq.get(h.stream, 0)
+        if h.seq < want:
+            raise DuplicateChunk(f"chunk {h.stream}#{h.seq} was already received (next expected #{want})")
+        if h.seq > want:
+            raise ChunkOutOfOrder(f"chunk {h.stream}#{h.seq} arrived before #{want}")
+
+
+def flush(out: OutStream, desc: ChunkDesc, data: torch.Tensor, meta: dict[str, Any] | None = None) -> ChunkHeader:
+    """Send one contiguous host tensor shaped like `desc` as the stream's next chunk.
+
+    Contract: `data` must be contiguous, on the CPU, with shape [layers, kinds, tokens, kv_heads,
+    head_dim] matching `desc`; it may be reused when flush returns. Returns the header sent. Raises
+    ValueError for a tensor that does not match `desc`, and the transport's PeerError when the
+    destination is gone, unresponsive or rejected an earlier chunk.
+    """
+    if data.dim() != 5 or tuple(data.shape[:3]) != (desc.num_layers, len(desc.kinds), desc.num_tokens):
+        raise ValueError(f"tensor of shape {tuple(data.shape)} does not match {desc}")
+    header = make_header(out.stream_id, out.next_seq, desc, data, meta)
+    out.sender.send(encode_header(header), tensor_bytes(data))
+    out.next_seq += 1
+    out.chunks_sent += 1
+    out.bytes_sent += header.nbytes
+    return header
+
+
+def fetch(inp: InStream, timeout: float | None = None) -> Chunk:
+    """Receive, verify and return the next chunk.
+
+    Contract: the returned chunk's bytes match its checksum, its size is within the receiver's limit
+    and its sequence number is exactly the next one of its stream. Otherwise the chunk is released
+    back to the sender as rejected and a ChunkError subclass is raised (ChunkCorrupted,
+    ChunkTruncated, ChunkOversized, ChunkOutOfOrder, DuplicateChunk). TimeoutError if nothing arrives.
+    The caller copies `data` out and releases the chunk (or uses it as a context manager).
+    """
+    raw = inp.receiver.recv(timeout)
+    try:
+        header = decode_header(raw.header)
+        verify_payload(header, raw.payload, inp.max_chunk_bytes)
+        inp.check_order(header)
+    except ChunkError as e:
+        raw.release(f"{type(e).__name__}: {e}")
+        raise
+    inp.expected_seq[header.stream] = header.seq + 1
+    return Chunk(header, payload_tensor(header, raw.payload), raw)

@@ -1,0 +1,70 @@
+"""Reusable staging buffers for buffered copies: a region is packed into one dense buffer (on the
+cache's device), then lands in host memory (pinned, copied on a side stream when on CUDA)."""
+
+from __future__ import annotations
+
+import math
+import queue
+
+import torch
+
+from kvflow.kv.cache import KVCache
+from kvflow.streaming.region import KVRegion, pack
+
+
+class Staging:
+    """One grow-only buffer. `pack(cache, region, slots)` returns a host tensor [layers, 2, tokens,
+    kv_heads, head_dim] and an event (None on CPU) to `wait()` on before reading it. The tensor
+    stays valid until the next `pack` on this Staging."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.host = torch.empty(0, dtype=torch.uint8)
+        self.dev = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.event = None
+
+    def _view(self, buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], pinned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 2 * buf.numel()), dtype=torch.uint8, device=buf.device, pin_memory=pinned)
+        return buf, buf[:nbytes].view(dtype).view(shape)
+
+    def pack(self, cache: KVCache, region: KVRegion, slots: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        lay = cache.layout
+        shape = (region.layer_end - region.layer_start, 2, int(slots.numel()), lay.num_kv_heads, lay.head_dim)
+        self.host, host = self._view(self.host, lay.dtype, shape, pinned=self.cuda)
+        if not self.cuda:
+            pack(cache, region, slots, out=host)
+            return host, None
+        self.dev, dev = self._view(self.dev, lay.dtype, shape, pinned=False)
+        pack(cache, region, slots.to(self.device, non_blocking=True), out=dev)
+        # Device -> pinned host on a side stream, so the copy overlaps the next kernels.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(dev, non_blocking=True)
+            dev.record_stream(self.stream)
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+        return host, self.event
+
+
+class StagingPool:
+    """A fixed set of Staging buffers; `acquire` blocks while all are in flight (back-pressure)."""
+
+    def __init__(self, size: int, device: torch.device | str = "cpu") -> None:
+        if size <= 0:
+            raise ValueError(f"pool size must be positive, got {size}")
+        self._free: queue.Queue[Staging] = queue.Queue()
+        for _ in range(size):
+            self._free.put(Staging(device))
+
+    def acquire(self, timeout: float | None = None) -> Staging:
+        try:
+            return self._free.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no staging buffer freed within {timeout}s") from None
+
+    def release(self, staging: Staging) -> None:
+        self._free.put(staging)

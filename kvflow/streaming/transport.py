@@ -1,0 +1,82 @@
+"""The transport interface: move (header bytes, payload bytes) frames one way, with acknowledgements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RawChunk:
+    """One received frame pair, not yet validated. `payload` may point into transport memory
+    (a ZeroMQ frame, a shared-memory slot, a memory-mapped file): copy out of it, then `release()`.
+    `release(error)` acknowledges the chunk to the sender; a non-None error tells it the chunk was rejected."""
+
+    header: bytes
+    payload: memoryview
+    _release: Callable[[str | None], None] | None = field(default=None, repr=False)
+
+    def release(self, error: str | None = None) -> None:
+        if self._release is not None:
+            fn, self._release = self._release, None
+            fn(error)
+
+
+class ChunkSender(ABC):
+    """The sending end of one channel.
+
+    Contract:
+    - `send(header, payload)` hands one chunk to the destination. When it returns, `payload` may be
+      reused by the caller. It raises `PeerGone` / `PeerTimeout` (never blocks forever) when the
+      destination disconnected or has not acknowledged earlier chunks within `timeout` seconds, and
+      `PeerRejected` when the destination reported that an earlier chunk was rejected.
+    - `drain()` returns once every chunk sent so far is acknowledged (consumed) by the destination,
+      with the same errors.
+    - `reserve(nbytes)` may return a uint8 host tensor living in transport memory (zero-copy
+      staging): a payload packed there and passed to `send` is not copied again. None means "use
+      your own buffer".
+    """
+
+    timeout: float
+
+    @abstractmethod
+    def send(self, header: bytes, payload: memoryview) -> None: ...
+
+    @abstractmethod
+    def drain(self) -> None: ...
+
+    def reserve(self, nbytes: int) -> torch.Tensor | None:
+        return None
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ChunkReceiver(ABC):
+    """The receiving end of one channel (possibly fed by several senders).
+
+    Contract: `recv(timeout)` returns the next `RawChunk` in arrival order (per sender, in send
+    order), or raises `TimeoutError` after `timeout` seconds (None = wait forever). The caller must
+    `release()` every chunk it got; that is the acknowledgement flow control waits for.
+    """
+
+    @abstractmethod
+    def recv(self, timeout: float | None = None) -> RawChunk: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

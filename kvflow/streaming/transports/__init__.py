@@ -1,0 +1,8 @@
+"""Concrete transports: in-process queue, shared memory, TCP (ZeroMQ), and a memory-mapped file store."""
+
+from kvflow.streaming.transports.file import FileReceiver, FileSender
+from kvflow.streaming.transports.inproc import InprocChannel
+from kvflow.streaming.transports.shm import ShmReceiver, ShmSender
+from kvflow.streaming.transports.tcp import TcpReceiver, TcpSender
+
+__all__ = ["FileReceiver", "FileSender", "InprocChannel", "ShmReceiver", "ShmSender", "TcpReceiver", "TcpSender"]

@@ -1,0 +1,118 @@
+"""File-store transport (local disk / SSD): one file per chunk, written atomically, read memory-mapped."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+from kvflow.streaming.errors import ChunkTruncated
+from kvflow.streaming.transport import ChunkReceiver, ChunkSender, RawChunk
+
+MAGIC = b"KVC1"
+_PREFIX = struct.Struct("<4sI")  # magic, header length
+SUFFIX = ".kvc"
+
+
+def chunk_path(root: Path, index: int) -> Path:
+    return root / f"{index:012d}{SUFFIX}"
+
+
+def _existing(root: Path) -> list[int]:
+    return sorted(int(p.stem) for p in root.glob(f"*{SUFFIX}") if p.stem.isdigit())
+
+
+class FileSender(ChunkSender):
+    """Appends chunk files 000000000000.kvc, 000000000001.kvc, ... to `root` (one writer per
+    directory; reopening continues after the last file). A file appears under its final name only
+    once complete (write to a temp name, then rename). `fsync=True` makes `drain` durable."""
+
+    def __init__(self, root: str | os.PathLike, fsync: bool = False) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        existing = _existing(self.root)
+        self.next_index = existing[-1] + 1 if existing else 0
+        self.timeout = 0.0
+        self._unsynced: list[Path] = []
+
+    def send(self, header: bytes, payload: memoryview) -> None:
+        final = chunk_path(self.root, self.next_index)
+        tmp = final.with_suffix(".tmp")
+        with open(tmp, "wb", buffering=0) as f:
+            f.write(_PREFIX.pack(MAGIC, len(header)))
+            f.write(header)
+            f.write(payload)
+        os.replace(tmp, final)
+        self._unsynced.append(final)
+        self.next_index += 1
+
+    def drain(self) -> None:
+        if self.fsync:
+            for p in self._unsynced:
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            dfd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        self._unsynced.clear()
+
+    def close(self) -> None:
+        self.drain()
+
+
+class FileReceiver(ChunkReceiver):
+    """Reads a store's chunk files in order from `start` (a fresh receiver re-reads from 0, so a
+    store can be reopened after a restart). Payloads are memory-mapped views; `release()` unmaps."""
+
+    def __init__(self, root: str | os.PathLike, start: int = 0, poll_interval: float = 0.002) -> None:
+        self.root = Path(root)
+        self.next_index = start
+        self.poll_interval = poll_interval
+
+    def __len__(self) -> int:
+        """Chunk files currently in the store."""
+        return len(_existing(self.root)) if self.root.exists() else 0
+
+    def recv(self, timeout: float | None = None) -> RawChunk:
+        path = chunk_path(self.root, self.next_index)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not path.exists():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no chunk {path.name} in {self.root} within {timeout}s")
+            time.sleep(self.poll_interval)
+        self.next_index += 1
+        return read_chunk_file(path)
+
+    def close(self) -> None:
+        pass
+
+
+def read_chunk_file(path: Path) -> RawChunk:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < _PREFIX.size:
+            raise ChunkTruncated(f"{path} is {size} bytes, shorter than a chunk prefix")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    magic, hlen = _PREFIX.unpack_from(mm, 0)
+    if magic != MAGIC or _PREFIX.size + hlen > size:
+        mm.close()
+        raise ChunkTruncated(f"{path} is not a complete chunk file (magic {magic!r}, header {hlen} bytes, file {size})")
+    header = mm[_PREFIX.size : _PREFIX.size + hlen]
+    payload = memoryview(mm)[_PREFIX.size + hlen :]
+
+    def unmap(_error: str | None) -> None:
+        try:
+            payload.release()
+            mm.close()
+        except BufferError:  # a tensor view still points into the map; it is unmapped when collected
+            pass
+
+    return RawChunk(header, payload, unmap)
