@@ -10,6 +10,7 @@ import sys
 # `func` on them (a callable taking the parsed args and returning an exit code).
 COMMAND_MODULES = [
     "kvflow.cli.generate",
+    "kvflow.cli.plan",
 ]
 
 

@@ -1,0 +1,214 @@
+"""`kvflow plan`, `kvflow simulate` and `kvflow profile`: the planner, the simulator and the
+calibration of the profiled performance model from the real engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="recommend a prompt/token machine split (DéjàVu planner)")
+    _hardware_args(p)
+    p.add_argument("--machines", type=int, required=True, help="cluster size D")
+    p.add_argument("--max-depth", type=int, default=16, help="deepest pipeline considered (replicas beyond)")
+    p.add_argument("--ttft-slo", type=float, help="seconds; with --tpot-slo also searches goodput")
+    p.add_argument("--tpot-slo", type=float, help="seconds per output token")
+    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--json", type=Path, help="write the plan as JSON here")
+    p.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("simulate", help="simulate a scenario (YAML) or one layout given by flags")
+    s.add_argument("--scenario", type=Path, help="YAML scenario: sweeps its machine counts")
+    _hardware_args(s)
+    s.add_argument("--layout", help="'8p16b' (baseline), '4x2p16b' (DP) or '3p16b,5p16b' (prompt,token; "
+                                    "replicas as '2x3p16b,4x5p16b')")
+    s.add_argument("--rate", type=float, help="Poisson requests/s (default: all arrive at t=0)")
+    s.add_argument("--trace", type=Path, help="Azure LLM inference trace CSV")
+    s.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times")
+    s.add_argument("--fail", action="append", default=[], metavar="T[:ROLE[:PIPE[:STAGE]]]",
+                   help="kill a worker at T seconds (role prompt|token)")
+    s.add_argument("--recovery", choices=["resume", "restart"], default="resume")
+    s.add_argument("--dispatch", choices=["shared", "round_robin"], default="shared")
+    s.add_argument("--rigid-rounds", action="store_true", help="original FasterTransformer scheduling")
+    s.add_argument("--ttft-slo", type=float)
+    s.add_argument("--tpot-slo", type=float)
+    s.add_argument("--out", type=Path, default=Path("results/simulate"), help="output stem for .json/.png")
+    s.set_defaults(func=cmd_simulate)
+
+    f = sub.add_parser("profile", help="time the real engine and write a profile for ProfiledPerfModel")
+    f.add_argument("--out", type=Path, default=Path("results/profile.json"))
+    f.add_argument("--model", default=None, help="checkpoint path (default: embedded SmolLM2-135M)")
+    f.add_argument("--batches", default="1,2,4,8")
+    f.add_argument("--prompt-lens", default="16,64,128,256")
+    f.add_argument("--contexts", default="32,128,512")
+    f.add_argument("--repeats", type=int, default=3)
+    f.add_argument("--threads", type=int, default=1)
+    f.set_defaults(func=cmd_profile)
+
+
+def _hardware_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="opt-66b", help="model shape name (see kvflow.perf.MODELS)")
+    p.add_argument("--machine", default="2xA100-80GB", help="NxDEVICE: A100-80GB, V100-16GB, H100-80GB, CPU")
+    p.add_argument("--link-gbps", type=float, default=100.0)
+    p.add_argument("--cost-per-hour", type=float, default=1.0)
+    p.add_argument("--profile", type=Path, help="use a measured profile (kvflow profile) instead of analytic")
+    p.add_argument("--prompt-len", type=int, default=1000)
+    p.add_argument("--output", default="lmsys", help="'lmsys', 'constant:N' or 'lognormal:MEDIAN:P90'")
+    p.add_argument("--max-output", type=int, default=1024)
+    p.add_argument("--microbatches", default="2,4,8,16,32")
+    p.add_argument("--requests", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--swapping", action="store_true")
+
+
+def _perf(args):
+    from kvflow.perf import AnalyticPerfModel, ProfiledPerfModel, machine, model_shape
+    from kvflow.perf.profiled import Profile
+
+    if args.profile:
+        return ProfiledPerfModel(Profile.load(args.profile))
+    return AnalyticPerfModel(model_shape(args.model), machine(args.machine, args.link_gbps, args.cost_per_hour))
+
+
+def _workload_spec(args):
+    from kvflow.simulator.scenario import WorkloadSpec
+    from kvflow.simulator.workload import LengthDist
+
+    kind, *vals = args.output.split(":")
+    if kind == "constant" and len(vals) == 1:
+        dist = LengthDist("constant", value=int(vals[0]), max_len=args.max_output)
+    elif kind == "lognormal" and len(vals) == 2:
+        dist = LengthDist("lognormal", median=float(vals[0]), p90=float(vals[1]), max_len=args.max_output)
+    elif kind == "lmsys" and not vals:
+        dist = LengthDist("lmsys", max_len=args.max_output)
+    else:
+        raise ValueError(f"--output {args.output!r}: use lmsys, constant:N or lognormal:MEDIAN:P90")
+    return WorkloadSpec(args.requests, args.prompt_len, dist, getattr(args, "rate", None), True, args.seed,
+                        str(args.trace) if getattr(args, "trace", None) else None,
+                        time_scale=getattr(args, "time_scale", 1.0))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_plan(args) -> int:
+    from kvflow.planner import SearchSpace, recommend
+    from kvflow.planner.goodput import max_rate
+    from kvflow.simulator import SLO
+
+    perf, spec = _perf(args), _workload_spec(args)
+    space = SearchSpace(spec.prompt_len, spec.max_tokens, spec.mean_output, _ints(args.microbatches),
+                        args.swapping, replicate=True, max_depth=args.max_depth)
+    # Enough requests to fill every pipeline slot several times over.
+    n_req = max(spec.requests, 128 * args.machines)
+    t0 = time.perf_counter()
+    plan = recommend(perf, args.machines, space, lambda b: spec.build(b, requests=n_req))
+    elapsed = time.perf_counter() - t0
+    print(f"plan: {perf.shape.name} on {args.machines} x {perf.machine.name} "
+          f"(prompt {spec.prompt_len}, mean output {spec.mean_output:.0f}, {plan.simulated} layouts simulated, "
+          f"{elapsed:.2f} s)")
+    for line in plan.reasons:
+        print("  " + line)
+    doc = {"machines": args.machines, "seconds": elapsed, "reasons": plan.reasons,
+           "formulas": plan.formulas.__dict__,
+           "best": {k: {"layout": e.layout.label(), **e.summary.to_dict()} for k, e in plan.best.items()}}
+    if (args.ttft_slo is None) != (args.tpot_slo is None):
+        raise ValueError("give both --ttft-slo and --tpot-slo")
+    if args.ttft_slo is not None:
+        slo = SLO(args.ttft_slo, args.tpot_slo)
+        doc["goodput"] = {}
+        for kind, e in sorted(plan.best.items()):
+            guess = e.summary.throughput_rps
+            g = max_rate(perf, e.layout, lambda r: spec.build(e.layout.prompt.microbatch, rate=r, requests=n_req),
+                         slo, args.attainment, hi=guess, swapping=args.swapping)
+            doc["goodput"][kind] = {"layout": e.layout.label(), "rate": g.rate, "per_machine": g.per_machine}
+            print(f"  goodput {kind} {e.layout.label()}: {g.rate:.3f} req/s ({g.per_machine:.4f} per machine) at "
+                  f"{g.attainment:.0%} SLO attainment ({g.simulations} simulations)")
+        print(f"  total time {time.perf_counter() - t0:.2f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1, default=str))
+    return 0
+
+
+_LAYOUT = re.compile(r"^(?:(\d+)x)?(\d+)p(\d+)b$")
+
+
+def parse_layout(text: str):
+    from kvflow.simulator import Layout, PipelineSpec
+
+    specs = []
+    for part in text.split(","):
+        m = _LAYOUT.match(part.strip())
+        if not m:
+            raise ValueError(f"layout part {part!r}: expected [COUNTx]DEPTHpBATCHb, e.g. 4x2p16b")
+        specs.append(PipelineSpec(int(m[2]), int(m[3]), int(m[1] or 1)))
+    if len(specs) > 2:
+        raise ValueError("a layout has one colocated group or a prompt,token pair")
+    return Layout(*specs)
+
+
+def cmd_simulate(args) -> int:
+    from kvflow.planner.report import mean_ratio, save, sweep, table
+    from kvflow.simulator import SLO, Failure, Recovery, SimConfig, simulate
+    from kvflow.simulator.scenario import load_scenario
+
+    if args.scenario:
+        sc = load_scenario(args.scenario)
+        from kvflow.perf import AnalyticPerfModel
+
+        t0 = time.perf_counter()
+        rows = sweep(sc, AnalyticPerfModel(sc.shape, sc.machine))
+        print(table(rows, sc.paper))
+        ratios = {k: mean_ratio(rows, k) for k in ("baseline", "baseline-dp")}
+        print(f"mean makespan ratio vs disaggregated: baseline {ratios['baseline']:.2f}x, "
+              f"baseline-dp {ratios['baseline-dp']:.2f}x ({time.perf_counter() - t0:.1f} s)")
+        js, png = save(rows, args.out if args.out != Path("results/simulate") else Path("results") / sc.name,
+                       sc.name, {"ratios": ratios})
+        print(f"wrote {js} and {png}")
+        return 0
+    if not args.layout:
+        raise ValueError("give --scenario FILE or --layout")
+    perf, spec, layout = _perf(args), _workload_spec(args), parse_layout(args.layout)
+    failures = []
+    for f in args.fail:
+        t, *rest = f.split(":")
+        failures.append(Failure(float(t), rest[0] if rest else "prompt", *(int(x) for x in rest[1:3])))
+    cfg = SimConfig(layout, args.dispatch, args.swapping, args.rigid_rounds, tuple(failures), Recovery(args.recovery))
+    w = spec.build(layout.prompt.microbatch)
+    t0 = time.perf_counter()
+    res = simulate(cfg, perf, w)
+    elapsed = time.perf_counter() - t0
+    slo = SLO(args.ttft_slo, args.tpot_slo) if args.ttft_slo and args.tpot_slo else None
+    s = res.summary(slo)
+    for k, v in s.to_dict().items():
+        print(f"  {k:<20} {v:.4g}" if isinstance(v, float) else f"  {k:<20} {v}")
+    print(f"  {'simulated in':<20} {elapsed:.2f} s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"summary": s.to_dict(), "seconds": elapsed}, indent=1))
+    print(f"wrote {args.out.with_suffix('.json')}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from kvflow.perf.calibrate import profile_engine
+
+    prof = profile_engine(args.model, _ints(args.batches), _ints(args.prompt_lens), _ints(args.contexts),
+                          args.repeats, args.threads)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(args.out)
+    from kvflow.perf import ProfiledPerfModel
+
+    perf = ProfiledPerfModel(prof)
+    print(f"wrote {args.out}: {len(prof.prompt)} prompt and {len(prof.token)} decode timings")
+    print(f"  prompt fit {perf.prompt_fit.coef} (max rel. error {perf.prompt_fit.max_rel_error:.1%})")
+    print(f"  token fit  {perf.token_fit.coef} (max rel. error {perf.token_fit.max_rel_error:.1%})")
+    return 0
