@@ -13,6 +13,7 @@ from kvflow.streaming.errors import ChunkError, ChunkOutOfOrder, DuplicateChunk
 from kvflow.streaming.transport import ChunkReceiver, ChunkSender, RawChunk
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30
+_RELEASED = torch.empty(0)
 
 
 class OutStream:
@@ -38,6 +39,7 @@ class Chunk:
     raw: RawChunk
 
     def release(self, error: str | None = None) -> None:
+        self.data = _RELEASED  # drop the view first so transport memory (shm slot, mmap) can be unmapped
         self.raw.release(error)
 
     def __enter__(self) -> "Chunk":

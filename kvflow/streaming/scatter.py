@@ -88,7 +88,7 @@ class KVSink:
     """The destination of a stream: writes verified chunks into `cache`, at block ids given by
     `resolve(request_id, num_tokens)` (e.g. a KVCacheManager growing the request's table).
 
-    `expect(request_id, layers, token_end)` declares a region that must arrive; then a chunk
+    `expect(request_id, layers, tokens)` declares a region that must arrive; then a chunk
     touching anything not expected, or anything already received, is rejected (ChunkMismatch /
     DuplicateChunk) before a single byte is written, and `complete` says when all has arrived.
     Without expectations every well-formed chunk for layers this cache holds is accepted.
@@ -99,12 +99,12 @@ class KVSink:
     received: dict[str, np.ndarray] = field(default_factory=dict)  # rid -> bool[layers, 2, tokens]
     expected: dict[str, np.ndarray] = field(default_factory=dict)
 
-    def expect(self, request_id: str, layer_start: int, layer_end: int, token_end: int) -> None:
+    def expect(self, request_id: str, layer_start: int, layer_end: int, token_start: int, token_end: int) -> None:
         lay = self.cache.layout
         m = self.expected.setdefault(request_id, np.zeros((lay.num_layers, 2, 0), dtype=bool))
         if m.shape[2] < token_end:
             m = np.concatenate([m, np.zeros((lay.num_layers, 2, token_end - m.shape[2]), dtype=bool)], axis=2)
-        m[layer_start - lay.layer_start : layer_end - lay.layer_start, :, :token_end] = True
+        m[layer_start - lay.layer_start : layer_end - lay.layer_start, :, token_start:token_end] = True
         self.expected[request_id] = m
 
     @property

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from multiprocessing import resource_tracker, shared_memory
 
@@ -55,7 +56,7 @@ class ShmSender(ChunkSender):
         if n and _address(view) != _address(payload):
             view[:] = payload
         try:
-            self.link.send([header, msgpack.packb([self.shm.name, slot * self.slot_bytes, n])], token=slot)
+            self.link.send([header, msgpack.packb([self.shm.name, slot * self.slot_bytes, n, os.getpid()])], token=slot)
         except Exception:
             self.free.append(slot)
             raise
@@ -87,11 +88,12 @@ class ShmReceiver(ChunkReceiver):
     def address(self) -> str:
         return self.link.address
 
-    def _segment(self, name: str) -> shared_memory.SharedMemory:
+    def _segment(self, name: str, owner_pid: int) -> shared_memory.SharedMemory:
         if name not in self.segments:
             seg = shared_memory.SharedMemory(name=name)
-            # The sender owns (and unlinks) the segment; stop this process's tracker from unlinking it too.
-            resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+            if owner_pid != os.getpid():
+                # The sender owns (and unlinks) the segment; keep this process's tracker from unlinking it too.
+                resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
             self.segments[name] = seg
         return self.segments[name]
 
@@ -99,14 +101,23 @@ class ShmReceiver(ChunkReceiver):
         ident, tag, frames = self.link.recv(timeout)
         try:
             header, where = frames
-            name, offset, n = msgpack.unpackb(where.bytes)
-            seg = self._segment(name)
+            name, offset, n, pid = msgpack.unpackb(where.bytes)
+            seg = self._segment(name, pid)
             if offset < 0 or offset + n > seg.size:
                 raise ValueError(f"slot [{offset}, {offset + n}) outside segment of {seg.size} bytes")
         except Exception as e:
             self.link.ack(ident, tag, f"bad shared-memory message: {e}")
             return RawChunk(b"", memoryview(b""))
-        return RawChunk(header.bytes, seg.buf[offset : offset + n], lambda err: self.link.ack(ident, tag, err))
+        view = seg.buf[offset : offset + n]
+
+        def release(err: str | None) -> None:
+            self.link.ack(ident, tag, err)
+            try:
+                view.release()
+            except BufferError:  # the caller still holds a tensor over the slot
+                pass
+
+        return RawChunk(header.bytes, view, release)
 
     def close(self) -> None:
         self.link.close()

@@ -1,0 +1,153 @@
+"""Level 3 of DéjàVuLib: `stream_out` / `stream_in` between pipelines of different shapes — which
+layers of which requests go from each source stage to each destination stage, splitting or merging
+layer ranges (depth mismatch) and microbatches (batch-size mismatch)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvflow.kv.cache import KVCache
+from kvflow.streaming.chunk import Segment
+from kvflow.streaming.primitives import InStream, OutStream
+from kvflow.streaming.region import KVRegion, SeqRegion
+from kvflow.streaming.scatter import KVSink, Mode, TransferStats, gather, scatter
+
+
+@dataclass(frozen=True)
+class PipelineTopology:
+    """Stage i holds layers [layer_bounds[i], layer_bounds[i+1]); requests, in a fixed global
+    order, are cut into consecutive microbatches of `microbatch_sizes`."""
+
+    layer_bounds: tuple[int, ...]
+    microbatch_sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_bounds", tuple(self.layer_bounds))
+        object.__setattr__(self, "microbatch_sizes", tuple(self.microbatch_sizes))
+        b = self.layer_bounds
+        if len(b) < 2 or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"layer_bounds must start at 0 and strictly increase, got {b}")
+        if not self.microbatch_sizes or any(m <= 0 for m in self.microbatch_sizes):
+            raise ValueError(f"microbatch sizes must be positive, got {self.microbatch_sizes}")
+
+    @classmethod
+    def even(cls, num_layers: int, depth: int, microbatch_sizes: Sequence[int]) -> "PipelineTopology":
+        """`depth` stages with layer counts differing by at most one (earlier stages get the extra)."""
+        if not 1 <= depth <= num_layers:
+            raise ValueError(f"depth must be in [1, {num_layers}], got {depth}")
+        q, r = divmod(num_layers, depth)
+        bounds = [0]
+        for i in range(depth):
+            bounds.append(bounds[-1] + q + (i < r))
+        return cls(tuple(bounds), tuple(microbatch_sizes))
+
+    @property
+    def depth(self) -> int:
+        return len(self.layer_bounds) - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_bounds[-1]
+
+    @property
+    def num_requests(self) -> int:
+        return sum(self.microbatch_sizes)
+
+    def stage_layers(self, stage: int) -> tuple[int, int]:
+        return self.layer_bounds[stage], self.layer_bounds[stage + 1]
+
+    def microbatch_requests(self, mb: int) -> tuple[int, int]:
+        start = sum(self.microbatch_sizes[:mb])
+        return start, start + self.microbatch_sizes[mb]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Layers [layer_start, layer_end) of requests [request_start, request_end) (global order)
+    go from source stage `src` to destination stage `dst`."""
+
+    src: int
+    dst: int
+    layer_start: int
+    layer_end: int
+    request_start: int
+    request_end: int
+    src_microbatch: int
+    dst_microbatch: int
+
+
+def plan_transfers(src: PipelineTopology, dst: PipelineTopology) -> list[Transfer]:
+    """Every (layer range x request range) intersection of a source stage/microbatch with a
+    destination stage/microbatch. The transfers cover each (layer, request) exactly once."""
+    if src.num_layers != dst.num_layers:
+        raise ValueError(f"source has {src.num_layers} layers, destination {dst.num_layers}")
+    if src.num_requests != dst.num_requests:
+        raise ValueError(f"source microbatches hold {src.num_requests} requests, destination {dst.num_requests}")
+    plan = []
+    for s in range(src.depth):
+        sa, sb = src.stage_layers(s)
+        for d in range(dst.depth):
+            da, db = dst.stage_layers(d)
+            la, lb = max(sa, da), min(sb, db)
+            if la >= lb:
+                continue
+            for ms in range(len(src.microbatch_sizes)):
+                ra, rb = src.microbatch_requests(ms)
+                for md in range(len(dst.microbatch_sizes)):
+                    qa, qb = dst.microbatch_requests(md)
+                    if max(ra, qa) < min(rb, qb):
+                        plan.append(Transfer(s, d, la, lb, max(ra, qa), min(rb, qb), ms, md))
+    return plan
+
+
+def stream_out(
+    stage: int,
+    cache: KVCache,
+    requests: Sequence[SeqRegion],
+    plan: Sequence[Transfer],
+    outs: Mapping[int, OutStream],
+    mode: Mode = "buffered",
+) -> dict[int, TransferStats]:
+    """Send this source stage's part of `plan`.
+
+    Contract: `requests[i]` is the i-th request of the global order with its block ids in `cache`
+    and the token range to send; `outs[d]` reaches destination stage d. Each transfer becomes one
+    scatter of (its requests, its layers). Returns per-destination totals.
+    """
+    totals: dict[int, TransferStats] = {}
+    for t in plan:
+        if t.src != stage:
+            continue
+        if t.dst not in outs:
+            raise KeyError(f"no stream to destination stage {t.dst}")
+        region = KVRegion(tuple(requests[t.request_start : t.request_end]), t.layer_start, t.layer_end)
+        st = scatter(cache, region, outs[t.dst], mode=mode)
+        prev = totals.get(t.dst, TransferStats(0, 0))
+        totals[t.dst] = TransferStats(prev.chunks + st.chunks, prev.nbytes + st.nbytes)
+    return totals
+
+
+def stream_in(
+    stage: int,
+    plan: Sequence[Transfer],
+    requests: Sequence[Segment],
+    inp: InStream,
+    sink: KVSink,
+    microbatch: int | None = None,
+    timeout: float = 10.0,
+) -> TransferStats:
+    """Receive this destination stage's part of `plan` (only `microbatch`'s, if given).
+
+    Contract: `requests[i]` names the i-th request of the global order and its token range. The
+    sink is told to expect exactly the planned (request, layers, tokens); chunks from any number of
+    source stages are merged until all of it has arrived. Anything unplanned or repeated is
+    rejected (see KVSink), TimeoutError if a source stops sending.
+    """
+    mine = [t for t in plan if t.dst == stage and (microbatch is None or t.dst_microbatch == microbatch)]
+    if not mine:
+        return TransferStats(0, 0)
+    for t in mine:
+        for r in requests[t.request_start : t.request_end]:
+            sink.expect(r.request_id, t.layer_start, t.layer_end, r.token_start, r.token_end)
+    return gather(inp, sink, timeout=timeout)
