@@ -88,19 +88,30 @@ class Simulator:
             self._times[key] = t
         return t
 
+    def _hop(self, batch: int, tokens: int) -> float:
+        key = (2, batch, tokens)
+        h = self._times.get(key)
+        if h is None:
+            h = self._times[key] = self.perf.hop_time(batch, tokens)
+        return h
+
     def _start_pass(self, p: Pipeline, mb: Microbatch, now: float) -> PassDone:
-        b = len(mb.reqs) - mb.next_out if mb.done else len(mb.reqs)
-        if mb.in_prompt:
+        if mb.done == 0:
+            b = len(mb.reqs)
             mb.pass_time = self._prompt_time(b, mb.prompt_len, p.depth)
-            hop = self.perf.hop_time(b, mb.prompt_len) if p.depth > 1 else 0.0
-        else:
-            mb.pass_time = self._token_time(b, mb.prompt_len + mb.done, p.depth)
-            hop = self.perf.hop_time(b, 1) if p.depth > 1 else 0.0
-        mb.ready = now
-        start, finish = p.run_pass(now, mb.pass_time, hop)
-        if mb.in_prompt:
+            hop = self._hop(b, mb.prompt_len) if p.depth > 1 else 0.0
+            start, finish = p.run_pass(now, mb.pass_time, hop)
             mb.ready = start
-        return PassDone(finish, p, mb)
+            return PassDone(finish, p, mb)
+        b = len(mb.reqs) - mb.next_out
+        key = (1, b, mb.prompt_len + mb.done, p.depth)
+        t = self._times.get(key)
+        if t is None:
+            t = self._token_time(b, mb.prompt_len + mb.done, p.depth)
+        mb.pass_time = t
+        hop = self._hop(b, 1) if p.depth > 1 else 0.0
+        mb.ready = now
+        return PassDone(p.run_pass(now, t, hop)[1], p, mb)
 
     # --- dispatch ------------------------------------------------------------------------------
 
@@ -180,7 +191,7 @@ class Simulator:
 
     def on_pass_done(self, now: float, p: Pipeline, mb: Microbatch) -> list[Event]:
         p.busy += mb.pass_time
-        was_prompt = mb.in_prompt
+        was_prompt = mb.done == 0
         mb.done += 1
         self._emit(mb, now)
         events: list[Event] = []
