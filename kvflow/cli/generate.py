@@ -95,10 +95,10 @@ def run_generate(args) -> int:
     ttft, n, reason = _stream(llm, prompt, params, chat)
     if args.stats:
         dt = time.perf_counter() - t0
-        e = llm.engine
-        how = "converted from GGUF" if getattr(e, "checkpoint_converted", False) else "cached"
+        ck = llm.engine.checkpoint
+        how = "converted from GGUF" if ck.converted else "cached"
         print(
-            f"[kvflow] load {load_s:.2f}s (weights {getattr(e, 'checkpoint_load_seconds', 0.0):.2f}s, {how}); "
+            f"[kvflow] load {load_s:.2f}s (weights {ck.load_seconds:.2f}s, {how}); "
             f"TTFT {ttft or 0:.3f}s; {n} tokens in {dt:.2f}s ({n / dt:.1f} tok/s); finish: {reason}",
             file=sys.stderr,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -62,6 +63,13 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
 
+@dataclass(frozen=True)
+class CheckpointInfo:
+    directory: Path  # HF-style directory the weights and tokenizer were read from
+    load_seconds: float
+    converted: bool  # True when this load converted a GGUF file (cold load)
+
+
 class LLMEngine:
     """Continuous-batching engine over one `LlamaModel` holding all layers.
 
@@ -89,6 +97,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.checkpoint: CheckpointInfo | None = None  # set by from_config
 
     @classmethod
     def from_config(cls, config: EngineConfig = EngineConfig()) -> "LLMEngine":
@@ -101,8 +110,7 @@ class LLMEngine:
         if tokenizer is None:
             log.warning("%s has no tokenizer: prompts must be token ids", ck.directory)
         engine = cls(model, tokenizer, config)
-        engine.checkpoint_load_seconds = ck.load_seconds
-        engine.checkpoint_converted = ck.converted
+        engine.checkpoint = CheckpointInfo(ck.directory, ck.load_seconds, ck.converted)
         return engine
 
     # ------------------------------------------------------------------ requests

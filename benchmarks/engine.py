@@ -1,0 +1,201 @@
+"""Engine benchmark: kvflow vs transformers decode throughput, prefill vs the matmul ceiling, decode vs the memory ceiling.
+
+    python benchmarks/engine.py [--threads 2] [--new-tokens 64] [--batches 1 4 16] [--out results/engine]
+
+All variants run in the same process, same weights (the embedded SmolLM2-135M, fp32), same thread
+count and the same prompts; ratios are what to read on a noisy machine. Writes a table to stdout,
+`engine.json` and `engine.png` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paperclip.",
+    "What is 17 times 3?",
+    "Describe a cat to someone who has never seen one.",
+    "Give me a recipe for pancakes.",
+    "Why do leaves change color in autumn?",
+]
+
+
+def timed(fn, repeats: int) -> float:
+    """Median wall time of fn() over `repeats` runs (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / timed(lambda: a @ b, repeats) / 1e9
+
+
+def copy_gbps(mb: int = 512, repeats: int = 5) -> float:
+    src = torch.randn(mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), repeats) / 1e9  # read + write
+
+
+def load_times() -> dict:
+    from kvflow.model.loader import load_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        old = os.environ.get("KVFLOW_CACHE_DIR")
+        os.environ["KVFLOW_CACHE_DIR"] = tmp
+        try:
+            cold = load_checkpoint(None)
+            warm = load_checkpoint(None)
+        finally:
+            if old is None:
+                os.environ.pop("KVFLOW_CACHE_DIR")
+            else:
+                os.environ["KVFLOW_CACHE_DIR"] = old
+    assert cold.converted and not warm.converted
+    return {"cold_load_s": cold.load_seconds, "warm_load_s": warm.load_seconds}
+
+
+def kvflow_generate(llm, prompts: list[list[int]], new_tokens: int) -> None:
+    from kvflow import SamplingParams
+
+    p = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, p, use_tqdm=False)
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+
+
+def hf_generate(hf, tok, prompts: list[list[int]], new_tokens: int) -> None:
+    width = max(len(p) for p in prompts)
+    pad = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    assert out.shape[1] == width + new_tokens
+
+
+def decode_tps(gen, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """(decode tokens/s, seconds per decode step): time(N tokens) - time(1 token) isolates decoding."""
+    t_full = timed(lambda: gen(prompts, new_tokens), repeats)
+    t_first = timed(lambda: gen(prompts, 1), repeats)
+    step = (t_full - t_first) / (new_tokens - 1)
+    return len(prompts) * (new_tokens - 1) / (t_full - t_first), step
+
+
+def prefill_flops_per_token(cfg, ctx: int) -> float:
+    """Matmul FLOPs per prompt token (projections + MLP, attention scores at average context ctx/2)."""
+    per_layer = 2 * cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size + cfg.q_size) + 2 * 3 * cfg.hidden_size * cfg.intermediate_size
+    attn = 2 * 2 * cfg.num_heads * cfg.head_dim * (ctx / 2)
+    return cfg.num_layers * (per_layer + attn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="results/engine")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    from transformers import LlamaForCausalLM
+
+    from kvflow import LLM
+
+    print(f"threads={args.threads}  new_tokens={args.new_tokens}  batches={args.batches}")
+    res: dict = {"threads": args.threads, "new_tokens": args.new_tokens}
+    res.update(load_times())
+    print(f"checkpoint load: cold (GGUF conversion) {res['cold_load_s']:.2f}s, warm (cached) {res['warm_load_s']:.3f}s")
+    llm = LLM(num_threads=args.threads, max_num_seqs=64, max_num_batched_tokens=1024, prefill_chunk_size=1024)
+    eng = llm.engine
+    tok = llm.tokenizer
+    hf = LlamaForCausalLM.from_pretrained(str(eng.checkpoint.directory), dtype=torch.float32).eval()  # the same converted weights
+    res["ceiling_matmul_gflops"] = matmul_gflops()
+    res["ceiling_copy_gbps"] = copy_gbps()
+    print(f"ceilings: matmul {res['ceiling_matmul_gflops']:.1f} GFLOP/s, memory copy {res['ceiling_copy_gbps']:.1f} GB/s")
+
+    rows = []
+    for b in args.batches:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(b)]
+        k_tps, k_step = decode_tps(lambda p, n: kvflow_generate(llm, p, n), prompts, args.new_tokens, args.repeats)
+        h_tps, h_step = decode_tps(lambda p, n: hf_generate(hf, tok, p, n), prompts, args.new_tokens, args.repeats)
+        rows.append({"batch": b, "kvflow_tok_s": k_tps, "hf_tok_s": h_tps, "speedup": k_tps / h_tps, "kvflow_step_s": k_step, "hf_step_s": h_step})
+    res["decode"] = rows
+
+    # (b) prefill throughput vs the matmul ceiling: 4 prompts of --prefill-len tokens, one token generated.
+    cfg = eng.model.cfg
+    base = tok.encode(" ".join(QUESTIONS * 40))
+    prompts = [base[i * 7 : i * 7 + args.prefill_len] for i in range(4)]
+    t = timed(lambda: kvflow_generate(llm, prompts, 1), args.repeats)
+    prefill_tps = 4 * args.prefill_len / t
+    achieved = prefill_tps * prefill_flops_per_token(cfg, args.prefill_len) / 1e9
+    res["prefill"] = {"tokens_per_s": prefill_tps, "achieved_gflops": achieved, "fraction_of_matmul_ceiling": achieved / res["ceiling_matmul_gflops"]}
+
+    # (c) decode step at batch 1 vs weight bytes / copy bandwidth (every weight is read once per step).
+    wbytes = eng.model.weight_bytes
+    floor = wbytes / (res["ceiling_copy_gbps"] * 1e9 / 2)  # copy_gbps counts read+write; a step only reads
+    step1 = rows[0]["kvflow_step_s"] if rows and rows[0]["batch"] == 1 else float("nan")
+    res["memory"] = {"weight_bytes": wbytes, "read_floor_s": floor, "kvflow_step_b1_s": step1, "fraction_of_memory_ceiling": floor / step1}
+
+    print(f"\n{'batch':>5} {'kvflow tok/s':>13} {'transformers tok/s':>19} {'speedup':>8} {'kvflow ms/step':>15} {'hf ms/step':>11}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['kvflow_tok_s']:>13.1f} {r['hf_tok_s']:>19.1f} {r['speedup']:>7.2f}x {1e3 * r['kvflow_step_s']:>15.1f} {1e3 * r['hf_step_s']:>11.1f}")
+    p = res["prefill"]
+    print(f"\nprefill: {p['tokens_per_s']:.0f} tok/s = {p['achieved_gflops']:.1f} GFLOP/s = {100 * p['fraction_of_matmul_ceiling']:.0f}% of the matmul ceiling")
+    m = res["memory"]
+    print(f"decode b=1: {1e3 * m['kvflow_step_b1_s']:.1f} ms/step vs weight-read floor {1e3 * m['read_floor_s']:.1f} ms "
+          f"({m['weight_bytes'] / 1e6:.0f} MB) = {100 * m['fraction_of_memory_ceiling']:.0f}% of the memory ceiling")
+    (out_dir / "engine.json").write_text(json.dumps(res, indent=2))
+    plot(res, out_dir / "engine.png")
+    print(f"\nwrote {out_dir / 'engine.json'} and {out_dir / 'engine.png'}")
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["decode"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = range(len(rows))
+    ax1.bar([x - 0.2 for x in xs], [r["kvflow_tok_s"] for r in rows], 0.4, label="kvflow")
+    ax1.bar([x + 0.2 for x in xs], [r["hf_tok_s"] for r in rows], 0.4, label="transformers generate()")
+    for x, r in zip(xs, rows):
+        ax1.text(x - 0.2, r["kvflow_tok_s"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax1.set_xticks(list(xs), [f"batch {r['batch']}" for r in rows])
+    ax1.set_ylabel("decode tokens/s")
+    ax1.set_title(f"Decode throughput, SmolLM2-135M fp32, {res['threads']} threads")
+    ax1.legend()
+    p, m = res["prefill"], res["memory"]
+    ax2.bar(["prefill\n(of matmul FLOP/s)", "decode b=1\n(of weight-read floor)"], [100 * p["fraction_of_matmul_ceiling"], 100 * m["fraction_of_memory_ceiling"]])
+    ax2.axhline(100, color="gray", linestyle="--")
+    ax2.set_ylabel("% of hardware ceiling measured in the same run")
+    ax2.set_title("Distance to the roofline")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
