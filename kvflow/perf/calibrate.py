@@ -1,0 +1,88 @@
+"""`kvflow profile`: time the real single-process engine's prefill and decode steps on this machine.
+
+Each prefill sample admits `b` requests of `s` random prompt tokens at once and times the one
+engine step that prefills them all (sampling included, as in serving). Decode samples time the
+following steps of `b` requests, one per context length reached. torch is imported here only,
+so `kvflow.perf` stays importable without it.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+from kvflow.perf.model_shape import ModelShape
+from kvflow.perf.profiled import Profile, Sample
+
+
+def _engine(model: str | None, max_batch: int, max_tokens: int, threads: int):
+    from kvflow.engine.engine import EngineConfig, LLMEngine
+    from kvflow.engine.scheduler import SchedulerConfig
+
+    sched = SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_tokens, prefill_chunk_size=max_tokens)
+    return LLMEngine.from_config(EngineConfig(model=model, scheduler=sched, num_threads=threads,
+                                              kv_cache_memory_gb=2.0))
+
+
+def shape_of(engine) -> ModelShape:
+    c = engine.model.cfg
+    dtype_bytes = engine.kv_cache.layout.dtype_bytes
+    return ModelShape(c.name, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                      c.intermediate_size, c.vocab_size, dtype_bytes=dtype_bytes, gated_mlp=True)
+
+
+def _prompts(rng, b: int, s: int, vocab: int) -> list[list[int]]:
+    return [[int(x) for x in rng.integers(10, vocab - 10, s)] for _ in range(b)]
+
+
+def time_prefill(engine, b: int, s: int, repeats: int, rng) -> float:
+    """Median seconds of one step that prefills `b` prompts of `s` tokens."""
+    from kvflow.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    times = []
+    for _ in range(repeats + 1):  # first run warms up
+        for p in _prompts(rng, b, s, engine.model.cfg.vocab_size):
+            engine.add_request(p, params)
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        while engine.has_unfinished():
+            engine.step()
+    return statistics.median(times[1:])
+
+
+def time_decode(engine, b: int, c: int, steps: int, rng) -> list[Sample]:
+    """Seconds of each of `steps` decode steps of `b` requests whose prompts have `c` tokens."""
+    from kvflow.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0)
+    for p in _prompts(rng, b, c, engine.model.cfg.vocab_size):
+        engine.add_request(p, params)
+    engine.step()  # prefill
+    engine.step()  # first decode (warm-up)
+    out = []
+    for k in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        out.append(Sample(b, c + 2 + k, time.perf_counter() - t0))
+    while engine.has_unfinished():
+        engine.step()
+    return out
+
+
+def profile_engine(model: str | None, batches: tuple[int, ...], prompt_lens: tuple[int, ...],
+                   contexts: tuple[int, ...], repeats: int = 3, threads: int = 1) -> Profile:
+    import numpy as np
+    import torch
+
+    if min(batches) < 1 or min(prompt_lens) < 1 or min(contexts) < 1 or repeats < 1:
+        raise ValueError("batches, lengths and repeats must be >= 1")
+    engine = _engine(model, max(batches), max(batches) * max(max(prompt_lens), max(contexts)), threads)
+    rng = np.random.default_rng(0)
+    prompt = tuple(Sample(b, s, time_prefill(engine, b, s, repeats, rng)) for b in batches for s in prompt_lens)
+    token = tuple(x for b in batches for c in contexts for x in time_decode(engine, b, c, repeats, rng))
+    meta = {"threads": threads, "torch": torch.__version__, "platform": platform.platform(),
+            "processor": platform.processor(), "model": model or "embedded SmolLM2-135M", "repeats": repeats}
+    return Profile(shape_of(engine), "1xCPU", prompt, token, meta)

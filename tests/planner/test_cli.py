@@ -1,0 +1,37 @@
+"""`kvflow plan` / `kvflow simulate` end to end (small), and the layout syntax."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvflow.cli.main import main
+from kvflow.cli.plan import parse_layout
+
+
+def test_parse_layout():
+    assert parse_layout("8p16b").label() == "(8p, 16b)"
+    assert parse_layout("4x2p16b").kind == "baseline-dp"
+    lay = parse_layout("2x3p16b,4x5p8b")
+    assert lay.kind == "disaggregated" and lay.machines == 26
+    with pytest.raises(ValueError):
+        parse_layout("3p16")
+
+
+def test_simulate_and_plan_commands(tmp_path, capsys):
+    out = tmp_path / "sim"
+    assert main(["simulate", "--model", "opt-30b", "--machine", "4xV100-16GB", "--layout", "2p8b,2p8b",
+                 "--requests", "64", "--rate", "0.5", "--fail", "20:token:0:1", "--recovery", "restart",
+                 "--ttft-slo", "20", "--tpot-slo", "1", "--out", str(out)]) == 0
+    summary = json.loads(out.with_suffix(".json").read_text())["summary"]
+    assert summary["requests"] == 64 and summary["machines"] == 4
+    assert 0 <= summary["slo_attainment"] <= 1
+    plan_json = tmp_path / "plan.json"
+    assert main(["plan", "--model", "opt-66b", "--machine", "2xA100-80GB", "--machines", "4",
+                 "--microbatches", "4,8,16", "--requests", "256", "--json", str(plan_json)]) == 0
+    text = capsys.readouterr().out
+    assert "eq. 5" in text and "recommended:" in text
+    doc = json.loads(plan_json.read_text())
+    assert set(doc["best"]) <= {"baseline", "baseline-dp", "disaggregated"}
+    assert main(["simulate", "--layout", "bogus"]) == 2  # bad input: clear error, exit code 2
