@@ -91,12 +91,27 @@ def hf_generate(hf, tok, prompts: list[list[int]], new_tokens: int) -> None:
     assert out.shape[1] == width + new_tokens
 
 
-def decode_tps(gen, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(decode tokens/s, seconds per decode step): time(N tokens) - time(1 token) isolates decoding."""
-    t_full = timed(lambda: gen(prompts, new_tokens), repeats)
-    t_first = timed(lambda: gen(prompts, 1), repeats)
-    step = (t_full - t_first) / (new_tokens - 1)
-    return len(prompts) * (new_tokens - 1) / (t_full - t_first), step
+def decode_tps(gens: dict, prompts, new_tokens: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """Per generator: (decode tokens/s, seconds per decode step).
+
+    time(N tokens) - time(1 token) isolates decoding; the generators are timed in turn within each
+    repeat so that load changes on a shared machine hit all of them alike; medians over repeats.
+    """
+    full: dict[str, list[float]] = {k: [] for k in gens}
+    first: dict[str, list[float]] = {k: [] for k in gens}
+    for gen in gens.values():  # warm-up
+        gen(prompts, 2)
+    for _ in range(repeats):
+        for name, gen in gens.items():
+            for n, store in ((new_tokens, full), (1, first)):
+                t0 = time.perf_counter()
+                gen(prompts, n)
+                store[name].append(time.perf_counter() - t0)
+    out = {}
+    for name in gens:
+        dt = statistics.median(full[name]) - statistics.median(first[name])
+        out[name] = (len(prompts) * (new_tokens - 1) / dt, dt / (new_tokens - 1))
+    return out
 
 
 def prefill_flops_per_token(cfg, ctx: int) -> float:
@@ -138,8 +153,10 @@ def main() -> None:
     rows = []
     for b in args.batches:
         prompts = [tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(b)]
-        k_tps, k_step = decode_tps(lambda p, n: kvflow_generate(llm, p, n), prompts, args.new_tokens, args.repeats)
-        h_tps, h_step = decode_tps(lambda p, n: hf_generate(hf, tok, p, n), prompts, args.new_tokens, args.repeats)
+        gens = {"kvflow": lambda p, n: kvflow_generate(llm, p, n), "hf": lambda p, n: hf_generate(hf, tok, p, n)}
+        r = decode_tps(gens, prompts, args.new_tokens, args.repeats)
+        (k_tps, k_step), (h_tps, h_step) = r["kvflow"], r["hf"]
+        print(f"  batch {b}: kvflow {k_tps:.1f} tok/s, transformers {h_tps:.1f} tok/s", flush=True)
         rows.append({"batch": b, "kvflow_tok_s": k_tps, "hf_tok_s": h_tps, "speedup": k_tps / h_tps, "kvflow_step_s": k_step, "hf_step_s": h_step})
     res["decode"] = rows
 

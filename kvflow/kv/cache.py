@@ -88,6 +88,10 @@ class KVCache:
         i = self._local(layer)
         return self.data[i, 0], self.data[i, 1]
 
+    def layer_kv(self, layer: int) -> torch.Tensor:
+        """K and V of a global layer index as one view [2, num_blocks, block_size, kv_heads, head_dim]."""
+        return self.data[self._local(layer)]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, kv_heads, head_dim]) at flat slots (block * block_size + offset)."""
         kc, vc = self.layer(layer)

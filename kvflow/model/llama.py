@@ -18,12 +18,16 @@ LayerHook = Callable[[int, ForwardBatch], None]
 
 @dataclass
 class LayerWeights:
+    """One decoder layer. Projections are stored transposed ([in, out], contiguous) and applied as
+    `x @ w`: on this machine's CPU BLAS that is as fast as `F.linear` on prompt chunks and took
+    about a third less time on decode-sized batches (4-16 rows) in a side-by-side micro-benchmark."""
+
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [q + 2 kv, D]
-    o: torch.Tensor  # [D, q]
+    qkv: torch.Tensor  # [D, q + 2 kv]
+    o: torch.Tensor  # [q, D]
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [2 I, D]
-    down: torch.Tensor  # [D, I]
+    gate_up: torch.Tensor  # [D, 2 I]
+    down: torch.Tensor  # [I, D]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,12 +69,11 @@ class LlamaModel:
         self.lm_head = lm_head
         self.scale = cfg.head_dim**-0.5
         device = layers[0].qkv.device
-        inv = cfg.rope_scaling.inv_freq(cfg.head_dim, cfg.rope_theta)
-        # Same arithmetic as transformers: float32 inverse frequencies times float32 positions.
-        self.inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float().to(device) / cfg.head_dim)
-        )
-        if cfg.rope_scaling.kind != "default":
+        if cfg.rope_scaling.kind == "default":  # the same float32 arithmetic as transformers
+            exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float().to(device) / cfg.head_dim
+            self.inv_freq = 1.0 / (cfg.rope_theta**exponent)
+        else:
+            inv = cfg.rope_scaling.inv_freq(cfg.head_dim, cfg.rope_theta)
             self.inv_freq = torch.tensor(inv, dtype=torch.float32, device=device)
 
     # ----------------------------------------------------------------- construction
@@ -93,17 +96,20 @@ class LlamaModel:
                 raise KeyError(f"checkpoint lacks tensor {name!r}")
             return sd[name].to(device=device, dtype=dtype)
 
+        def proj(*names: str) -> torch.Tensor:  # HF [out, in] matrices, stacked on out, stored [in, out]
+            return torch.cat([get(n) for n in names]).t().contiguous()
+
         layers = []
         for i in range(start, end):
             p = f"model.layers.{i}."
             layers.append(
                 LayerWeights(
                     input_norm=get(p + "input_layernorm.weight"),
-                    qkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
-                    o=get(p + "self_attn.o_proj.weight"),
+                    qkv=proj(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                    o=proj(p + "self_attn.o_proj.weight"),
                     post_norm=get(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
-                    down=get(p + "mlp.down_proj.weight"),
+                    gate_up=proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=proj(p + "mlp.down_proj.weight"),
                 )
             )
         embed = get("model.embed_tokens.weight") if start == 0 or (end == cfg.num_layers and cfg.tie_word_embeddings) else None
@@ -171,7 +177,7 @@ class LlamaModel:
     def _layer(self, layer, lw: LayerWeights, x, batch: ForwardBatch, kv: KVCache, cos, sin, hook) -> torch.Tensor:
         cfg = self.cfg
         h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, lw.qkv)
+        qkv = h @ lw.qkv
         T = x.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(T, cfg.num_heads, cfg.head_dim)
@@ -183,21 +189,22 @@ class LlamaModel:
         if hook is not None:
             hook(layer, batch)
         attn = self._attention(layer, q, k, v, batch, kv)
-        x = x + F.linear(attn.reshape(T, cfg.q_size), lw.o)
+        x = x + attn.reshape(T, cfg.q_size) @ lw.o
         h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, lw.down)
+        gate, up = (h @ lw.gate_up).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ lw.down
 
     def _attention(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
         out = torch.empty_like(q)
-        kc, vc = kv.layer(layer)
         group = cfg.num_heads // cfg.num_kv_heads
         if batch.decode_rows.numel():
             bd = batch.decode_rows.numel()
-            # [Bd, S, kvh, hd] -> [Bd, kvh, S, hd]; queries grouped per KV head: [Bd, kvh, g, hd].
-            keys = kc[batch.decode_block_table].flatten(1, 2).transpose(1, 2)
-            vals = vc[batch.decode_block_table].flatten(1, 2).transpose(1, 2)
+            # K and V of every decode sequence in one gather: [2, Bd, S, kvh, hd] -> [2, Bd, kvh, S, hd];
+            # queries grouped per KV head: [Bd, kvh, g, hd].
+            both = kv.layer_kv(layer).index_select(1, batch.decode_block_table.flatten())
+            both = both.view(2, bd, -1, cfg.num_kv_heads, cfg.head_dim).transpose(2, 3)
+            keys, vals = both[0], both[1]
             qd = q.index_select(0, batch.decode_rows).view(bd, cfg.num_kv_heads, group, cfg.head_dim)
             scores = torch.matmul(qd, keys.transpose(-1, -2)) * self.scale
             scores = scores.masked_fill(~batch.decode_key_mask, float("-inf"))
