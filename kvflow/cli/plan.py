@@ -132,6 +132,10 @@ def cmd_plan(args) -> int:
             doc["goodput"][kind] = {"layout": e.layout.label(), "rate": g.rate, "per_machine": g.per_machine}
             print(f"  goodput {kind} {e.layout.label()}: {g.rate:.3f} req/s ({g.per_machine:.4f} per machine) at "
                   f"{g.attainment:.0%} SLO attainment ({g.simulations} simulations)")
+        best = max(doc["goodput"].items(), key=lambda kv: kv[1]["per_machine"])
+        doc["goodput_choice"] = best[0]
+        print(f"  goodput-optimal placement: {best[0]} {best[1]['layout']} "
+              f"({best[1]['per_machine']:.4f} req/s per machine at {args.attainment:.0%} attainment)")
         print(f"  total time {time.perf_counter() - t0:.2f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
