@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API over any `kvflow.serving.backend.Backend`."""

@@ -1,0 +1,85 @@
+"""OpenAI-style errors: `APIError` and the handlers that turn every failure into `{"error": {...}}` with a 4xx/5xx."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error answered to the client. `type` follows OpenAI (invalid_request_error, ...); `code` is optional."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def param_of(message: str) -> str | None:
+    """`SamplingParams` messages start with the field name ("top_p must be ..."): report it as `param`."""
+    head = message.split(" ", 1)[0]
+    return head if head.isidentifier() else None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc) if loc else "body"
+    parts = [f"{where}: {first.get('msg')}"]
+    if len(errors) > 1:
+        parts.append(f"(and {len(errors) - 1} more problem(s))")
+    return " ".join(parts), (loc[0] if loc else None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "error"
+        message = exc.detail if isinstance(exc.detail, str) else phrase
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(error_body(message, kind, None, code), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)

@@ -1,0 +1,179 @@
+"""Runs one prepared request through a `Backend`: a whole JSON answer or an SSE stream, aborted if the client leaves.
+
+The backend validates before yielding, so the first output is awaited before any status is sent:
+a ValueError then is a 400. A request the backend fails (finish_reason "error") is a 500 error body,
+or, once streaming has started, an `{"error": ...}` event followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from kvflow.api.errors import APIError, bad_request
+from kvflow.api.metrics import APIMetrics
+from kvflow.api.prepare import Prepared
+from kvflow.api.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                 ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse, Usage)
+from kvflow.engine.request import RequestOutput
+from kvflow.serving.backend import Backend
+
+log = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready; the backend request has been aborted."""
+
+
+@dataclass
+class Progress:
+    """What one request has produced so far, timed by the API itself."""
+
+    prompt_tokens: int
+    start: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def add(self, out: RequestOutput, metrics: APIMetrics) -> None:
+        if out.new_token_ids and self.first_token is None:
+            self.first_token = time.monotonic()
+        self.tokens += len(out.new_token_ids)
+        self.text += out.new_text
+        metrics.tokens_sent(len(out.new_token_ids))
+        if out.finished:
+            self.finish_reason, self.error = out.finish_reason, out.error
+
+    @property
+    def usage(self) -> Usage:
+        return Usage.of(self.prompt_tokens, self.tokens)
+
+    def record(self, metrics: APIMetrics, reason: str | None) -> None:
+        ttft = None if self.first_token is None else self.first_token - self.start
+        metrics.request_done(reason, self.prompt_tokens, self.tokens, ttft, time.monotonic() - self.start)
+
+
+class ChunkFormat:
+    """How one endpoint spells its answer: a whole response, stream chunks, the final usage chunk."""
+
+    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+        self.chat, self.id, self.model = chat, request_id, model
+
+    def response(self, p: Progress) -> BaseModel:
+        if self.chat:
+            choice = ChatChoice(message=AssistantMessage(content=p.text), finish_reason=p.finish_reason)
+            return ChatCompletionResponse(id=self.id, model=self.model, choices=[choice], usage=p.usage)
+        return CompletionResponse(id=self.id, model=self.model, usage=p.usage,
+                                  choices=[CompletionChoice(text=p.text, finish_reason=p.finish_reason)])
+
+    def opening(self) -> list[BaseModel]:
+        return [self._chunk(ChatDelta(role="assistant", content=""), None)] if self.chat else []
+
+    def delta(self, text: str, finish_reason: str | None) -> BaseModel:
+        if self.chat:
+            return self._chunk(ChatDelta(content=text) if text else ChatDelta(), finish_reason)
+        return CompletionResponse(id=self.id, model=self.model, choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
+
+    def usage(self, usage: Usage) -> BaseModel:
+        if self.chat:
+            return ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=usage)
+        return CompletionResponse(id=self.id, model=self.model, choices=[], usage=usage)
+
+    def _chunk(self, delta: ChatDelta, finish_reason: str | None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, model=self.model, choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+
+
+def _sse(obj: BaseModel | dict) -> bytes:
+    data = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n".encode()
+
+
+def failed(p: Progress) -> APIError:
+    return APIError(500, f"the request failed in the serving backend: {p.error or 'unknown error'}", "server_error",
+                    None, "backend_error")
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def race_client(request: Request, work: asyncio.Future | asyncio.Task):
+    """Await `work`, cancelling it (and raising ClientGone) if the client disconnects first."""
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise ClientGone()
+        return work.result()
+    finally:
+        watcher.cancel()
+
+
+async def start(backend: Backend, prepared: Prepared, request_id: str, request: Request) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
+    """Submit and wait for the first output; ValueError from the backend is the client's fault (400)."""
+    agen = backend.generate(prepared.prompt_token_ids, prepared.params, request_id)
+    try:
+        first = await race_client(request, asyncio.ensure_future(agen.__anext__()))
+    except ValueError as e:
+        await agen.aclose()
+        raise bad_request(str(e), "prompt") from e
+    except BaseException:
+        await agen.aclose()
+        raise
+    return agen, first
+
+
+async def whole(agen: AsyncIterator[RequestOutput], first: RequestOutput, p: Progress, metrics: APIMetrics,
+                request: Request) -> None:
+    """Collect every output into `p` (non-streaming answer)."""
+
+    async def drain() -> None:
+        p.add(first, metrics)
+        if not first.finished:
+            async for out in agen:
+                p.add(out, metrics)
+
+    try:
+        await race_client(request, asyncio.ensure_future(drain()))
+    finally:
+        await agen.aclose()
+
+
+async def stream(agen: AsyncIterator[RequestOutput], first: RequestOutput, p: Progress, fmt: ChunkFormat,
+                 include_usage: bool, metrics: APIMetrics) -> AsyncIterator[bytes]:
+    """SSE bytes; cancellation (client gone) closes `agen`, which aborts the backend request."""
+    reason = "abort"
+    try:
+        for chunk in fmt.opening():
+            yield _sse(chunk)
+        out: RequestOutput | None = first
+        while out is not None:
+            p.add(out, metrics)
+            if out.finished and out.finish_reason == "error":
+                yield _sse(failed(p).body())
+                break
+            if out.new_text or out.finished:
+                yield _sse(fmt.delta(out.new_text, out.finish_reason if out.finished else None))
+            out = None if out.finished else await anext(agen, None)
+        if include_usage and p.finish_reason != "error":
+            yield _sse(fmt.usage(p.usage))
+        yield b"data: [DONE]\n\n"
+        reason = p.finish_reason or "abort"
+    finally:
+        await agen.aclose()
+        p.record(metrics, reason)
+        metrics.in_flight -= 1
+
+
