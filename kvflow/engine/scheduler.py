@@ -49,6 +49,26 @@ class SchedulerOutput:
         return not self.seqs
 
 
+def check_admissible(request: Request, max_model_len: int, kv: KVCacheManager) -> None:
+    """Raise ValueError for a request that could never run (too long for the context or the cache)."""
+    total = request.num_prompt_tokens + request.params.max_tokens
+    if request.num_prompt_tokens == 0:
+        raise ValueError("prompt is empty")
+    if request.num_prompt_tokens >= max_model_len:
+        raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; the context length is {max_model_len}")
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
+            f"exceeds the context length {max_model_len}"
+        )
+    need = blocks_for(total, kv.block_size)
+    if need > kv.num_blocks:
+        raise ValueError(
+            f"request needs up to {need} KV blocks ({total} tokens) but the cache has only "
+            f"{kv.num_blocks} ({kv.capacity_tokens} tokens); raise the KV cache size"
+        )
+
+
 class Scheduler:
     """Decides, each step, which requests run and how many of their tokens.
 
@@ -68,25 +88,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def check_admissible(self, request: Request) -> None:
-        """Raise ValueError for a request that could never run (too long for the context or the cache)."""
-        total = request.num_prompt_tokens + request.params.max_tokens
-        if request.num_prompt_tokens == 0:
-            raise ValueError("prompt is empty")
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens; the context length is {self.max_model_len}"
-            )
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
-                f"exceeds the context length {self.max_model_len}"
-            )
-        need = blocks_for(total, self.kv.block_size)
-        if need > self.kv.num_blocks:
-            raise ValueError(
-                f"request needs up to {need} KV blocks ({total} tokens) but the cache has only "
-                f"{self.kv.num_blocks} ({self.kv.capacity_tokens} tokens); raise the KV cache size"
-            )
+        check_admissible(request, self.max_model_len, self.kv)
 
     def add(self, request: Request) -> None:
         self.check_admissible(request)

@@ -1,0 +1,1 @@
+"""The controller: admission, microbatch formation, pipelines of worker processes, token collection, failure detection."""

@@ -1,0 +1,1 @@
+"""Pipeline-stage worker processes (one process = a contiguous layer range with a role)."""

@@ -1,0 +1,136 @@
+"""The controller with real worker processes (ZeroMQ sockets, real SIGKILL): same tokens as the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from kvflow.controller.controller import Controller
+from kvflow.controller.pipeline import ClusterConfig, even_split
+from kvflow.engine.sampling import SamplingParams
+
+from conftest import run_to_completion, tiny_engine
+
+PROMPTS = [[5, 6, 7], list(range(10, 41)), [40] * 9, [3, 1, 4, 1, 5, 9, 2, 6], list(range(50, 70)), [11, 12]]
+LENGTHS = [12, 3, 9, 1, 6, 10]  # unequal: some microbatch members finish early
+
+
+def reference(prompts, lengths):
+    eng = tiny_engine(num_kv_blocks=256, block_size=4)
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+    final = run_to_completion(eng)
+    return [final[r.request_id].token_ids for r in reqs]
+
+
+async def _collect(ctrl, prompt, n, rid):
+    toks, last = [], None
+    async for out in ctrl.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), rid):
+        toks += out.new_token_ids
+        last = out
+    return toks, last
+
+
+def serve(cfg: ClusterConfig, prompts, lengths):
+    async def main():
+        ctrl = Controller(cfg)
+        await ctrl.start()
+        try:
+            results = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, lengths))])
+            stats = ctrl.stats()
+            free = [p.kv.num_free_blocks for p in ctrl.pipelines]
+        finally:
+            await ctrl.shutdown()
+        return results, stats, free
+
+    return asyncio.run(main())
+
+
+def _cfg(tiny_ckpt_dir, **kw) -> ClusterConfig:
+    base = dict(model=str(tiny_ckpt_dir), num_kv_blocks=128, block_size=4, microbatch_size=2, prompt_microbatch_size=2,
+                heartbeat_timeout_s=10.0)
+    base.update(kw)
+    return ClusterConfig(**base)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(mode="colocated", depth=1), dict(mode="colocated", depth=2),
+     dict(mode="disaggregated", prompt_depth=1, token_depth=1), dict(mode="disaggregated", prompt_depth=1, token_depth=2),
+     dict(mode="disaggregated", prompt_depth=2, token_depth=1)],
+    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1"],
+)
+def test_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, kw):
+    cfg = _cfg(tiny_ckpt_dir, **kw)
+    results, stats, free = serve(cfg, PROMPTS, LENGTHS)
+    assert [toks for toks, _ in results] == reference(PROMPTS, LENGTHS)
+    assert all(last.finished and last.finish_reason == "length" for _, last in results)
+    assert free == [128] * len(free), "KV blocks leaked"
+    assert stats.generated_tokens_total == sum(LENGTHS)
+
+
+def test_early_finishing_microbatch_is_replaced(tiny_ckpt_dir):
+    # microbatch size 2, depth 1: one slot. r0 stops after 1 token, r1 after 8; r2 and r3 must start
+    # as soon as the whole first microbatch is done, and all outputs must match the engine.
+    prompts, lengths = PROMPTS[:4], [1, 8, 2, 2]
+    results, _, _ = serve(_cfg(tiny_ckpt_dir, mode="colocated", depth=1), prompts, lengths)
+    assert [t for t, _ in results] == reference(prompts, lengths)
+    first_done = results[1][1].finish_time
+    assert results[2][1].first_token_time >= first_done - 1e-3  # microbatch-level: joined after mb 0 ended
+
+
+def test_kv_streamed_equals_prompt_kv(tiny_ckpt_dir):
+    from conftest import tiny_config
+
+    cfg = tiny_config(num_layers=2)
+    prompts, lengths = PROMPTS[:2], [3, 3]
+
+    async def main():
+        ctrl = Controller(_cfg(tiny_ckpt_dir, mode="disaggregated"))
+        await ctrl.start()
+        try:
+            res = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, lengths))])
+            time.sleep(0.6)  # one heartbeat period
+            ctrl._take_submissions()
+            return res, ctrl.stats()
+        finally:
+            await ctrl.shutdown()
+
+    res, stats = asyncio.run(main())
+    kv_bytes = 2 * cfg.num_layers * cfg.kv_size * 4 * sum(len(p) for p in prompts)
+    assert stats.kv_bytes_streamed_total == kv_bytes
+
+
+def test_killed_worker_fails_in_flight_requests_quickly(tiny_ckpt_dir):
+    async def main():
+        ctrl = Controller(_cfg(tiny_ckpt_dir, mode="disaggregated", heartbeat_timeout_s=3.0))
+        await ctrl.start()
+        try:
+            task = asyncio.ensure_future(_collect(ctrl, PROMPTS[1], 200, "victim"))
+            await asyncio.sleep(0.5)
+            victim = ctrl.stages["token-0"].process
+            os.kill(victim.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            toks, last = await asyncio.wait_for(task, timeout=10)
+            elapsed = time.monotonic() - t0
+            assert last.finish_reason == "error" and "token-0" in last.error and "died" in last.error
+            assert elapsed < 5
+            assert not ctrl.healthy()
+            _, after = await asyncio.wait_for(_collect(ctrl, [5, 6], 3, "late"), timeout=5)
+            assert after.finish_reason == "error"
+        finally:
+            await ctrl.shutdown()
+
+    asyncio.run(main())
+
+
+def test_bad_configs_and_requests_rejected(tiny_ckpt_dir):
+    with pytest.raises(ValueError, match="mode"):
+        ClusterConfig(mode="ring")
+    with pytest.raises(ValueError, match="depth"):
+        even_split(2, 3)
+    with pytest.raises(ValueError, match="positive"):
+        ClusterConfig(microbatch_size=0)
