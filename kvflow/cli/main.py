@@ -11,6 +11,7 @@ import sys
 COMMAND_MODULES = [
     "kvflow.cli.generate",
     "kvflow.cli.plan",
+    "kvflow.cli.worker",
 ]
 
 
