@@ -164,7 +164,7 @@ async def stream(agen: AsyncIterator[RequestOutput], first: RequestOutput, p: Pr
             if out.finished and out.finish_reason == "error":
                 yield _sse(failed(p).body())
                 break
-            if out.new_text or out.finished:
+            if out.new_token_ids or out.new_text or out.finished:  # one chunk per step, even before text is decodable
                 yield _sse(fmt.delta(out.new_text, out.finish_reason if out.finished else None))
             out = None if out.finished else await anext(agen, None)
         if include_usage and p.finish_reason != "error":

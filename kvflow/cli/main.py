@@ -12,6 +12,7 @@ COMMAND_MODULES = [
     "kvflow.cli.generate",
     "kvflow.cli.plan",
     "kvflow.cli.worker",
+    "kvflow.cli.serve",
 ]
 
 

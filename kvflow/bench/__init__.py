@@ -1,0 +1,1 @@
+"""`kvflow bench serve`: an open-loop load generator for the OpenAI-compatible server."""

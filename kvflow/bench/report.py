@@ -1,0 +1,125 @@
+"""Summaries of a load-generator run: throughput, TTFT/TPOT/normalized-latency percentiles, goodput; table, JSON, PNG."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvflow.bench.client import RequestResult
+
+PCTS = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft: float | None = None  # seconds
+    tpot: float | None = None  # seconds per output token
+
+    def __post_init__(self) -> None:
+        for name in ("ttft", "tpot"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} SLO must be positive, got {v}")
+
+    def met(self, r: RequestResult) -> bool:
+        if not r.ok:
+            return False
+        ttft_ok = self.ttft is None or (r.ttft is not None and r.ttft <= self.ttft)
+        tpot_ok = self.tpot is None or r.tpot is None or r.tpot <= self.tpot  # one-token answers have no TPOT
+        return ttft_ok and tpot_ok
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PCTS}}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PCTS}}
+
+
+def summarize(rate: float, results: list[RequestResult], num_sent: int, num_planned: int, duration: float, slo: SLO) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_len for r in ok)
+    prompt_tokens = sum(r.prompt_len for r in ok)
+    good = sum(slo.met(r) for r in ok)
+    errors = sorted({r.error for r in results if r.error})[:5]
+    return {
+        "rate": rate,
+        "planned": num_planned,
+        "sent": num_sent,
+        "completed": len(ok),
+        "failed": sum(1 for r in results if not r.ok),
+        "unfinished": num_sent - len(results),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_token_throughput": out_tokens / duration if duration > 0 else 0.0,
+        "total_token_throughput": (out_tokens + prompt_tokens) / duration if duration > 0 else 0.0,
+        "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_s": _stats([r.tpot for r in ok if r.tpot is not None]),
+        "normalized_latency_s_per_token": _stats([r.normalized_latency for r in ok if r.normalized_latency is not None]),
+        "latency_s": _stats([r.latency for r in ok if r.latency is not None]),
+        "slo": {"ttft_s": slo.ttft, "tpot_s": slo.tpot},
+        "goodput_req_per_s": good / duration if duration > 0 else 0.0,
+        "slo_attainment": good / num_sent if num_sent else 0.0,
+        "errors": errors,
+        "requests": [r.to_json() for r in results],
+    }
+
+
+def max_sustained_rate(summaries: list[dict], bound: float) -> float | None:
+    """Highest rate whose every request completed with median normalized latency <= `bound` s/token."""
+    ok = [s["rate"] for s in summaries if s["completed"] == s["planned"] and
+          (s["normalized_latency_s_per_token"]["p50"] or float("inf")) <= bound]
+    return max(ok) if ok else None
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f}"
+
+
+def table(summaries: list[dict]) -> str:
+    head = (f"{'rate':>6} {'done':>9} {'req/s':>6} {'tok/s':>7} {'TTFT ms p50/p90/p99':>21} "
+            f"{'TPOT ms p50/p90/p99':>20} {'norm.lat ms/tok p50/p90/p99':>28} {'goodput':>8}")
+    rows = [head, "-" * len(head)]
+    for s in summaries:
+        t, p, n = s["ttft_s"], s["tpot_s"], s["normalized_latency_s_per_token"]
+        trip = lambda d: "/".join(_ms(d[f"p{q}"]) for q in PCTS)  # noqa: E731
+        rows.append(f"{s['rate']:>6g} {s['completed']:>4}/{s['planned']:<4} {s['request_throughput']:>6.2f} "
+                    f"{s['output_token_throughput']:>7.1f} {trip(t):>21} {trip(p):>20} {trip(n):>28} {s['goodput_req_per_s']:>8.2f}")
+    return "\n".join(rows)
+
+
+def save(summaries: list[dict], config: dict, out: Path, bound: float | None) -> tuple[Path, Path]:
+    """Writes `out`.json (config, per-rate summaries with per-request records) and `out`.png."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    jpath, ppath = out.with_suffix(".json"), out.with_suffix(".png")
+    doc = {"config": config, "max_sustained_rate": max_sustained_rate(summaries, bound) if bound else None, "runs": summaries}
+    jpath.write_text(json.dumps(doc, indent=1))
+    plot(summaries, ppath, config.get("label", "kvflow"), bound)
+    return jpath, ppath
+
+
+def plot(summaries: list[dict], path: Path, label: str, bound: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [s["rate"] for s in summaries]
+    med = [s["normalized_latency_s_per_token"]["p50"] for s in summaries]
+    p90 = [s["normalized_latency_s_per_token"]["p90"] for s in summaries]
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    ax.plot(rates, [np.nan if v is None else v for v in med], "o-", label=f"{label} median")
+    ax.plot(rates, [np.nan if v is None else v for v in p90], "x--", alpha=0.6, label=f"{label} p90")
+    if bound:
+        ax.axhline(bound, color="grey", lw=0.8, ls=":", label=f"bound {bound:g} s/token")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_title("Normalized latency vs request rate")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

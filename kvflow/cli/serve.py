@@ -1,0 +1,131 @@
+"""`kvflow serve` (the OpenAI-compatible server) and `kvflow bench serve` (the open-loop load generator)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+DISTRIBUTED_FLAGS = ("prompt_depth", "token_depth", "depth", "prompt_microbatch", "token_microbatch")
+
+
+def register(sub) -> None:
+    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (default 127.0.0.1:8000)")
+    s.add_argument("--model", default=None, help="GGUF file or HF-style checkpoint dir (default: embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the checkpoint's)")
+    s.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
+    s.add_argument("--mode", default="engine", choices=["engine", "colocated", "disaggregated"],
+                   help="engine: one process (the only mode available yet); colocated/disaggregated: pipeline workers")
+    s.add_argument("--depth", type=int, default=None, help="colocated pipeline depth")
+    s.add_argument("--prompt-depth", type=int, default=None, help="disaggregated: prompt pipeline depth")
+    s.add_argument("--token-depth", type=int, default=None, help="disaggregated: token pipeline depth")
+    s.add_argument("--prompt-microbatch", type=int, default=None, help="disaggregated: prompt microbatch size")
+    s.add_argument("--token-microbatch", type=int, default=None, help="token microbatch size")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=run_serve)
+
+    b = sub.add_parser("bench", help="benchmarks against a running server")
+    bsub = b.add_subparsers(dest="bench_command", metavar="BENCH")
+    bs = bsub.add_parser("serve", help="open-loop load generator: Poisson arrivals, rate sweep, TTFT/TPOT/normalized latency")
+    bs.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (127.0.0.1/localhost only)")
+    bs.add_argument("--model", default=None, help="model id (default: the first one /v1/models lists)")
+    bs.add_argument("--rates", default="1", help="comma-separated request rates in req/s, e.g. 0.5,1,2")
+    bs.add_argument("--num-requests", type=int, default=100, help="requests per rate")
+    bs.add_argument("--max-duration", type=float, default=600.0, help="seconds per rate before the run is cut off")
+    bs.add_argument("--prompt-len", type=int, default=256, help="synthetic prompt length in tokens")
+    bs.add_argument("--output-dist", default=None,
+                    help="lmsys (default for synthetic prompts), constant:N or lognormal:MEDIAN:P90")
+    bs.add_argument("--output-scale", type=float, default=1.0, help="multiply sampled output lengths")
+    bs.add_argument("--max-output-len", type=int, default=None, help="cap output lengths")
+    bs.add_argument("--trace", type=Path, default=None, help="Azure trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
+    bs.add_argument("--length-scale", type=float, default=1.0, help="multiply trace prompt lengths")
+    bs.add_argument("--trace-arrivals", action="store_true", help="replay the trace's timing, stretched to each rate")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--ttft-slo", type=float, default=None, help="seconds; goodput counts requests meeting it")
+    bs.add_argument("--tpot-slo", type=float, default=None, help="seconds per output token")
+    bs.add_argument("--latency-bound", type=float, default=None, help="s/token: report the highest rate whose median stays below")
+    bs.add_argument("--label", default="kvflow", help="name of this configuration in the JSON and plot")
+    bs.add_argument("--out", type=Path, default=Path("results/bench_serve"), help="output path prefix (.json and .png)")
+    bs.add_argument("--no-progress", action="store_true")
+    bs.set_defaults(func=run_bench_serve)
+    b.set_defaults(func=lambda args: (b.print_help(), 2)[1])
+
+
+def _check_mode(args) -> None:
+    given = [f"--{f.replace('_', '-')}" for f in DISTRIBUTED_FLAGS if getattr(args, f) is not None]
+    if args.mode != "engine":
+        raise ValueError(f"--mode {args.mode} is not available yet (the pipeline controller is under construction); "
+                         "use --mode engine")
+    if given:
+        raise ValueError(f"{', '.join(given)} need --mode colocated or disaggregated, which are not available yet")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+
+
+def run_serve(args) -> int:
+    _check_mode(args)
+    from kvflow.api.server import serve
+    from kvflow.engine.engine import EngineConfig, LLMEngine
+    from kvflow.engine.scheduler import SchedulerConfig
+    from kvflow.serving.backend import EngineBackend
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
+                          max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_gb,
+                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+    engine = LLMEngine.from_config(config)
+    backend = EngineBackend(engine, args.served_model_name or engine.model.cfg.name)
+    print(f"[kvflow] serving {backend.model_name!r} (context {backend.max_model_len}) on http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    serve(backend, args.host, args.port, args.log_level)
+    return 0
+
+
+def _length_dist(spec: str | None):
+    from kvflow.simulator.workload import LengthDist
+
+    if spec is None:
+        return None
+    kind, *vals = spec.split(":")
+    try:
+        if kind == "lmsys" and not vals:
+            return LengthDist("lmsys")
+        if kind == "constant" and len(vals) == 1:
+            return LengthDist("constant", value=int(vals[0]), max_len=max(int(vals[0]), 1))
+        if kind == "lognormal" and len(vals) == 2:
+            return LengthDist("lognormal", median=float(vals[0]), p90=float(vals[1]))
+    except ValueError as e:
+        raise ValueError(f"--output-dist {spec!r}: {e}") from e
+    raise ValueError(f"--output-dist must be lmsys, constant:N or lognormal:MEDIAN:P90, got {spec!r}")
+
+
+def run_bench_serve(args) -> int:
+    from kvflow.bench.dataset import DatasetSpec
+    from kvflow.bench.report import SLO, max_sustained_rate, save, table
+    from kvflow.bench.runner import BenchConfig, run_sweep
+
+    try:
+        rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+    except ValueError as e:
+        raise ValueError(f"--rates must be comma-separated numbers, got {args.rates!r}") from e
+    dataset = DatasetSpec(num_requests=args.num_requests, prompt_len=args.prompt_len, output=_length_dist(args.output_dist),
+                          output_scale=args.output_scale, max_output_len=args.max_output_len, trace=args.trace,
+                          length_scale=args.length_scale, trace_arrivals=args.trace_arrivals, seed=args.seed)
+    cfg = BenchConfig(url=args.url, rates=rates, dataset=dataset, slo=SLO(args.ttft_slo, args.tpot_slo),
+                      max_duration=args.max_duration, model=args.model, progress=not args.no_progress)
+    summaries = asyncio.run(run_sweep(cfg))
+    print(table(summaries))
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    jpath, ppath = save(summaries, config, args.out, args.latency_bound)
+    if args.latency_bound:
+        best = max_sustained_rate(summaries, args.latency_bound)
+        print(f"max rate with median normalized latency <= {args.latency_bound:g} s/token: {best if best is not None else 'none'}")
+    print(f"wrote {jpath} and {ppath}")
+    return 0
