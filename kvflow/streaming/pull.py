@@ -58,7 +58,7 @@ class PullServer:
         self.max_chunk_bytes = max_chunk_bytes
         self.published: dict[str, KVRegion] = {}
         self._lock = threading.Lock()
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context.instance()  # shared and never terminated: no term() hang at GC
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
@@ -117,7 +117,6 @@ class PullServer:
         self._stop.set()
         self._thread.join()
         self.sock.close(0)
-        self.ctx.term()
 
 
 class _PullReceiver(ChunkReceiver):

@@ -109,7 +109,12 @@ class KVSink:
 
     @property
     def complete(self) -> bool:
-        for rid, m in self.expected.items():
+        return self.complete_for(self.expected)
+
+    def complete_for(self, request_ids) -> bool:
+        """Whether everything expected of these requests has arrived."""
+        for rid in request_ids:
+            m = self.expected[rid]
             got = self.received.get(rid, np.zeros((m.shape[0], 2, 0), dtype=bool))
             n = min(got.shape[2], m.shape[2])
             if m[:, :, n:].any() or not got[:, :, :n][m[:, :, :n]].all():
@@ -156,8 +161,9 @@ class KVSink:
             self.received[seg.request_id] = got
 
 
-def gather(inp: InStream, sink: KVSink, num_chunks: int | None = None, timeout: float = 10.0) -> TransferStats:
-    """Receive chunks into `sink` until it is `complete` (or `num_chunks` arrived).
+def gather(inp: InStream, sink: KVSink, num_chunks: int | None = None, timeout: float = 10.0, until: Callable[[], bool] | None = None) -> TransferStats:
+    """Receive chunks into `sink` until `until()` holds (default: the sink is `complete`), or until
+    `num_chunks` arrived when that is given.
 
     Contract: every chunk is verified (fetch) and checked against the sink before it is written; a
     rejected chunk is reported back to its sender and its error raised here, leaving the cache
@@ -165,8 +171,9 @@ def gather(inp: InStream, sink: KVSink, num_chunks: int | None = None, timeout: 
     """
     if num_chunks is None and not sink.expected:
         raise ValueError("gather needs num_chunks or a sink with expectations to know when to stop")
+    done = until or (lambda: sink.complete)
     chunks = nbytes = 0
-    while (num_chunks is None and not sink.complete) or (num_chunks is not None and chunks < num_chunks):
+    while (num_chunks is None and not done()) or (num_chunks is not None and chunks < num_chunks):
         with fetch(inp, timeout) as chunk:
             sink.write(chunk)
         chunks, nbytes = chunks + 1, nbytes + chunk.header.nbytes

@@ -137,17 +137,20 @@ def stream_in(
     microbatch: int | None = None,
     timeout: float = 10.0,
 ) -> TransferStats:
-    """Receive this destination stage's part of `plan` (only `microbatch`'s, if given).
+    """Receive this destination stage's part of `plan`; return once all of it (or, if given, all
+    of `microbatch`'s requests) has arrived.
 
     Contract: `requests[i]` names the i-th request of the global order and its token range. The
-    sink is told to expect exactly the planned (request, layers, tokens); chunks from any number of
-    source stages are merged until all of it has arrived. Anything unplanned or repeated is
-    rejected (see KVSink), TimeoutError if a source stops sending.
+    sink is told to expect exactly the planned (request, layers, tokens) of this stage; chunks from
+    any number of source stages are merged in whatever order they come (chunks of later
+    microbatches are written when they arrive, not rejected). Anything unplanned or repeated is
+    rejected (see KVSink); TimeoutError if a source stops sending.
     """
-    mine = [t for t in plan if t.dst == stage and (microbatch is None or t.dst_microbatch == microbatch)]
-    if not mine:
-        return TransferStats(0, 0)
+    mine = [t for t in plan if t.dst == stage]
     for t in mine:
         for r in requests[t.request_start : t.request_end]:
             sink.expect(r.request_id, t.layer_start, t.layer_end, r.token_start, r.token_end)
-    return gather(inp, sink, timeout=timeout)
+    wanted = {r.request_id for t in mine if microbatch is None or t.dst_microbatch == microbatch for r in requests[t.request_start : t.request_end]}
+    if not wanted:
+        return TransferStats(0, 0)
+    return gather(inp, sink, timeout=timeout, until=lambda: sink.complete_for(wanted))

@@ -27,7 +27,7 @@ class LinkSender:
         self.window = window
         self.timeout = timeout
         self.on_ack = on_ack
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context.instance()  # shared and never terminated: no term() hang at GC
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection, so sends to nobody time out
@@ -108,14 +108,13 @@ class LinkSender:
         self.sock.disable_monitor()
         self.monitor.close(0)
         self.sock.close(0)
-        self.ctx.term()
 
 
 class LinkReceiver:
     """A ROUTER bound to a free port (or the given one); many senders may connect to it."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context.instance()  # shared and never terminated: no term() hang at GC
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if port is None:
@@ -136,4 +135,3 @@ class LinkReceiver:
 
     def close(self) -> None:
         self.sock.close(0)
-        self.ctx.term()
