@@ -88,7 +88,8 @@ class Worker:
 
             self.kv_receiver = TcpReceiver(cfg.host)
             kv_addr = self.kv_receiver.address
-            threading.Thread(target=self._receive_kv, name="kv-in", daemon=True).start()
+            self.kv_thread = threading.Thread(target=self._receive_kv, name="kv-in", daemon=True)
+            self.kv_thread.start()
         ctrl.send_multipart(encode(Ready(cfg.name, f"tcp://{cfg.host}:{port}", kv_addr)))
         wire, _ = decode(self.step_in.recv_multipart())
         if not isinstance(wire, Wire):
@@ -102,14 +103,26 @@ class Worker:
 
             for a, b, addr in wire.kv_peers:
                 self.kv_streams.append((a, b, OutStream(TcpSender(addr), f"{cfg.name}->{a}:{b}")))
-        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+        threads = [threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)]
+        threads[0].start()
+        if cfg.role == "token":
+            threads.append(self.kv_thread)
         try:
             self._loop(ctrl)
         finally:
             self.stop.set()
+            for t in threads:
+                t.join(2.0)
+            self.ctx.destroy(linger=0)
 
     def _loop(self, ctrl) -> None:
+        parent = os.getppid()
         while True:
+            if not self.step_in.poll(1000):
+                if os.getppid() != parent:  # the controller that spawned us is gone: do not linger
+                    log.warning("controller process exited; worker %s stops", self.cfg.name)
+                    return
+                continue
             msg, tensor = decode(self.step_in.recv_multipart())
             if isinstance(msg, Step):
                 try:
@@ -183,7 +196,7 @@ class Worker:
         lay = self.cache.layout
         while not self.stop.is_set():
             try:
-                chunk = fetch(inp, timeout=0.5)
+                chunk = fetch(inp, timeout=0.2)
             except TimeoutError:
                 continue
             except Exception as e:  # a rejected chunk: the sender is told through the ack; report too
@@ -205,6 +218,8 @@ class Worker:
                             sink.received.pop(seg.request_id, None)
             if done:
                 notify.send_multipart(encode(KVArrived(self.cfg.name, done)))
+        notify.close(0)
+        self.kv_receiver.close()
 
     # ------------------------------------------------------------------ liveness
     def _heartbeat(self) -> None:
@@ -213,6 +228,7 @@ class Worker:
         sock.connect(self.cfg.controller_addr)
         while not self.stop.wait(self.cfg.heartbeat_s):
             sock.send_multipart(encode(Heartbeat(self.cfg.name, self.busy_s, self.steps, self.kv_sent, self.kv_received)))
+        sock.close(0)
 
 
 def run_worker(cfg: WorkerConfig) -> None:
