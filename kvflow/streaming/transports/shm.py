@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import uuid
-from multiprocessing import resource_tracker, shared_memory
+import mmap
+from multiprocessing import shared_memory
+
+import _posixshmem
 
 import msgpack
 import numpy as np
@@ -56,7 +59,7 @@ class ShmSender(ChunkSender):
         if n and _address(view) != _address(payload):
             view[:] = payload
         try:
-            self.link.send([header, msgpack.packb([self.shm.name, slot * self.slot_bytes, n, os.getpid()])], token=slot)
+            self.link.send([header, msgpack.packb([self.shm.name, slot * self.slot_bytes, n])], token=slot)
         except Exception:
             self.free.append(slot)
             raise
@@ -82,33 +85,36 @@ class ShmReceiver(ChunkReceiver):
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
         self.link = LinkReceiver(host, port)
-        self.segments: dict[str, shared_memory.SharedMemory] = {}
+        self.segments: dict[str, mmap.mmap] = {}
 
     @property
     def address(self) -> str:
         return self.link.address
 
-    def _segment(self, name: str, owner_pid: int) -> shared_memory.SharedMemory:
+    def _segment(self, name: str) -> mmap.mmap:
+        # Mapped directly rather than through SharedMemory: attaching that way registers the segment
+        # with the resource tracker (shared with the sender when spawned), which then unlinks or
+        # double-unregisters it. The sender owns and unlinks the segment.
         if name not in self.segments:
-            seg = shared_memory.SharedMemory(name=name)
-            if owner_pid != os.getpid():
-                # The sender owns (and unlinks) the segment; keep this process's tracker from unlinking it too.
-                resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-            self.segments[name] = seg
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            try:
+                self.segments[name] = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
         return self.segments[name]
 
     def recv(self, timeout: float | None = None) -> RawChunk:
         ident, tag, frames = self.link.recv(timeout)
         try:
             header, where = frames
-            name, offset, n, pid = msgpack.unpackb(where.bytes)
-            seg = self._segment(name, pid)
-            if offset < 0 or offset + n > seg.size:
-                raise ValueError(f"slot [{offset}, {offset + n}) outside segment of {seg.size} bytes")
+            name, offset, n = msgpack.unpackb(where.bytes)
+            seg = self._segment(name)
+            if offset < 0 or offset + n > len(seg):
+                raise ValueError(f"slot [{offset}, {offset + n}) outside segment of {len(seg)} bytes")
         except Exception as e:
             self.link.ack(ident, tag, f"bad shared-memory message: {e}")
             return RawChunk(b"", memoryview(b""))
-        view = seg.buf[offset : offset + n]
+        view = memoryview(seg)[offset : offset + n]
 
         def release(err: str | None) -> None:
             self.link.ack(ident, tag, err)
