@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,9 +23,6 @@ from kvflow.api.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, 
                                  ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse, Usage)
 from kvflow.engine.request import RequestOutput
 from kvflow.serving.backend import Backend
-
-log = logging.getLogger(__name__)
-
 
 class ClientGone(Exception):
     """The client disconnected before the answer was ready; the backend request has been aborted."""

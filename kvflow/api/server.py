@@ -26,7 +26,6 @@ from kvflow.api.protocol import ChatCompletionRequest, CompletionRequest, ModelC
 from kvflow.serving.backend import Backend
 
 log = logging.getLogger(__name__)
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class _StatusCounter:
