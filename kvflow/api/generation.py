@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from kvflow.api.errors import APIError, bad_request
@@ -39,6 +40,7 @@ class Progress:
     tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    closed: bool = False  # streamed request already aborted/accounted
 
     def add(self, out: RequestOutput, metrics: APIMetrics) -> None:
         if out.new_token_ids and self.first_token is None:
@@ -168,8 +170,32 @@ async def stream(agen: AsyncIterator[RequestOutput], first: RequestOutput, p: Pr
         yield b"data: [DONE]\n\n"
         reason = p.finish_reason or "abort"
     finally:
-        await agen.aclose()
-        p.record(metrics, reason)
-        metrics.in_flight -= 1
+        await close_stream(agen, p, metrics, reason)
+
+
+async def close_stream(agen: AsyncIterator[RequestOutput], p: Progress, metrics: APIMetrics, reason: str) -> None:
+    """Abort (if unfinished) and account a streamed request, once; also called if the stream never started."""
+    if p.closed:
+        return
+    p.closed = True
+    await agen.aclose()
+    p.record(metrics, reason)
+    metrics.in_flight -= 1
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that closes its request even when the client leaves before the first chunk."""
+
+    def __init__(self, agen: AsyncIterator[RequestOutput], first: RequestOutput, p: Progress, fmt: ChunkFormat,
+                 include_usage: bool, metrics: APIMetrics) -> None:
+        super().__init__(stream(agen, first, p, fmt, include_usage, metrics), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._close = lambda: close_stream(agen, p, metrics, "abort")
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
 
 

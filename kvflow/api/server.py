@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kvflow.api import generation as gen
 from kvflow.api.errors import APIError, install_error_handlers
@@ -82,8 +82,7 @@ def build_app(backend: Backend) -> FastAPI:
             agen, first = await gen.start(backend, prepared, request_id, request)
             if prepared.stream:
                 streaming = True
-                body = gen.stream(agen, first, progress, fmt, prepared.include_usage, metrics)
-                return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return gen.SSEResponse(agen, first, progress, fmt, prepared.include_usage, metrics)
             await gen.whole(agen, first, progress, metrics, request)
             progress.record(metrics, progress.finish_reason)
             if progress.finish_reason == "error":
