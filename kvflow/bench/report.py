@@ -91,28 +91,38 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def save(summaries: list[dict], config: dict, out: Path, bound: float | None) -> tuple[Path, Path]:
-    """Writes `out`.json (config, per-rate summaries with per-request records) and `out`.png."""
+def save(summaries: list[dict], config: dict, out: Path, bound: float | None, compare: tuple[Path, ...] = ()) -> tuple[Path, Path]:
+    """Writes `out`.json (config, per-rate summaries with per-request records) and `out`.png.
+
+    `compare`: earlier JSON files of this command (other configurations) drawn on the same plot.
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
     jpath, ppath = out.with_suffix(".json"), out.with_suffix(".png")
+    series = {}
+    for path in compare:
+        other = json.loads(Path(path).read_text())
+        series[other["config"].get("label", Path(path).stem)] = other["runs"]
+    series[config.get("label", "kvflow")] = summaries
     doc = {"config": config, "max_sustained_rate": max_sustained_rate(summaries, bound) if bound else None, "runs": summaries}
     jpath.write_text(json.dumps(doc, indent=1))
-    plot(summaries, ppath, config.get("label", "kvflow"), bound)
+    plot(series, ppath, bound)
     return jpath, ppath
 
 
-def plot(summaries: list[dict], path: Path, label: str, bound: float | None) -> None:
+def plot(series: dict[str, list[dict]], path: Path, bound: float | None) -> None:
+    """Median (solid) and p90 (dashed) normalized latency vs request rate, one colour per configuration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = [s["rate"] for s in summaries]
-    med = [s["normalized_latency_s_per_token"]["p50"] for s in summaries]
-    p90 = [s["normalized_latency_s_per_token"]["p90"] for s in summaries]
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    ax.plot(rates, [np.nan if v is None else v for v in med], "o-", label=f"{label} median")
-    ax.plot(rates, [np.nan if v is None else v for v in p90], "x--", alpha=0.6, label=f"{label} p90")
+    for i, (label, summaries) in enumerate(series.items()):
+        rates = [s["rate"] for s in summaries]
+        med = [s["normalized_latency_s_per_token"]["p50"] for s in summaries]
+        p90 = [s["normalized_latency_s_per_token"]["p90"] for s in summaries]
+        ax.plot(rates, [np.nan if v is None else v for v in med], "o-", color=f"C{i}", label=f"{label} median")
+        ax.plot(rates, [np.nan if v is None else v for v in p90], "x--", color=f"C{i}", alpha=0.5, label=f"{label} p90")
     if bound:
         ax.axhline(bound, color="grey", lw=0.8, ls=":", label=f"bound {bound:g} s/token")
     ax.set_xlabel("request rate (req/s)")

@@ -53,6 +53,7 @@ def register(sub) -> None:
     bs.add_argument("--latency-bound", type=float, default=None, help="s/token: report the highest rate whose median stays below")
     bs.add_argument("--label", default="kvflow", help="name of this configuration in the JSON and plot")
     bs.add_argument("--out", type=Path, default=Path("results/bench_serve"), help="output path prefix (.json and .png)")
+    bs.add_argument("--compare", type=Path, action="append", default=[], help="earlier JSON output to draw on the same plot")
     bs.add_argument("--no-progress", action="store_true")
     bs.set_defaults(func=run_bench_serve)
     b.set_defaults(func=lambda args: (b.print_help(), 2)[1])
@@ -121,8 +122,9 @@ def run_bench_serve(args) -> int:
                       max_duration=args.max_duration, model=args.model, progress=not args.no_progress)
     summaries = asyncio.run(run_sweep(cfg))
     print(table(summaries))
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-    jpath, ppath = save(summaries, config, args.out, args.latency_bound)
+    config = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if k == "compare" else v)
+              for k, v in vars(args).items() if k != "func"}
+    jpath, ppath = save(summaries, config, args.out, args.latency_bound, tuple(args.compare))
     if args.latency_bound:
         best = max_sustained_rate(summaries, args.latency_bound)
         print(f"max rate with median normalized latency <= {args.latency_bound:g} s/token: {best if best is not None else 'none'}")

@@ -84,6 +84,15 @@ def test_bench_serve_against_real_server(tiny_ckpt_dir, tmp_path, capsys):
         assert run["request_throughput"] > 0 and run["output_token_throughput"] > 0
         assert run["goodput_req_per_s"] == pytest.approx(run["request_throughput"])  # loose SLOs: everything is good
     assert doc["max_sustained_rate"] == 16.0
+    # a second configuration drawn beside the first (as Baseline-2 vs kvflow-1-1 in DéjàVu Figure 8)
+    with BackgroundServer(tiny_backend(tiny_ckpt_dir)) as srv:
+        assert main(["bench", "serve", "--url", srv.url, "--rates", "8", "--num-requests", "3", "--prompt-len", "12",
+                     "--output-dist", "constant:5", "--label", "other", "--compare", str(tmp_path / "bench.json"),
+                     "--out", str(tmp_path / "other"), "--no-progress"]) == 0
+    other = json.loads((tmp_path / "other.json").read_text())
+    assert other["config"]["compare"] == [str(tmp_path / "bench.json")]
+    assert [r["output_len"] for r in other["runs"][0]["requests"]] == [5, 5, 5]
+    assert (tmp_path / "other.png").stat().st_size > 1000
 
 
 def test_bench_rejects_remote_targets_and_bad_flags(capsys):
