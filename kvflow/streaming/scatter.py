@@ -101,6 +101,8 @@ class KVSink:
 
     def expect(self, request_id: str, layer_start: int, layer_end: int, token_start: int, token_end: int) -> None:
         lay = self.cache.layout
+        if not lay.layer_start <= layer_start < layer_end <= lay.layer_end or not 0 <= token_start < token_end:
+            raise ValueError(f"cannot expect layers [{layer_start}, {layer_end}) tokens [{token_start}, {token_end}) in a cache of layers [{lay.layer_start}, {lay.layer_end})")
         m = self.expected.setdefault(request_id, np.zeros((lay.num_layers, 2, 0), dtype=bool))
         if m.shape[2] < token_end:
             m = np.concatenate([m, np.zeros((lay.num_layers, 2, token_end - m.shape[2]), dtype=bool)], axis=2)
