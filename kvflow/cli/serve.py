@@ -22,12 +22,15 @@ def register(sub) -> None:
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the checkpoint's)")
     s.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
     s.add_argument("--mode", default="engine", choices=["engine", "colocated", "disaggregated"],
-                   help="engine: one process (the only mode available yet); colocated/disaggregated: pipeline workers")
+                   help="engine: one process; colocated: one pipeline of --depth worker processes doing prompts and "
+                        "tokens (the DejaVu baseline); disaggregated: a prompt pipeline streaming KV into a token pipeline")
     s.add_argument("--depth", type=int, default=None, help="colocated pipeline depth")
     s.add_argument("--prompt-depth", type=int, default=None, help="disaggregated: prompt pipeline depth")
     s.add_argument("--token-depth", type=int, default=None, help="disaggregated: token pipeline depth")
     s.add_argument("--prompt-microbatch", type=int, default=None, help="disaggregated: prompt microbatch size")
     s.add_argument("--token-microbatch", type=int, default=None, help="token microbatch size")
+    s.add_argument("--external-workers", action="store_true",
+                   help="do not spawn workers: print the `kvflow worker` commands to start (e.g. on other hosts) and wait")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=run_serve)
 
@@ -61,29 +64,63 @@ def register(sub) -> None:
 
 def _check_mode(args) -> None:
     given = [f"--{f.replace('_', '-')}" for f in DISTRIBUTED_FLAGS if getattr(args, f) is not None]
-    if args.mode != "engine":
-        raise ValueError(f"--mode {args.mode} is not available yet (the pipeline controller is under construction); "
-                         "use --mode engine")
-    if given:
-        raise ValueError(f"{', '.join(given)} need --mode colocated or disaggregated, which are not available yet")
+    if args.mode == "engine" and (given or args.external_workers):
+        raise ValueError(f"{', '.join(given) or '--external-workers'} need --mode colocated or disaggregated")
+    if args.mode == "colocated" and any(getattr(args, f) is not None for f in ("prompt_depth", "token_depth", "prompt_microbatch")):
+        raise ValueError("--prompt-depth/--token-depth/--prompt-microbatch are for --mode disaggregated; use --depth")
+    if args.mode == "disaggregated" and args.depth is not None:
+        raise ValueError("--depth is for --mode colocated; use --prompt-depth and --token-depth")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+
+
+def _controller(args):
+    from kvflow.controller.controller import Controller
+    from kvflow.controller.pipeline import ClusterConfig
+    from kvflow.kv.cache import KVLayout
+    from kvflow.model.loader import load_checkpoint
+
+    if args.dtype != "float32" or args.device != "cpu":
+        raise ValueError("pipeline modes run float32 on the CPU for now")
+    mc = load_checkpoint(args.model).config
+    per_block = KVLayout.for_model(mc, 1, 16).bytes_per_block
+    kw = dict(mode=args.mode, model=args.model, max_model_len=args.max_model_len, threads_per_worker=args.threads or 1,
+              num_kv_blocks=max(1, int(args.kv_cache_gb * 2**30 // per_block)), host=args.host)
+    if args.mode == "colocated":
+        kw["depth"] = args.depth or 2
+    else:
+        kw["prompt_depth"] = args.prompt_depth or 1
+        kw["token_depth"] = args.token_depth or 1
+        kw["prompt_microbatch_size"] = args.prompt_microbatch or 4
+    kw["microbatch_size"] = args.token_microbatch or 8
+    ctrl = Controller(ClusterConfig(**kw), args.served_model_name, spawn=not args.external_workers)
+    if args.external_workers:
+        print(f"[kvflow] controller at {ctrl.address}; start these workers (same model file on each host):", file=sys.stderr)
+        for p in ctrl.pipelines:
+            for st in p.stages:
+                print(f"  kvflow worker --controller {ctrl.address} --name {st.name} --layers {st.layers[0]}:{st.layers[1]} "
+                      f"--role {p.role} --num-kv-blocks {ctrl.cfg.num_kv_blocks} --host <this-host>", file=sys.stderr)
+    return ctrl
 
 
 def run_serve(args) -> int:
     _check_mode(args)
     from kvflow.api.server import serve
-    from kvflow.engine.engine import EngineConfig, LLMEngine
-    from kvflow.engine.scheduler import SchedulerConfig
-    from kvflow.serving.backend import EngineBackend
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
-                          max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_gb,
-                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
-    engine = LLMEngine.from_config(config)
-    backend = EngineBackend(engine, args.served_model_name or engine.model.cfg.name)
-    print(f"[kvflow] serving {backend.model_name!r} (context {backend.max_model_len}) on http://{args.host}:{args.port}/v1",
-          file=sys.stderr)
+    if args.mode == "engine":
+        from kvflow.engine.engine import EngineConfig, LLMEngine
+        from kvflow.engine.scheduler import SchedulerConfig
+        from kvflow.serving.backend import EngineBackend
+
+        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
+                              max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_gb,
+                              scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+        engine = LLMEngine.from_config(config)
+        backend = EngineBackend(engine, args.served_model_name or engine.model.cfg.name)
+    else:
+        backend = _controller(args)
+    print(f"[kvflow] serving {backend.model_name!r} ({args.mode}, context {backend.max_model_len}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(backend, args.host, args.port, args.log_level)
     return 0
 

@@ -47,8 +47,10 @@ def test_kvflow_serve_subprocess(tiny_ckpt_dir):
     assert "Traceback" not in proc.stdout.read().decode()
 
 
-def test_serve_modes_not_available_yet(capsys):
-    assert main(["serve", "--mode", "disaggregated"]) == 2
-    assert "not available yet" in capsys.readouterr().err
+def test_serve_mode_flags_are_checked(capsys):
     assert main(["serve", "--prompt-depth", "2"]) == 2
     assert "--prompt-depth" in capsys.readouterr().err
+    assert main(["serve", "--mode", "colocated", "--token-depth", "2"]) == 2
+    assert "use --depth" in capsys.readouterr().err
+    assert main(["serve", "--mode", "disaggregated", "--depth", "2"]) == 2
+    assert "--prompt-depth and --token-depth" in capsys.readouterr().err

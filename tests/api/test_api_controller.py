@@ -1,0 +1,69 @@
+"""The HTTP API over the distributed controller (real worker processes): openai client, and a killed worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvflow.api.server import BackgroundServer
+from kvflow.controller.controller import Controller
+from kvflow.controller.pipeline import ClusterConfig
+from kvflow.engine.sampling import SamplingParams
+
+from conftest import run_to_completion, tiny_engine
+
+
+def _controller(ckpt, **kw) -> Controller:
+    cfg = ClusterConfig(model=str(ckpt), num_kv_blocks=128, block_size=4, microbatch_size=4, prompt_microbatch_size=2,
+                        heartbeat_timeout_s=3.0, **kw)
+    return Controller(cfg, "tiny")
+
+
+@pytest.mark.parametrize("kw", [dict(mode="colocated", depth=2), dict(mode="disaggregated")], ids=["colocated-2", "disagg-1-1"])
+def test_openai_client_gets_engine_tokens(tiny_ckpt_dir, kw):
+    eng = tiny_engine(num_kv_blocks=128, block_size=4)
+    ref = eng.add_request([3, 30, 31, 4], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    expected = run_to_completion(eng)[ref.request_id].token_ids
+    with BackgroundServer(_controller(tiny_ckpt_dir, **kw)) as server:
+        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w30 w31"}], max_tokens=6,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+        words = [f"w{t}" for t in expected]
+        assert r.choices[0].message.content.split() == words
+        chunks = c.completions.create(model="tiny", prompt="w10 w11 w12", max_tokens=5, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert len(text.split()) == 5
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        m = httpx.get(f"{server.url}/metrics").text
+        assert "kvflow_worker_busy_seconds" in m
+
+
+def test_killed_worker_fails_request_and_health_keeps_answering(tiny_ckpt_dir):
+    ctrl = _controller(tiny_ckpt_dir, mode="disaggregated")
+    with BackgroundServer(ctrl) as server:
+        body = {"model": "tiny", "prompt": "w10 w11", "max_tokens": 250, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            for line in lines:  # the first token is out: the request is in flight in the token pipeline
+                if line.startswith("data: {"):
+                    break
+            os.kill(ctrl.stages["token-0"].process.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            events = [line for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - t0 < 10, "request hung after its worker was killed"
+        assert events[-1] == "data: [DONE]"
+        errors = [e for e in events if '"error"' in e]
+        assert errors and "token-0" in errors[0] and "died" in errors[0]
+        h = httpx.get(f"{server.url}/health", timeout=5)
+        assert h.status_code == 503
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "w10", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503
