@@ -32,7 +32,7 @@ from kvflow.engine.scheduler import check_admissible
 from kvflow.kv.manager import KVCacheManager
 from kvflow.model.loader import load_checkpoint
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvflow.serving.backend import BackendStats
+from kvflow.serving.backend import BackendStats, drain
 
 log = logging.getLogger(__name__)
 
@@ -183,15 +183,13 @@ class Controller:
             check_admissible(req, self.max_model_len, p.kv)
         queue: asyncio.Queue = asyncio.Queue()
         self.submissions.append(("add", req, (asyncio.get_running_loop(), queue)))
-        finished = False
-        try:
-            while not finished:
-                out: RequestOutput = await queue.get()
-                finished = out.finished
-                yield out
-        finally:
+
+        def done(finished: bool) -> None:
             if not finished:
                 self.submissions.append(("abort", req, None))
+
+        async for out in drain(queue, done):
+            yield out
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:

@@ -58,12 +58,9 @@ class ClusterConfig:
 
 def even_split(num_layers: int, depth: int) -> list[tuple[int, int]]:
     """Layer ranges of `depth` stages differing by at most one layer (earlier stages get the extra)."""
-    if not 1 <= depth <= num_layers:
-        raise ValueError(f"pipeline depth must be in [1, {num_layers}], got {depth}")
-    q, r = divmod(num_layers, depth)
-    bounds = [0]
-    for i in range(depth):
-        bounds.append(bounds[-1] + q + (i < r))
+    from kvflow.streaming.topology import PipelineTopology  # the same split stream_out/stream_in plan with
+
+    bounds = PipelineTopology.even(num_layers, depth, [1]).layer_bounds
     return list(zip(bounds, bounds[1:]))
 
 

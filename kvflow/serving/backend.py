@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,6 +60,19 @@ class Backend(Protocol):
     async def start(self) -> None: ...
 
     async def shutdown(self) -> None: ...
+
+
+async def drain(queue: asyncio.Queue, done: Callable[[bool], None]) -> AsyncIterator[RequestOutput]:
+    """Yield the outputs a backend puts on `queue` until one is final; then, or when the consumer
+    stops early (client gone), call `done(finished)` so the backend can abort and clean up."""
+    finished = False
+    try:
+        while not finished:
+            out: RequestOutput = await queue.get()
+            finished = out.finished
+            yield out
+    finally:
+        done(finished)
 
 
 class EngineBackend:
@@ -114,17 +127,15 @@ class EngineBackend:
             self._queues[request_id] = (loop, queue)
             self._prompt_tokens += len(prompt_token_ids)
         self._wake.set()
-        finished = False
-        try:
-            while not finished:
-                out: RequestOutput = await queue.get()
-                finished = out.finished
-                yield out
-        finally:
+
+        def forget(finished: bool) -> None:
             with self._lock:
                 self._queues.pop(request_id, None)
                 if not finished:
                     self.engine.abort_request(request_id)
+
+        async for out in drain(queue, forget):
+            yield out
 
     def _loop(self) -> None:
         while not self._stop:
