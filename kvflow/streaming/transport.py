@@ -25,7 +25,20 @@ class RawChunk:
             fn(error)
 
 
-class ChunkSender(ABC):
+class _Endpoint(ABC):
+    """Either end of a channel: closing releases its sockets / memory; usable as a context manager."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ChunkSender(_Endpoint):
     """The sending end of one channel.
 
     Contract:
@@ -51,17 +64,9 @@ class ChunkSender(ABC):
     def reserve(self, nbytes: int) -> torch.Tensor | None:
         return None
 
-    @abstractmethod
-    def close(self) -> None: ...
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
-class ChunkReceiver(ABC):
+class ChunkReceiver(_Endpoint):
     """The receiving end of one channel (possibly fed by several senders).
 
     Contract: `recv(timeout)` returns the next `RawChunk` in arrival order (per sender, in send
@@ -72,11 +77,3 @@ class ChunkReceiver(ABC):
     @abstractmethod
     def recv(self, timeout: float | None = None) -> RawChunk: ...
 
-    @abstractmethod
-    def close(self) -> None: ...
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
