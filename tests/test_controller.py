@@ -93,8 +93,7 @@ def test_kv_streamed_equals_prompt_kv(tiny_ckpt_dir):
         await ctrl.start()
         try:
             res = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, lengths))])
-            time.sleep(0.6)  # one heartbeat period
-            ctrl._take_submissions()
+            await asyncio.sleep(0.6)  # > 2 heartbeat periods: the prompt worker has reported its KV bytes
             return res, ctrl.stats()
         finally:
             await ctrl.shutdown()
