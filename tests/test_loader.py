@@ -147,3 +147,17 @@ def test_missing_model_and_bad_arguments_are_clear(tmp_path):
         LLM(str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="unknown LLM argument"):
         LLM(None, max_batch=3)
+
+
+def test_a_stage_reads_only_its_own_tensors(tiny_ckpt_dir):
+    from kvflow.model.llama import LlamaModel
+    from kvflow.model.loader import load_config
+
+    mc, _ = load_config(tiny_ckpt_dir)
+    full = load_checkpoint(tiny_ckpt_dir)
+    first = load_checkpoint(tiny_ckpt_dir, want=LlamaModel.tensor_filter(mc, (0, 1)))
+    last = load_checkpoint(tiny_ckpt_dir, want=LlamaModel.tensor_filter(mc, (1, 2)))
+    assert set(first.state_dict) == {k for k in full.state_dict if k.startswith("model.layers.0.")} | {"model.embed_tokens.weight"}
+    assert set(last.state_dict) == {k for k in full.state_dict if k.startswith("model.layers.1.")} | {"model.norm.weight", "lm_head.weight"}
+    m = LlamaModel.from_state_dict(mc, last.state_dict, (1, 2))
+    assert m.is_last and m.embed_tokens is None and torch.equal(m.lm_head, full.state_dict["lm_head.weight"])

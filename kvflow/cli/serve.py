@@ -78,11 +78,11 @@ def _controller(args):
     from kvflow.controller.controller import Controller
     from kvflow.controller.pipeline import ClusterConfig
     from kvflow.kv.cache import KVLayout
-    from kvflow.model.loader import load_checkpoint
+    from kvflow.model.loader import load_config
 
     if args.dtype != "float32" or args.device != "cpu":
         raise ValueError("pipeline modes run float32 on the CPU for now")
-    mc = load_checkpoint(args.model).config
+    mc, _ = load_config(args.model)
     per_block = KVLayout.for_model(mc, 1, 16).bytes_per_block
     kw = dict(mode=args.mode, model=args.model, max_model_len=args.max_model_len, threads_per_worker=args.threads or 1,
               num_kv_blocks=max(1, int(args.kv_cache_gb * 2**30 // per_block)), host=args.host)

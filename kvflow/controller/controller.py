@@ -30,7 +30,7 @@ from kvflow.engine.request import Request, RequestOutput
 from kvflow.engine.sampling import SamplingParams, sample
 from kvflow.engine.scheduler import check_admissible
 from kvflow.kv.manager import KVCacheManager
-from kvflow.model.loader import load_checkpoint
+from kvflow.model.loader import load_config
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvflow.serving.backend import BackendStats, drain
 
@@ -50,9 +50,8 @@ class Controller:
 
     def __init__(self, cfg: ClusterConfig, model_name: str | None = None, spawn: bool = True) -> None:
         self.cfg = cfg
-        ck = load_checkpoint(cfg.model)  # converts a GGUF once, before the workers look for it
-        mc = ck.config
-        self.tokenizer = Tokenizer(ck.directory)
+        mc, directory = load_config(cfg.model)  # converts a GGUF once, before the workers look for it
+        self.tokenizer = Tokenizer(directory)
         self.model_name = model_name or mc.name
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size

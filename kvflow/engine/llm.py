@@ -80,14 +80,16 @@ class LLM:
         order = {r.request_id: i for i, r in enumerate(reqs)}
         results: list[RequestOutput | None] = [None] * len(reqs)
         bar = _progress(len(reqs), use_tqdm)
+        generated = 0
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        generated += len(out.token_ids)
                         if bar is not None:
                             bar.update(1)
-                            bar.set_postfix_str(f"{sum(len(o.token_ids) for o in results if o)} tokens")
+                            bar.set_postfix_str(f"{generated} tokens")
         finally:
             if bar is not None:
                 bar.close()

@@ -112,15 +112,28 @@ class LlamaModel:
                     down=proj(p + "mlp.down_proj.weight"),
                 )
             )
-        embed = get("model.embed_tokens.weight") if start == 0 or (end == cfg.num_layers and cfg.tie_word_embeddings) else None
+        last = end == cfg.num_layers
+        embed = get("model.embed_tokens.weight") if start == 0 or (last and cfg.tie_word_embeddings) else None
         norm = lm_head = None
-        if end == cfg.num_layers:
+        if last:
             norm = get("model.norm.weight")
-            if cfg.tie_word_embeddings or "lm_head.weight" not in sd:
-                lm_head = embed
-            else:
-                lm_head = get("lm_head.weight")
+            lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
         return cls(cfg, layers, (start, end), embed if start == 0 else None, norm, lm_head)
+
+    @staticmethod
+    def tensor_filter(cfg: ModelConfig, layer_range: tuple[int, int]):
+        """Which checkpoint tensors `from_state_dict` needs for a stage holding `layer_range`."""
+        start, end = layer_range
+        last = end == cfg.num_layers
+
+        def want(name: str) -> bool:
+            if name.startswith("model.layers."):
+                return start <= int(name.split(".")[2]) < end
+            if name == "model.embed_tokens.weight":
+                return start == 0 or (last and cfg.tie_word_embeddings)
+            return last  # model.norm, lm_head
+
+        return want
 
     @property
     def is_first(self) -> bool:

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,20 +77,32 @@ def resolve(model: str | os.PathLike | None) -> tuple[Path, str]:
     return path, path.stem if path.is_file() else path.name
 
 
-def load_checkpoint(model: str | os.PathLike | None = None) -> Checkpoint:
-    t0 = time.perf_counter()
+def _prepare(model: str | os.PathLike | None) -> tuple[Path, Path, str, bool]:
+    """(HF-style directory, source path, name, converted now): converts a GGUF file on first use."""
     path, name = resolve(model)
-    converted = False
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"{path}: expected a .gguf file or a checkpoint directory")
-        directory = _cache_dir_for(path)
-        if not (directory / "model.safetensors").is_file():
-            converted = True
-            _convert_atomically(path, directory, name)
-    else:
-        directory = path
-    cfg, sd = load_hf_directory(directory, name)
+    if not path.is_file():
+        return path, path, name, False
+    if path.suffix != ".gguf":
+        raise ValueError(f"{path}: expected a .gguf file or a checkpoint directory")
+    directory = _cache_dir_for(path)
+    if (directory / "model.safetensors").is_file():
+        return directory, path, name, False
+    _convert_atomically(path, directory, name)
+    return directory, path, name, True
+
+
+def load_config(model: str | os.PathLike | None = None) -> tuple[ModelConfig, Path]:
+    """The model's config and the directory holding its tokenizer, without reading any weights."""
+    directory, _, name, _ = _prepare(model)
+    return read_config(directory, name), directory
+
+
+def load_checkpoint(model: str | os.PathLike | None = None, want: Callable[[str], bool] | None = None) -> Checkpoint:
+    """Config and tensors; with `want`, only the tensors whose names it accepts are read (a pipeline
+    stage reads just its own layers)."""
+    t0 = time.perf_counter()
+    directory, path, name, converted = _prepare(model)
+    cfg, sd = load_hf_directory(directory, name, want)
     return Checkpoint(cfg, sd, directory, path, time.perf_counter() - t0, converted)
 
 
@@ -107,24 +120,34 @@ def _convert_atomically(gguf_path: Path, directory: Path, name: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_hf_directory(directory: Path, name: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """config.json + model*.safetensors (single or sharded) of a Llama-family checkpoint."""
-    from safetensors.torch import load_file
-
+def read_config(directory: Path, name: str | None = None) -> ModelConfig:
+    """`config.json` (with generation_config.json's EOS ids, which HF generate() stops on)."""
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{directory}: no config.json (not a Hugging Face-style checkpoint directory)")
     raw = json.loads(cfg_path.read_text())
     gen_path = directory / "generation_config.json"
-    if gen_path.is_file():  # generation_config's eos list is what HF generate() stops on
+    if gen_path.is_file():
         eos = json.loads(gen_path.read_text()).get("eos_token_id")
         if eos is not None:
             raw["eos_token_id"] = eos
-    cfg = ModelConfig.from_hf(raw, name=name or directory.name)
+    return ModelConfig.from_hf(raw, name=name or directory.name)
+
+
+def load_hf_directory(
+    directory: Path, name: str | None = None, want: Callable[[str], bool] | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """config.json + model*.safetensors (single or sharded) of a Llama-family checkpoint."""
+    from safetensors import safe_open
+
+    cfg = read_config(directory, name)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no *.safetensors weight files")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                if want is None or want(key):
+                    sd[key] = fh.get_tensor(key)
     return cfg, sd

@@ -24,7 +24,7 @@ from kvflow.controller.messages import (
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.model.batch import ForwardBatch, SeqSlice
 from kvflow.model.llama import LlamaModel
-from kvflow.model.loader import load_checkpoint
+from kvflow.model.loader import load_checkpoint, load_config
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,12 @@ class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
-        ck = load_checkpoint(cfg.model)
-        if cfg.layer_end > ck.config.num_layers:
-            raise ValueError(f"layers [{cfg.layer_start}, {cfg.layer_end}) exceed the model's {ck.config.num_layers}")
-        self.model = LlamaModel.from_state_dict(ck.config, ck.state_dict, (cfg.layer_start, cfg.layer_end))
+        layers = (cfg.layer_start, cfg.layer_end)
+        mc, _ = load_config(cfg.model)
+        if cfg.layer_end > mc.num_layers:
+            raise ValueError(f"layers [{cfg.layer_start}, {cfg.layer_end}) exceed the model's {mc.num_layers}")
+        ck = load_checkpoint(cfg.model, want=LlamaModel.tensor_filter(mc, layers))  # only this stage's tensors
+        self.model = LlamaModel.from_state_dict(ck.config, ck.state_dict, layers)
         layout = KVLayout.for_model(ck.config, cfg.num_kv_blocks, cfg.block_size, (cfg.layer_start, cfg.layer_end))
         self.cache = KVCache(layout)
         self.ctx = zmq.Context()
