@@ -93,34 +93,52 @@ def test_kv_streamed_equals_prompt_kv(tiny_ckpt_dir):
         await ctrl.start()
         try:
             res = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, lengths))])
-            await asyncio.sleep(0.6)  # > 2 heartbeat periods: the prompt worker has reported its KV bytes
+            # the prompt worker reports its KV bytes with its heartbeats: wait for the report that covers both
+            # requests (it never grows past them, so a wrong count stays wrong and fails below)
+            deadline = time.monotonic() + 60
+            while ctrl.stats().kv_bytes_streamed_total < kv_bytes and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             return res, ctrl.stats()
         finally:
             await ctrl.shutdown()
 
-    res, stats = asyncio.run(main())
     kv_bytes = 2 * cfg.num_layers * cfg.kv_size * 4 * sum(len(p) for p in prompts)
+    res, stats = asyncio.run(main())
     assert stats.kv_bytes_streamed_total == kv_bytes
 
 
 def test_killed_worker_fails_in_flight_requests_quickly(tiny_ckpt_dir):
+    # Deterministic on any machine speed: a first request completes (so the prompt->token KV link is up),
+    # then token-0 is stopped (SIGSTOP) before the victim request arrives, so
+    # after the prompt pipeline has produced the first token the request provably still has 199 tokens
+    # left and cannot make progress; only then is token-0 killed. The heartbeat timeout is long, so the
+    # failure can only be detected through the process exit (the error says "died").
     async def main():
-        ctrl = Controller(_cfg(tiny_ckpt_dir, mode="disaggregated", heartbeat_timeout_s=3.0))
+        ctrl = Controller(_cfg(tiny_ckpt_dir, mode="disaggregated", heartbeat_timeout_s=120.0))
         await ctrl.start()
+        victim = ctrl.stages["token-0"].process
         try:
-            task = asyncio.ensure_future(_collect(ctrl, PROMPTS[1], 200, "victim"))
-            await asyncio.sleep(0.5)
-            victim = ctrl.stages["token-0"].process
+            _, warm = await asyncio.wait_for(_collect(ctrl, [5, 6, 7], 2, "warm-up"), timeout=60)
+            assert warm.finish_reason == "length"
+            os.kill(victim.pid, signal.SIGSTOP)
+            outputs = ctrl.generate(PROMPTS[1], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), "victim")
+            first = await asyncio.wait_for(outputs.__anext__(), timeout=60)
+            assert first.new_token_ids and not first.finished  # generating, with work left it cannot do
             os.kill(victim.pid, signal.SIGKILL)
             t0 = time.monotonic()
-            toks, last = await asyncio.wait_for(task, timeout=10)
+            last = first
+            async for out in outputs:
+                last = out
             elapsed = time.monotonic() - t0
-            assert last.finish_reason == "error" and "token-0" in last.error and "died" in last.error
-            assert elapsed < 5
+            assert last.finished and last.finish_reason == "error"
+            assert "token-0" in last.error and "died" in last.error
+            assert elapsed < ctrl.cfg.heartbeat_timeout_s  # detected by the exit, not by a heartbeat timeout
             assert not ctrl.healthy()
-            _, after = await asyncio.wait_for(_collect(ctrl, [5, 6], 3, "late"), timeout=5)
+            _, after = await asyncio.wait_for(_collect(ctrl, [5, 6], 3, "late"), timeout=60)
             assert after.finish_reason == "error"
         finally:
+            if victim.poll() is None:
+                os.kill(victim.pid, signal.SIGKILL)
             await ctrl.shutdown()
 
     asyncio.run(main())

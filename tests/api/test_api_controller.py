@@ -19,8 +19,8 @@ from conftest import run_to_completion, tiny_engine
 
 
 def _controller(ckpt, **kw) -> Controller:
-    cfg = ClusterConfig(model=str(ckpt), num_kv_blocks=128, block_size=4, microbatch_size=4, prompt_microbatch_size=2,
-                        heartbeat_timeout_s=3.0, **kw)
+    kw = {"heartbeat_timeout_s": 3.0, **kw}
+    cfg = ClusterConfig(model=str(ckpt), num_kv_blocks=128, block_size=4, microbatch_size=4, prompt_microbatch_size=2, **kw)
     return Controller(cfg, "tiny")
 
 
@@ -46,23 +46,39 @@ def test_openai_client_gets_engine_tokens(tiny_ckpt_dir, kw):
 
 
 def test_killed_worker_fails_request_and_health_keeps_answering(tiny_ckpt_dir):
-    ctrl = _controller(tiny_ckpt_dir, mode="disaggregated")
+    # Deterministic on any machine speed: after a first request has completed (the prompt->token KV link
+    # is up), token-0 is stopped before the victim request arrives, so once the
+    # first token (sampled from the prompt pipeline) is out, the request provably has work left that it
+    # cannot do; only then is token-0 killed. A long heartbeat timeout leaves the process exit as the
+    # only way the failure can be detected.
+    ctrl = _controller(tiny_ckpt_dir, mode="disaggregated", heartbeat_timeout_s=120.0)
     with BackgroundServer(ctrl) as server:
-        body = {"model": "tiny", "prompt": "w10 w11", "max_tokens": 250, "ignore_eos": True, "stream": True}
-        events = []
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
-            assert resp.status_code == 200
-            lines = resp.iter_lines()
-            for line in lines:  # the first token is out: the request is in flight in the token pipeline
-                if line.startswith("data: {"):
-                    break
-            os.kill(ctrl.stages["token-0"].process.pid, signal.SIGKILL)
-            t0 = time.monotonic()
-            events = [line for line in lines if line.startswith("data: ")]
-        assert time.monotonic() - t0 < 10, "request hung after its worker was killed"
+        victim = ctrl.stages["token-0"].process
+        warm = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "w10", "max_tokens": 2}, timeout=60)
+        assert warm.status_code == 200
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            body = {"model": "tiny", "prompt": "w10 w11", "max_tokens": 250, "ignore_eos": True, "stream": True}
+            events = []
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+                assert resp.status_code == 200
+                lines = resp.iter_lines()
+                for line in lines:  # the first token is out: the request is in flight
+                    if line.startswith("data: {"):
+                        events.append(line)
+                        break
+                assert events and '"error"' not in events[0]
+                os.kill(victim.pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                events += [line for line in lines if line.startswith("data: ")]
+        finally:
+            if victim.poll() is None:
+                os.kill(victim.pid, signal.SIGKILL)
+        assert time.monotonic() - t0 < ctrl.cfg.heartbeat_timeout_s, "request hung after its worker was killed"
         assert events[-1] == "data: [DONE]"
         errors = [e for e in events if '"error"' in e]
         assert errors and "token-0" in errors[0] and "died" in errors[0]
+        assert len(events) == 3, events  # the first token, the error, [DONE]: nothing was generated after the stop
         h = httpx.get(f"{server.url}/health", timeout=5)
         assert h.status_code == 503
         r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "w10", "max_tokens": 2}, timeout=10)
