@@ -24,7 +24,7 @@ import numpy as np
 
 from kvflow.controller.controller import Controller
 from kvflow.controller.pipeline import ClusterConfig
-from kvflow.engine.sampling import SamplingParams
+from kvflow.sched.sampling import SamplingParams
 from kvflow.simulator.workload import LengthDist, poisson_arrivals
 
 LAYOUTS = {

@@ -24,7 +24,7 @@ CASES = [(4, 64, 32), (8, 128, 24), (2, 256, 48), (8, 32, 64)]  # (batch, prompt
 
 def run_engine(engine, b: int, s: int, g: int, rng) -> tuple[float, np.ndarray]:
     """Wall seconds of the whole batch and each request's end-to-end latency."""
-    from kvflow.engine.sampling import SamplingParams
+    from kvflow.sched.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=g, ignore_eos=True, temperature=0.0)
     vocab = engine.model.cfg.vocab_size

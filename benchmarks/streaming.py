@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from kvflow.engine.engine import EngineConfig, LLMEngine
-from kvflow.engine.sampling import SamplingParams
-from kvflow.engine.scheduler import SchedulerConfig
+from kvflow.sched.sampling import SamplingParams
+from kvflow.sched.scheduler import SchedulerConfig
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.kv.manager import KVCacheManager
 from kvflow.model.llama import LlamaModel

@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from kvflow.engine.sampling import SamplingParams
+        from kvflow.sched.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'kvflow' has no attribute {name!r}")

@@ -11,7 +11,7 @@ import pytest
 
 from kvflow.controller.controller import Controller
 from kvflow.controller.pipeline import ClusterConfig, even_split
-from kvflow.engine.sampling import SamplingParams
+from kvflow.sched.sampling import SamplingParams
 
 from conftest import run_to_completion, tiny_engine
 

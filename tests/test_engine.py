@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.engine.sampling import SamplingParams
+from kvflow.sched.sampling import SamplingParams
 
 from conftest import run_to_completion, tiny_engine
 

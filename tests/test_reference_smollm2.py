@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.engine.sampling import SamplingParams
+from kvflow.sched.sampling import SamplingParams
 from kvflow.model.batch import ForwardBatch, SeqSlice
 from kvflow.model.loader import default_model_path
 

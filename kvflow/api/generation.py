@@ -22,7 +22,7 @@ from kvflow.api.metrics import APIMetrics
 from kvflow.api.prepare import Prepared
 from kvflow.api.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                  ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse, Usage)
-from kvflow.engine.request import RequestOutput
+from kvflow.sched.request import RequestOutput
 from kvflow.serving.backend import Backend
 
 class ClientGone(Exception):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvflow.api.errors import APIError, bad_request, param_of
 from kvflow.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from kvflow.engine.sampling import SamplingParams
+from kvflow.sched.sampling import SamplingParams
 from kvflow.model.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 256

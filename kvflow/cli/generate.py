@@ -43,7 +43,7 @@ def register(sub) -> None:
 
 
 def _params(args):
-    from kvflow.engine.sampling import SamplingParams
+    from kvflow.sched.sampling import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,

@@ -109,7 +109,7 @@ def run_serve(args) -> int:
 
     if args.mode == "engine":
         from kvflow.engine.engine import EngineConfig, LLMEngine
-        from kvflow.engine.scheduler import SchedulerConfig
+        from kvflow.sched.scheduler import SchedulerConfig
         from kvflow.serving.backend import EngineBackend
 
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,

@@ -26,9 +26,9 @@ import zmq
 
 from kvflow.controller.messages import Free, Heartbeat, KVArrived, Ready, SeqStep, Shutdown, Step, StepResult, Wire, WorkerError, decode, encode
 from kvflow.controller.pipeline import ClusterConfig, Pipeline, StageHandle, even_split, spawn_stage
-from kvflow.engine.request import Request, RequestOutput
-from kvflow.engine.sampling import SamplingParams, sample
-from kvflow.engine.scheduler import check_admissible
+from kvflow.sched.request import Request, RequestOutput
+from kvflow.sched.sampling import SamplingParams, sample
+from kvflow.sched.scheduler import Limits, validate
 from kvflow.kv.manager import KVCacheManager
 from kvflow.model.loader import load_config
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -173,13 +173,9 @@ class Controller:
         )
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, detok)
-        for p in self.pipelines:
-            check_admissible(req, self.max_model_len, p.kv)
+        validate(req, Limits(self.max_model_len, self.vocab_size), [p.kv for p in self.pipelines])
         queue: asyncio.Queue = asyncio.Queue()
         self.submissions.append(("add", req, (asyncio.get_running_loop(), queue)))
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from kvflow.engine.request import Request, RequestOutput
+from kvflow.sched.request import Request, RequestOutput
 from kvflow.engine.runner import ModelRunner
-from kvflow.engine.sampling import SamplingParams
-from kvflow.engine.scheduler import Scheduler, SchedulerConfig
+from kvflow.sched.sampling import SamplingParams
+from kvflow.sched.scheduler import Limits, Scheduler, SchedulerConfig, validate
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.kv.manager import KVCacheManager
 from kvflow.model.llama import LayerHook, LlamaModel
@@ -90,6 +90,7 @@ class LLMEngine:
         self.kv_cache = KVCache(layout, config.device)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.limits = Limits(self.max_model_len, mcfg.vocab_size)
         self.runner = ModelRunner(model, self.kv_cache, hook)
         eos = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -123,10 +124,6 @@ class LLMEngine:
             ids = list(prompt)
         else:
             raise ValueError("a prompt must be a string or a list of token ids")
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
@@ -140,6 +137,7 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
         req = Request(rid, self.encode_prompt(prompt), params, self.eos_token_ids, detok)
+        validate(req, self.limits, [self.kv_manager])
         self.scheduler.add(req)
         self.requests[rid] = req
         return req

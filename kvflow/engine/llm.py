@@ -7,9 +7,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvflow.engine.engine import EngineConfig, LLMEngine
-from kvflow.engine.request import RequestOutput
-from kvflow.engine.sampling import SamplingParams
-from kvflow.engine.scheduler import SchedulerConfig
+from kvflow.sched.request import RequestOutput
+from kvflow.sched.sampling import SamplingParams
+from kvflow.sched.scheduler import SchedulerConfig
 from kvflow.model.tokenizer import Message
 
 Prompt = str | list[int]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.engine.sampling import sample
-from kvflow.engine.scheduler import SchedulerOutput
+from kvflow.sched.sampling import sample
+from kvflow.sched.scheduler import SchedulerOutput
 from kvflow.kv.cache import KVCache
 from kvflow.model.batch import ForwardBatch, SeqSlice
 from kvflow.model.llama import LayerHook, LlamaModel

@@ -18,7 +18,7 @@ from kvflow.perf.profiled import Profile, Sample
 
 def _engine(model: str | None, max_batch: int, max_tokens: int, threads: int):
     from kvflow.engine.engine import EngineConfig, LLMEngine
-    from kvflow.engine.scheduler import SchedulerConfig
+    from kvflow.sched.scheduler import SchedulerConfig
 
     sched = SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_tokens, prefill_chunk_size=max_tokens)
     return LLMEngine.from_config(EngineConfig(model=model, scheduler=sched, num_threads=threads,
@@ -38,7 +38,7 @@ def _prompts(rng, b: int, s: int, vocab: int) -> list[list[int]]:
 
 def time_prefill(engine, b: int, s: int, repeats: int, rng) -> float:
     """Median seconds of one step that prefills `b` prompts of `s` tokens."""
-    from kvflow.engine.sampling import SamplingParams
+    from kvflow.sched.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     times = []
@@ -55,7 +55,7 @@ def time_prefill(engine, b: int, s: int, repeats: int, rng) -> float:
 
 def time_decode(engine, b: int, c: int, steps: int, rng) -> list[Sample]:
     """Seconds of each of `steps` decode steps of `b` requests whose prompts have `c` tokens."""
-    from kvflow.engine.sampling import SamplingParams
+    from kvflow.sched.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0)
     for p in _prompts(rng, b, c, engine.model.cfg.vocab_size):

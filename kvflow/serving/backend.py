@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvflow.engine.engine import LLMEngine
-from kvflow.engine.request import RequestOutput
-from kvflow.engine.sampling import SamplingParams
+from kvflow.sched.request import RequestOutput
+from kvflow.sched.sampling import SamplingParams
 from kvflow.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

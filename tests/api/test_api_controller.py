@@ -13,7 +13,7 @@ import pytest
 from kvflow.api.server import BackgroundServer
 from kvflow.controller.controller import Controller
 from kvflow.controller.pipeline import ClusterConfig
-from kvflow.engine.sampling import SamplingParams
+from kvflow.sched.sampling import SamplingParams
 
 from conftest import run_to_completion, tiny_engine
 

@@ -11,7 +11,7 @@ from api_helpers import MODEL, client, post, tiny_backend
 
 from kvflow.api.server import BackgroundServer
 from kvflow.engine.llm import LLM
-from kvflow.engine.sampling import SamplingParams
+from kvflow.sched.sampling import SamplingParams
 
 PROMPT = "w10 w11 w12 w13"
 CHAT = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w30 w31 w32"}]

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from kvflow.engine.sampling import SamplingParams
+from kvflow.sched.sampling import SamplingParams
 from kvflow.kv.cache import KVLayout
 from kvflow.streaming.errors import PeerRejected, StreamingError
 from kvflow.streaming.overlap import KVStreamer, StreamerConfig, attach

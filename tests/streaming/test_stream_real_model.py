@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvflow.engine.engine import EngineConfig, LLMEngine
-from kvflow.engine.sampling import SamplingParams
+from kvflow.sched.sampling import SamplingParams
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint
 from kvflow.model.tokenizer import Tokenizer

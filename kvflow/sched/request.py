@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvflow.engine.sampling import SamplerState, SamplingParams
+from kvflow.sched.sampling import SamplerState, SamplingParams
 from kvflow.model.tokenizer import IncrementalDetokenizer
 
 FinishReason = Literal["stop", "length", "abort", "error"]

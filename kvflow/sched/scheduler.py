@@ -1,0 +1,358 @@
+"""The one scheduling core: admission, block accounting, preemption, chunked prefill and batch
+formation, with the batching policy plugged in. The single-process engine, the pipeline controller
+and the simulator are executors of this class; none of them decides what runs next on its own.
+
+    out = scheduler.schedule()        # a batch: which requests, how many tokens, new blocks
+    sampled = executor.run(out)       # locally, through worker processes, or with modelled times
+    scheduler.update(out, sampled)    # progress, tokens, stop checks, frees
+
+An executor of a pipeline keeps up to `depth` batches in flight: a request belongs to at most one
+in-flight batch, so `schedule()` never picks a request whose previous batch has not returned.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvflow.kv.manager import KVCacheManager, blocks_for
+from kvflow.sched.request import Request, RequestStatus
+
+POLICIES = ("continuous", "microbatch")
+ROLES = ("both", "prompt", "token")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """policy: "continuous" (iteration-level batching with chunked prefill, as vLLM) or "microbatch"
+    (DéjàVu's baseline: fixed microbatches of up to `microbatch_size` requests, KV reserved for
+    prompt + max_tokens at admission, a new microbatch only when one of the `max_in_flight` slots is
+    free). max_num_batched_tokens: tokens one batch may process; prefill_chunk_size: most prompt
+    tokens one request gets per batch; max_num_seqs: running requests at once (continuous)."""
+
+    policy: str = "continuous"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefill_chunk_size: int = 512
+    microbatch_size: int = 8
+    max_in_flight: int = 1
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for key in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "microbatch_size", "max_in_flight"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"SchedulerConfig.{key} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """`num_new_tokens` tokens of `request`, starting at `start` (its computed count when scheduled).
+    `new_block_ids`: blocks this batch added to its table; `reset`: an executor's copy of the table
+    must be replaced by `request.block_ids` (first batch since admission or since a preemption)."""
+
+    request: Request
+    num_new_tokens: int
+    start: int
+    new_block_ids: tuple[int, ...] = ()
+    reset: bool = False
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this batch the request's KV covers all its tokens, so a next token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One batch. `freed`: requests whose blocks were released since the previous batch (finished,
+    aborted or preempted): an executor that mirrors block tables drops them before running it."""
+
+    batch_id: int
+    seqs: list[ScheduledSeq]
+    preempted: list[Request] = field(default_factory=list)
+    freed: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What every request must fit: the context length and the KV pool(s) it will occupy."""
+
+    max_model_len: int
+    vocab_size: int | None = None
+
+
+def validate(request: Request, limits: Limits, pools: list[KVCacheManager]) -> None:
+    """Raise ValueError for a request that could never run (the one admission check of every mode)."""
+    n = request.num_prompt_tokens
+    if n == 0:
+        raise ValueError("prompt is empty")
+    if limits.vocab_size is not None:
+        bad = [t for t in request.prompt_token_ids if not (isinstance(t, int) and 0 <= t < limits.vocab_size)]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {limits.vocab_size}): {bad[:5]}")
+    total = n + request.params.max_tokens
+    if n >= limits.max_model_len:
+        raise ValueError(f"prompt has {n} tokens; the context length is {limits.max_model_len}")
+    if total > limits.max_model_len:
+        raise ValueError(f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
+                         f"exceeds the context length {limits.max_model_len}")
+    for kv in pools:
+        need = blocks_for(total, kv.block_size)
+        if need > kv.num_blocks:
+            raise ValueError(f"request needs up to {need} KV blocks ({total} tokens) but the cache has only "
+                             f"{kv.num_blocks} ({kv.capacity_tokens} tokens); raise the KV cache size")
+
+
+class Scheduler:
+    """Decides, each batch, which requests run and how many of their tokens (see module docstring).
+
+    Roles: "both" runs prompts and tokens; "prompt" runs prompts only and hands a request off
+    (`take_handoffs`) once its first token is sampled; "token" runs decodes only, its requests come
+    in through `add_running` with their KV already in place, and a preempted one is returned to the
+    executor (`SchedulerOutput.preempted`) to be recomputed by a prompt scheduler.
+
+    `admit_hook(request) -> bool`, if given, is asked before a waiting request is admitted (the
+    disaggregated executor reserves the token-side blocks the prompt's KV will be streamed into).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, role: str = "both",
+                 admit_hook: Callable[[Request], bool] | None = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.role = role
+        self.admit_hook = admit_hook
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.in_flight: set[str] = set()  # request ids inside a batch that has not returned
+        self.handoffs: list[Request] = []
+        self.groups: list[list[Request]] = []  # microbatch policy: the fixed microbatches
+        self._freed: list[str] = []
+        self._reset: set[str] = set()  # requests whose next batch must carry the whole table
+        self._ids = itertools.count()
+        self._batches = 0  # scheduled batches not yet returned through update()
+
+    # ------------------------------------------------------------------ admission
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def add_front(self, request: Request) -> None:
+        """Queue a request to be (re)computed before any other waiting one (preempted elsewhere)."""
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+
+    def add_running(self, request: Request) -> None:
+        """Token role: a request whose KV (all tokens but the last) is already in this pool's blocks."""
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = request.num_tokens - 1
+        self.running.append(request)
+        self._reset.add(request.request_id)
+
+    def abort(self, request: Request) -> None:
+        """Finish `request`; its blocks are freed now, or when its in-flight batch returns."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if not request.is_finished:
+            request.finish("abort")
+        if request.request_id not in self.in_flight:
+            self._remove(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_batches_in_flight(self) -> int:
+        return self._batches
+
+    # ------------------------------------------------------------------ the batch
+    def schedule(self) -> SchedulerOutput:
+        if self.config.policy == "microbatch":
+            seqs, preempted = self._schedule_microbatch(), []
+        else:
+            seqs, preempted = self._schedule_continuous()
+        for s in seqs:
+            self.in_flight.add(s.request.request_id)
+        freed, self._freed = self._freed, []
+        if seqs:
+            self._batches += 1
+        return SchedulerOutput(next(self._ids), seqs, preempted, freed)
+
+    def _schedule_continuous(self) -> tuple[list[ScheduledSeq], list[Request]]:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        preempted: list[Request] = []
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.request_id in self.in_flight or req.status is not RequestStatus.RUNNING:
+                continue
+            s = self._take(req, budget, preempted)
+            if s is not None:
+                seqs.append(s)
+                budget -= s.num_new_tokens
+        while (self.role != "token" and self.waiting and not preempted and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            n = min(req.num_pending_tokens, budget, self.config.prefill_chunk_size)
+            if not self.kv.can_ensure(req.block_ids, req.num_computed_tokens + n):
+                break
+            if self.admit_hook is not None and not self.admit_hook(req):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._reset.add(req.request_id)
+            s = self._take(req, budget, preempted)
+            seqs.append(s)
+            budget -= s.num_new_tokens
+        return seqs, preempted
+
+    def _take(self, req: Request, budget: int, preempted: list[Request]) -> ScheduledSeq | None:
+        """Schedule up to a chunk of `req`'s pending tokens, preempting the newest request that is not
+        in flight while blocks are short; None if `req` itself had to be preempted."""
+        n = min(req.num_pending_tokens, budget, self.config.prefill_chunk_size)
+        before = len(req.block_ids)
+        while not self.kv.ensure(req.block_ids, req.num_computed_tokens + n):
+            victim = next((r for r in reversed(self.running) if r.request_id not in self.in_flight), None)
+            assert victim is not None, "the request being scheduled is not in flight"
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return None
+        rid = req.request_id
+        reset = rid in self._reset
+        self._reset.discard(rid)
+        new = tuple(req.block_ids) if reset else tuple(req.block_ids[before:])
+        return ScheduledSeq(req, n, req.num_computed_tokens, new, reset)
+
+    def _schedule_microbatch(self) -> list[ScheduledSeq]:
+        """The next microbatch whose previous pass has returned, or a new one if a slot is free."""
+        for group in self.groups:
+            if not any(r.request_id in self.in_flight for r in group):
+                return [self._whole(r) for r in group]
+        if len(self.groups) >= self.config.max_in_flight or self.role == "token":
+            return []
+        group: list[Request] = []
+        while self.waiting and len(group) < self.config.microbatch_size:
+            req = self.waiting[0]
+            total = req.num_prompt_tokens + req.params.max_tokens  # reserved up front: never preempted
+            if not self.kv.can_ensure(req.block_ids, total):
+                break
+            if self.admit_hook is not None and not self.admit_hook(req):
+                break
+            self.kv.ensure(req.block_ids, total)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._reset.add(req.request_id)
+            group.append(req)
+        if not group:
+            return []
+        self.groups.append(group)
+        return [self._whole(r) for r in group]
+
+    def _whole(self, req: Request) -> ScheduledSeq:
+        reset = req.request_id in self._reset
+        self._reset.discard(req.request_id)
+        return ScheduledSeq(req, req.num_pending_tokens, req.num_computed_tokens, tuple(req.block_ids) if reset else (), reset)
+
+    def add_microbatch(self, requests: list[Request]) -> None:
+        """Token role with the microbatch policy: requests whose KV is in place run as one microbatch."""
+        for r in requests:
+            self.add_running(r)
+        self.groups.append(list(requests))
+
+    # ------------------------------------------------------------------ results
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a returned batch: progress, sampled tokens, stop checks; frees what finished.
+        Returns the requests that got a token or finished."""
+        if out.seqs:
+            self._batches -= 1
+        changed = []
+        for s in out.seqs:
+            req = s.request
+            self.in_flight.discard(req.request_id)
+            if req.is_finished:  # aborted while in flight
+                self._remove(req)
+                changed.append(req)
+                continue
+            req.num_computed_tokens = s.end
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            reason = req.append_token(tok, self.max_model_len)
+            if reason is not None:
+                req.finish(reason)
+                self._remove(req)
+            elif self.role == "prompt":
+                self._remove(req)  # its KV has been streamed to the token side during this batch
+                req.status = RequestStatus.WAITING
+                self.handoffs.append(req)
+            changed.append(req)
+        return changed
+
+    def take_handoffs(self) -> list[Request]:
+        """Prompt role: requests whose prompt is done and first token sampled, in order."""
+        out, self.handoffs = self.handoffs, []
+        return out
+
+    def fail_all(self) -> list[Request]:
+        """Forget every request (the pipeline failed); returns them. Blocks are released."""
+        reqs = list(self.waiting) + self.running
+        for r in self.running:
+            if r.block_ids:
+                self.kv.release(r.block_ids)
+        self.waiting.clear()
+        self.running.clear()
+        self.groups.clear()
+        self.in_flight.clear()
+        self._batches = 0
+        return reqs
+
+    # ------------------------------------------------------------------ helpers
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        if self.role == "token":
+            req.status = RequestStatus.WAITING  # the executor sends it to a prompt scheduler
+        else:
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+
+    def _remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        for g in self.groups:
+            if req in g:
+                g.remove(req)
+        self.groups = [g for g in self.groups if g]
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self._reset.discard(req.request_id)
+        if req.block_ids:
+            self.kv.release(req.block_ids)
+            self._freed.append(req.request_id)
