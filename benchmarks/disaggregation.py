@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from kvflow.controller.controller import Controller
-from kvflow.controller.pipeline import ClusterConfig
+from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.sched.sampling import SamplingParams
 from kvflow.simulator.workload import LengthDist, poisson_arrivals
 
 LAYOUTS = {
-    "Baseline-2": dict(mode="colocated", depth=2),
-    "kvflow-1-1": dict(mode="disaggregated", prompt_depth=1, token_depth=1),
+    "Baseline-2": dict(mode="colocated", depth=2, policy="microbatch"),  # the paper's microbatch-level scheduling
+    "kvflow-1-1": dict(mode="disaggregated", prompt_depth=1, token_depth=1, policy="microbatch"),
 }
 
 
@@ -86,8 +86,8 @@ async def main_async(args) -> dict:
     dist = LengthDist("lognormal", median=141 / args.length_scale, p90=491 / args.length_scale, max_len=args.max_output)
     ctrls = {}
     for name, kw in LAYOUTS.items():
-        cfg = ClusterConfig(model=args.model, microbatch_size=args.microbatch, prompt_microbatch_size=args.prompt_microbatch,
-                            num_kv_blocks=args.kv_blocks, heartbeat_timeout_s=30.0, **kw)
+        cfg = ClusterConfig(engine=EngineConfig(model=args.model, num_kv_blocks=args.kv_blocks), microbatch_size=args.microbatch,
+                            prompt_microbatch_size=args.prompt_microbatch, heartbeat_timeout_s=30.0, **kw)
         ctrls[name] = Controller(cfg)
         await ctrls[name].start()
         print(f"started {name}: {[s.name for s in ctrls[name].stages.values()]}", flush=True)

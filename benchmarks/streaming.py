@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from kvflow.engine.engine import EngineConfig, LLMEngine
+from kvflow.config import EngineConfig
+
+from kvflow.engine.engine import LLMEngine
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import SchedulerConfig
 from kvflow.kv.cache import KVCache, KVLayout

@@ -12,7 +12,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
-from kvflow.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from kvflow.config import EngineConfig  # noqa: E402
+
+from kvflow.engine.engine import LLMEngine
 from kvflow.sched.scheduler import SchedulerConfig  # noqa: E402
 from kvflow.kv.cache import KVCache, KVLayout  # noqa: E402
 from kvflow.model.config import ModelConfig, RopeScaling  # noqa: E402

@@ -10,8 +10,10 @@ import time
 import pytest
 
 from kvflow.controller.controller import Controller
-from kvflow.controller.pipeline import ClusterConfig, even_split
+from kvflow.config import ClusterConfig, EngineConfig
+from kvflow.controller.pipeline import even_split
 from kvflow.sched.sampling import SamplingParams
+from kvflow.sched.scheduler import SchedulerConfig
 
 from conftest import run_to_completion, tiny_engine
 
@@ -49,9 +51,9 @@ def serve(cfg: ClusterConfig, prompts, lengths):
     return asyncio.run(main())
 
 
-def _cfg(tiny_ckpt_dir, **kw) -> ClusterConfig:
-    base = dict(model=str(tiny_ckpt_dir), num_kv_blocks=128, block_size=4, microbatch_size=2, prompt_microbatch_size=2,
-                heartbeat_timeout_s=10.0)
+def _cfg(tiny_ckpt_dir, num_kv_blocks=128, **kw) -> ClusterConfig:
+    base = dict(engine=EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=num_kv_blocks, block_size=4), microbatch_size=2,
+                prompt_microbatch_size=2, heartbeat_timeout_s=10.0)
     base.update(kw)
     return ClusterConfig(**base)
 
@@ -72,11 +74,46 @@ def test_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, kw):
     assert stats.generated_tokens_total == sum(LENGTHS)
 
 
+LONG = [list(range(3, 3 + 30)), list(range(40, 68)), [7] * 26, list(range(60, 91))]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(mode="colocated", depth=1), dict(mode="colocated", depth=2), dict(mode="disaggregated", prompt_depth=1, token_depth=1),
+     dict(mode="disaggregated", prompt_depth=1, token_depth=2), dict(mode="disaggregated", prompt_depth=2, token_depth=1)],
+    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1"],
+)
+def test_chunked_prefill_and_preemption_under_a_small_kv_budget(tiny_ckpt_dir, kw):
+    # 4 requests of ~30 prompt + 14 output tokens = 11 blocks each of 4 tokens; 24 blocks cannot hold them
+    # all, so running requests are preempted (recompute) and come back; prompts arrive in 8-token chunks.
+    lengths = [14, 14, 14, 14]
+    sched = SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)
+    cfg = ClusterConfig(engine=EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=24, block_size=4, scheduler=sched),
+                        microbatch_size=4, prompt_microbatch_size=4, heartbeat_timeout_s=30.0, **kw)
+
+    async def main():
+        ctrl = Controller(cfg)
+        await ctrl.start()
+        try:
+            results = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(LONG, lengths))])
+            return results, ctrl.preemptions, [p.kv.num_free_blocks for p in ctrl.pipelines], {p.name: p.batch_log for p in ctrl.pipelines}
+        finally:
+            await ctrl.shutdown()
+
+    results, preemptions, free, logs = asyncio.run(main())
+    assert [t for t, _ in results] == reference(LONG, lengths)
+    assert preemptions > 0, "the budget was meant to force preemption"
+    first = logs["prompt" if kw["mode"] == "disaggregated" else "colocated"]
+    assert any(0 < n < len(LONG[int(rid[1:])]) for _, seqs in first for rid, n in seqs), "prompts were meant to be chunked"
+    assert free == [24] * len(free), "KV blocks leaked"
+
+
 def test_early_finishing_microbatch_is_replaced(tiny_ckpt_dir):
-    # microbatch size 2, depth 1: one slot. r0 stops after 1 token, r1 after 8; r2 and r3 must start
-    # as soon as the whole first microbatch is done, and all outputs must match the engine.
+    # DejaVu's microbatch baseline policy, microbatch size 2, depth 1: one slot. r0 stops after 1 token,
+    # r1 after 8; r2 and r3 must start as soon as the whole first microbatch is done, and all outputs
+    # must match the engine.
     prompts, lengths = PROMPTS[:4], [1, 8, 2, 2]
-    results, _, _ = serve(_cfg(tiny_ckpt_dir, mode="colocated", depth=1), prompts, lengths)
+    results, _, _ = serve(_cfg(tiny_ckpt_dir, mode="colocated", depth=1, policy="microbatch"), prompts, lengths)
     assert [t for t, _ in results] == reference(prompts, lengths)
     first_done = results[1][1].finish_time
     assert results[2][1].first_token_time >= first_done - 1e-3  # microbatch-level: joined after mb 0 ended
@@ -151,3 +188,5 @@ def test_bad_configs_and_requests_rejected(tiny_ckpt_dir):
         even_split(2, 3)
     with pytest.raises(ValueError, match="positive"):
         ClusterConfig(microbatch_size=0)
+    with pytest.raises(ValueError, match="policy"):
+        ClusterConfig(policy="fifo")

@@ -29,6 +29,11 @@ def register(sub) -> None:
     s.add_argument("--token-depth", type=int, default=None, help="disaggregated: token pipeline depth")
     s.add_argument("--prompt-microbatch", type=int, default=None, help="disaggregated: prompt microbatch size")
     s.add_argument("--token-microbatch", type=int, default=None, help="token microbatch size")
+    s.add_argument("--policy", default="continuous", choices=["continuous", "microbatch"],
+                   help="pipeline modes: continuous batching with chunked prefill (default), or DejaVu's microbatch baseline")
+    s.add_argument("--internal-host", default=None,
+                   help="pipeline modes: interface the controller and workers bind for their internal sockets "
+                        "(default 127.0.0.1, whatever --host the HTTP server uses)")
     s.add_argument("--external-workers", action="store_true",
                    help="do not spawn workers: print the `kvflow worker` commands to start (e.g. on other hosts) and wait")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -75,17 +80,20 @@ def _check_mode(args) -> None:
 
 
 def _controller(args):
+    from kvflow.config import ClusterConfig, EngineConfig
     from kvflow.controller.controller import Controller
-    from kvflow.controller.pipeline import ClusterConfig
+    from kvflow.controller.launcher import ExternalLauncher, SubprocessLauncher
     from kvflow.kv.cache import KVLayout
     from kvflow.model.loader import load_config
+    from kvflow.sched.scheduler import SchedulerConfig
 
-    if args.dtype != "float32" or args.device != "cpu":
-        raise ValueError("pipeline modes run float32 on the CPU for now")
     mc, _ = load_config(args.model)
-    per_block = KVLayout.for_model(mc, 1, 16).bytes_per_block
-    kw = dict(mode=args.mode, model=args.model, max_model_len=args.max_model_len, threads_per_worker=args.threads or 1,
-              num_kv_blocks=max(1, int(args.kv_cache_gb * 2**30 // per_block)), host=args.host)
+    per_block = KVLayout.for_model(mc, 1, 16, dtype=EngineConfig(dtype=args.dtype).torch_dtype).bytes_per_block
+    engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                          num_kv_blocks=max(1, int(args.kv_cache_gb * 2**30 // per_block)),
+                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+    kw = dict(engine=engine, mode=args.mode, threads_per_worker=args.threads or 1, host=args.internal_host or "127.0.0.1",
+              policy=args.policy)
     if args.mode == "colocated":
         kw["depth"] = args.depth or 2
     else:
@@ -93,13 +101,11 @@ def _controller(args):
         kw["token_depth"] = args.token_depth or 1
         kw["prompt_microbatch_size"] = args.prompt_microbatch or 4
     kw["microbatch_size"] = args.token_microbatch or 8
-    ctrl = Controller(ClusterConfig(**kw), args.served_model_name, spawn=not args.external_workers)
+    launcher = ExternalLauncher() if args.external_workers else SubprocessLauncher()
+    ctrl = Controller(ClusterConfig(**kw), args.served_model_name, launcher)
     if args.external_workers:
-        print(f"[kvflow] controller at {ctrl.address}; start these workers (same model file on each host):", file=sys.stderr)
-        for p in ctrl.pipelines:
-            for st in p.stages:
-                print(f"  kvflow worker --controller {ctrl.address} --name {st.name} --layers {st.layers[0]}:{st.layers[1]} "
-                      f"--role {p.role} --num-kv-blocks {ctrl.cfg.num_kv_blocks} --host <this-host>", file=sys.stderr)
+        print(f"[kvflow] controller at {ctrl.address}; start these workers (same model file on each host; they "
+              f"receive every other setting from the controller):", file=sys.stderr)
     return ctrl
 
 
@@ -108,7 +114,8 @@ def run_serve(args) -> int:
     from kvflow.api.server import serve
 
     if args.mode == "engine":
-        from kvflow.engine.engine import EngineConfig, LLMEngine
+        from kvflow.config import EngineConfig
+        from kvflow.engine.engine import LLMEngine
         from kvflow.sched.scheduler import SchedulerConfig
         from kvflow.serving.backend import EngineBackend
 

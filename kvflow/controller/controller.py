@@ -1,86 +1,96 @@
 """The controller: a `Backend` that serves requests with pipelines of worker processes.
 
-One thread owns all scheduling state. Its loop, per event: `handle(message)` (a microbatch's
-logits, KV arrival, heartbeat, worker error), then `schedule()` (fill free microbatch slots).
-Colocated: `depth` microbatches circulate through one pipeline; each returns to the controller
-after the last stage, gets its next tokens sampled, and goes round again; a microbatch whose
-requests all finished is replaced by a new one (microbatch-level scheduling, DéjàVu's improved
-baseline). Disaggregated: prompt microbatches go through the prompt pipeline, whose workers stream
-each layer's KV to the token workers; a request joins a token microbatch once its first token is
-sampled and every token stage has reported its KV complete.
+It is an executor of the one scheduling core (`kvflow.sched`): each pipeline has a `Scheduler`, and
+the controller keeps up to `depth` of its batches in flight (a batch queue, as vLLM does for
+pipeline parallelism). One thread owns all state; per loop: handle messages (a batch's logits →
+sample → `scheduler.update`; KV arrivals; heartbeats), take new and aborted requests, check
+liveness, then `scheduler.schedule()` while a pipeline has a free slot and send each batch to its
+stage 0 as a delta `Step` with the current epoch.
+
+Colocated: one pipeline, role "both" (continuous batching with chunked prefill and preemption, or
+the "microbatch" baseline policy). Disaggregated: a prompt pipeline (role "prompt") whose admission
+reserves the blocks the prompt's KV will occupy on the token side; the KV connector's plan rides on
+the prompt step and the prompt workers stream each layer's KV as it is written; a request joins
+the token pipeline (role "token") once its first token is sampled and every token stage reported
+its KV complete. A request preempted on the token side is recomputed by the prompt pipeline.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import torch
 import zmq
 
-from kvflow.controller.messages import Free, Heartbeat, KVArrived, Ready, SeqStep, Shutdown, Step, StepResult, Wire, WorkerError, decode, encode
-from kvflow.controller.pipeline import ClusterConfig, Pipeline, StageHandle, even_split, spawn_stage
-from kvflow.sched.request import Request, RequestOutput
-from kvflow.sched.sampling import SamplingParams, sample
-from kvflow.sched.scheduler import Limits, validate
+from kvflow.config import ClusterConfig, WorkerSpec, to_dict
+from kvflow.controller.launcher import Launcher, SubprocessLauncher
+from kvflow.controller.pipeline import Pipeline, StageHandle, even_split
 from kvflow.kv.manager import KVCacheManager
 from kvflow.model.loader import load_config
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvflow.sched.request import Request, RequestOutput
+from kvflow.sched.sampling import SamplingParams, sample
+from kvflow.sched.scheduler import Limits, Scheduler, SchedulerOutput, validate
 from kvflow.serving.backend import BackendStats, drain
+from kvflow.streaming.connector import plan_handoff
+from kvflow.wire import (
+    Heartbeat, Hello, KVArrived, KVOut, Ready, SeqStep, Setup, Shutdown, Step, StepResult, Wire, WireError, WorkerError,
+    decode, encode, new_secret,
+)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Microbatch:
-    id: int
-    pipeline: Pipeline
-    requests: list[Request]
-    steps: int = 0
 
 
 class Controller:
     """Implements `kvflow.serving.backend.Backend` over worker processes (see module docstring)."""
 
-    def __init__(self, cfg: ClusterConfig, model_name: str | None = None, spawn: bool = True) -> None:
+    def __init__(self, cfg: ClusterConfig, model_name: str | None = None, launcher: Launcher | None = None) -> None:
         self.cfg = cfg
-        mc, directory = load_config(cfg.model)  # converts a GGUF once, before the workers look for it
+        ecfg = cfg.engine
+        mc, directory = load_config(ecfg.model)  # converts a GGUF once, before the workers look for it
         self.tokenizer = Tokenizer(directory)
         self.model_name = model_name or mc.name
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = min(ecfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
+        self.limits = Limits(self.max_model_len, mc.vocab_size)
         eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.eos_token_ids = tuple(sorted(eos))
-        self.spawn = spawn
+        self.launcher = launcher if launcher is not None else SubprocessLauncher()
+        self.secret = new_secret()
+        self.epoch = 0
         self.pipelines: list[Pipeline] = []
-        for name, role, depth, mbs in cfg.pipelines():
-            stages = [StageHandle(f"{name}-{i}", layers) for i, layers in enumerate(even_split(mc.num_layers, depth))]
-            self.pipelines.append(Pipeline(name, role, mbs, stages, KVCacheManager(cfg.num_kv_blocks, cfg.block_size), depth))
+        for spec in cfg.pipelines():
+            stages = [StageHandle(f"{spec.name}-{i}", i, layers) for i, layers in enumerate(even_split(mc.num_layers, spec.depth))]
+            kv = KVCacheManager(ecfg.num_kv_blocks, ecfg.block_size)
+            hook = self._reserve_token_blocks if spec.role == "prompt" else None
+            sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role, hook)
+            self.pipelines.append(Pipeline(spec, stages, kv, sched))
         self.stages = {s.name: s for p in self.pipelines for s in p.stages}
+        self.token = self.pipelines[-1] if cfg.mode == "disaggregated" else None
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         port = self.inbox.bind_to_random_port(f"tcp://{cfg.host}")
         self.address = f"tcp://{cfg.host}:{port}"
         self.to_stage: dict[str, zmq.Socket] = {}
-        # scheduling state (owned by the loop thread once started)
+        # state owned by the loop thread once started
         self.submissions: deque = deque()
-        self.waiting: deque[Request] = deque()
-        self.ready: deque[Request] = deque()  # disaggregated: first token sampled, KV at every token stage
+        self.sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.reqs: dict[str, Request] = {}  # every request not yet finished, or still holding blocks
+        self.token_tables: dict[str, list[int]] = {}  # disaggregated: token-side blocks reserved per request
         self.kv_pending: dict[str, set[str]] = {}  # rid -> token stages whose KV has not arrived
-        self.prompt_blocks: dict[str, list[int]] = {}
-        self.in_flight: dict[int, Microbatch] = {}
-        self.sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # who to tell
-        self.reqs: dict[str, Request] = {}  # every request still holding (or about to hold) KV blocks
-        self.mb_ids = itertools.count()
+        self.handed_off: dict[str, Request] = {}  # first token sampled, waiting for its KV
+        self.ready: deque[Request] = deque()  # microbatch policy on the token side: KV in place
         self.failure: str | None = None
         self.generated = 0
         self.prompt_tokens = 0
+        self.dropped_messages = 0
+        self.preemptions = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -89,46 +99,54 @@ class Controller:
         await asyncio.get_running_loop().run_in_executor(None, self.start_blocking)
 
     def start_blocking(self) -> None:
-        if self.spawn:
-            for p in self.pipelines:
-                for s in p.stages:
-                    s.process = spawn_stage(self.cfg, self.address, s.name, p.role, s.layers)
-        self._await_ready()
-        token = self.pipelines[-1]
+        for s in self.stages.values():
+            s.process = self.launcher.start(s.name, self.address, self.cfg.host, self.secret)
+        self._handshake()
+        bounds = self.token.layer_bounds if self.token is not None else []
         for p in self.pipelines:
             for i, s in enumerate(p.stages):
                 nxt = p.stages[i + 1].step_addr if i + 1 < p.depth else self.address
-                peers = [(t.layers[0], t.layers[1], t.kv_addr) for t in token.stages] if p.role == "prompt" else []
-                self.to_stage[s.name].send_multipart(encode(Wire(nxt, peers)))
+                peers = [[t.stage, t.layers[0], t.layers[1], t.kv_addr] for t in self.token.stages] if p.role == "prompt" else []
+                self._send_to(s.name, Wire(nxt, peers, bounds))
         now = time.monotonic()
         for s in self.stages.values():
             s.last_heartbeat = now
         self._thread = threading.Thread(target=self._loop, name="kvflow-controller", daemon=True)
         self._thread.start()
 
-    def _await_ready(self) -> None:
+    def _handshake(self) -> None:
+        """Hello -> Setup (spec + engine config) -> Ready, for every stage."""
         deadline = time.monotonic() + self.cfg.start_timeout_s
-        pending = set(self.stages)
-        while pending:
-            for name in pending:
+        roles = {s.name: p.role for p in self.pipelines for s in p.stages}
+        hello, ready = set(self.stages), set(self.stages)
+        while ready:
+            for name in ready:
                 proc = self.stages[name].process
                 if proc is not None and proc.poll() is not None:
                     self._kill_all()
-                    raise RuntimeError(f"worker {name} exited with code {proc.returncode} during start-up")
+                    raise RuntimeError(f"worker {name} exited with code {proc.poll()} during start-up")
             if time.monotonic() > deadline:
                 self._kill_all()
-                raise RuntimeError(f"workers {sorted(pending)} did not start within {self.cfg.start_timeout_s}s")
+                raise RuntimeError(f"workers {sorted(ready)} did not start within {self.cfg.start_timeout_s}s")
             if not self.inbox.poll(200):
                 continue
-            msg, _ = decode(self.inbox.recv_multipart())
-            if isinstance(msg, Ready) and msg.name in pending:
+            msg = self._decode(self.inbox.recv_multipart())[0]
+            if isinstance(msg, Hello) and msg.name in hello:
                 s = self.stages[msg.name]
-                s.step_addr, s.kv_addr = msg.step_addr, msg.kv_addr
+                s.step_addr = msg.step_addr
                 sock = self.ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(msg.step_addr)
                 self.to_stage[msg.name] = sock
-                pending.discard(msg.name)
+                hello.discard(msg.name)
+                spec = WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], roles[s.name], self.cfg.threads_per_worker)
+                self._send_to(s.name, Setup(to_dict(spec), to_dict(self.cfg.engine), self.epoch))
+            elif isinstance(msg, Ready) and msg.name in ready and msg.name not in hello:
+                self.stages[msg.name].kv_addr = msg.kv_addr
+                ready.discard(msg.name)
+            elif isinstance(msg, WorkerError):
+                self._kill_all()
+                raise RuntimeError(f"worker {msg.name} failed: {msg.message}")
 
     async def shutdown(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown_blocking)
@@ -137,9 +155,9 @@ class Controller:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
-        for sock in self.to_stage.values():
+        for name in self.to_stage:
             try:
-                sock.send_multipart(encode(Shutdown()), flags=zmq.NOBLOCK)
+                self.to_stage[name].send_multipart(encode(Shutdown(), self.secret), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         deadline = time.monotonic() + 5.0
@@ -163,8 +181,8 @@ class Controller:
 
     def stats(self) -> BackendStats:
         return BackendStats(
-            waiting_requests=len(self.waiting) + len(self.ready),
-            running_requests=sum(len(m.requests) for m in list(self.in_flight.values())),
+            waiting_requests=sum(len(p.sched.waiting) for p in self.pipelines) + len(self.handed_off) + len(self.ready),
+            running_requests=sum(len(p.sched.running) for p in self.pipelines),
             generated_tokens_total=self.generated,
             prompt_tokens_total=self.prompt_tokens,
             kv_bytes_streamed_total=sum(s.kv_bytes_sent for s in self.stages.values()),
@@ -175,7 +193,7 @@ class Controller:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, detok)
-        validate(req, Limits(self.max_model_len, self.vocab_size), [p.kv for p in self.pipelines])
+        validate(req, self.limits, [p.kv for p in self.pipelines])
         queue: asyncio.Queue = asyncio.Queue()
         self.submissions.append(("add", req, (asyncio.get_running_loop(), queue)))
 
@@ -187,6 +205,17 @@ class Controller:
             yield out
 
     # ------------------------------------------------------------------ the loop
+    def _decode(self, frames: list):
+        try:
+            return decode(frames, self.secret)
+        except WireError as e:
+            self.dropped_messages += 1
+            log.warning("dropped a message on the controller port: %s", e)
+            return None, None
+
+    def _send_to(self, name: str, msg, tensor=None) -> None:
+        self.to_stage[name].send_multipart(encode(msg, self.secret, tensor))
+
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
@@ -197,7 +226,9 @@ class Controller:
                         frames = self.inbox.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._handle(*decode(frames))
+                    msg, tensor = self._decode(frames)
+                    if msg is not None:
+                        self._handle(msg, tensor)
             self._take_submissions()
             self._check_liveness()
             if self.failure is None:
@@ -206,135 +237,132 @@ class Controller:
     def _take_submissions(self) -> None:
         while self.submissions:
             kind, req, sink = self.submissions.popleft()
+            rid = req.request_id
             if kind == "add":
-                self.sinks[req.request_id] = sink
-                self.reqs[req.request_id] = req
+                self.sinks[rid] = sink
+                self.reqs[rid] = req
                 self.prompt_tokens += req.num_prompt_tokens
                 if self.failure is not None:
                     self._finish(req, "error", self.failure)
                 else:
-                    self.waiting.append(req)
-            elif not req.is_finished:  # abort: free now unless a step still writes its KV
-                req.finish("abort")
-                for q in (self.waiting, self.ready):
-                    if req in q:
-                        q.remove(req)
-                self._release(req)
-                self.sinks.pop(req.request_id, None)
+                    self.pipelines[0].sched.add(req)
+            elif not req.is_finished:  # the client went away
+                self.sinks.pop(rid, None)
+                for p in self.pipelines:
+                    if req in p.sched.waiting or req in p.sched.running:
+                        p.sched.abort(req)
+                if not req.is_finished:  # handed off, or queued for a token microbatch
+                    req.finish("abort")
+                    if req in self.ready:
+                        self.ready.remove(req)
+                self._settle(req)
 
     def _handle(self, msg, tensor: torch.Tensor | None) -> None:
         if isinstance(msg, StepResult):
-            self._on_result(msg, tensor)
+            if msg.epoch == self.epoch:
+                self._on_result(msg, tensor)
+            else:
+                self.dropped_messages += 1  # a result from before a recovery
         elif isinstance(msg, KVArrived):
             for rid in msg.rids:
-                waiting_for = self.kv_pending.get(rid)
-                if waiting_for is None:
+                pending = self.kv_pending.get(rid)
+                if pending is None:
                     continue
-                waiting_for.discard(msg.name)
-                if not waiting_for:
+                pending.discard(msg.name)
+                if not pending:
                     del self.kv_pending[rid]
-                    req = self.reqs.get(rid)
-                    if req is None:
-                        continue
-                    if req.is_finished:
-                        self._release(req)
-                    elif req.output_token_ids:
-                        self.ready.append(req)
+                    req = self.handed_off.pop(rid, None)
+                    if req is not None:
+                        self._to_token_side(req)
+                    elif rid in self.reqs and self.reqs[rid].is_finished:
+                        self._settle(self.reqs[rid])
         elif isinstance(msg, Heartbeat):
             s = self.stages.get(msg.name)
             if s is not None:
                 s.last_heartbeat = time.monotonic()
-                s.busy_s, s.kv_bytes_sent = msg.busy_s, msg.kv_bytes_sent
+                s.busy_s, s.kv_bytes_sent, s.dropped_messages = msg.busy_s, msg.kv_bytes_sent, msg.dropped_messages
         elif isinstance(msg, WorkerError):
             self._fail(f"worker {msg.name} failed: {msg.message}")
 
     # ------------------------------------------------------------------ scheduling
     def _schedule(self) -> None:
-        first = self.pipelines[0]
-        while self._count(first) < first.max_in_flight and self.waiting:
-            reqs = self._admit(first)
-            if not reqs:
-                break
-            kv_to = {}
-            if first.role == "prompt":
-                kv_to = {r.request_id: r.block_ids for r in reqs}
-                for r in reqs:
-                    self.kv_pending[r.request_id] = {s.name for s in self.pipelines[1].stages}
-            self._send(Microbatch(next(self.mb_ids), first, reqs), prompt=True, kv_to=kv_to)
-        if len(self.pipelines) == 2:
-            token = self.pipelines[1]
-            while self._count(token) < token.max_in_flight and self.ready:
-                reqs = [self.ready.popleft() for _ in range(min(token.microbatch_size, len(self.ready)))]
-                self._send(Microbatch(next(self.mb_ids), token, reqs), prompt=False)
-
-    def _count(self, p: Pipeline) -> int:
-        return sum(1 for m in self.in_flight.values() if m.pipeline is p)
-
-    def _admit(self, p: Pipeline) -> list[Request]:
-        """Up to a microbatch of waiting requests whose KV fits now (blocks reserved for prompt + max_tokens)."""
-        reqs: list[Request] = []
-        token_kv = self.pipelines[-1].kv
-        while self.waiting and len(reqs) < p.microbatch_size:
-            r = self.waiting[0]
-            total = r.num_prompt_tokens + r.params.max_tokens
-            if p.role == "prompt":
-                table: list[int] = []
-                if not token_kv.can_ensure(r.block_ids, total) or not p.kv.ensure(table, r.num_prompt_tokens):
+        if self.token is not None and self.token.sched.config.policy == "microbatch":
+            while self.ready and len(self.token.sched.groups) < self.token.depth:
+                n = min(self.token.spec.microbatch_size, len(self.ready))
+                self.token.sched.add_microbatch([self.ready.popleft() for _ in range(n)])
+        for p in self.pipelines:
+            while len(p.in_flight) < p.depth:
+                out = p.sched.schedule()
+                self.preemptions += len(out.preempted)
+                for r in out.preempted:
+                    self._preempted(p, r)
+                if out.is_empty:
+                    p.pending_free += out.freed
                     break
-                token_kv.ensure(r.block_ids, total)
-                self.prompt_blocks[r.request_id] = table
-            elif not p.kv.ensure(r.block_ids, total):
-                break
-            reqs.append(self.waiting.popleft())
-        return reqs
+                self._send(p, out)
 
-    def _send(self, mb: Microbatch, prompt: bool, kv_to: dict[str, list[int]] | None = None) -> None:
+    def _reserve_token_blocks(self, req: Request) -> bool:
+        """Prompt admission (disaggregated): the token-side blocks this request's KV will land in."""
+        table = self.token_tables.setdefault(req.request_id, [])
+        return self.token.kv.ensure(table, req.num_tokens)
+
+    def _send(self, p: Pipeline, out: SchedulerOutput) -> None:
         seqs, ids = [], []
-        for r in mb.requests:
-            if prompt:
-                blocks = self.prompt_blocks.get(r.request_id, r.block_ids)
-                seqs.append(SeqStep(r.request_id, r.num_prompt_tokens, r.num_prompt_tokens, list(blocks)))
-                ids.extend(r.prompt_token_ids)
-            else:
-                seqs.append(SeqStep(r.request_id, 1, r.num_tokens, list(r.block_ids)))
-                ids.append(r.token_ids[-1])
-        self.in_flight[mb.id] = mb
-        head = mb.pipeline.stages[0].name
-        self.to_stage[head].send_multipart(encode(Step(mb.id, mb.steps, seqs, ids, kv_to or {})))
+        for s in out.seqs:
+            r = s.request
+            seqs.append(SeqStep(r.request_id, s.start, s.num_new_tokens, list(s.new_block_ids), s.reset))
+            ids.extend(r.token_ids[s.start:s.end])
+        kv_out, kv_plan = [], []
+        if p.role == "prompt":
+            token_names = {t.name for t in self.token.stages}
+            for s in out.seqs:
+                rid = s.request.request_id
+                kv_out.append(KVOut(rid, s.start, s.end, s.request.num_tokens, list(self.token_tables[rid])))
+                if s.start == 0:
+                    self.kv_pending[rid] = set(token_names)
+            kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(out.seqs))]
+        free, p.pending_free = p.pending_free + out.freed, []
+        p.in_flight[out.batch_id] = out
+        p.batch_log.append((out.batch_id, [(s.request.request_id, s.num_new_tokens) for s in out.seqs]))
+        self._send_to(p.stages[0].name, Step(self.epoch, out.batch_id, seqs, ids, free, kv_out, kv_plan))
 
     def _on_result(self, msg: StepResult, logits: torch.Tensor) -> None:
-        mb = self.in_flight.pop(msg.mb, None)
-        if mb is None:
-            return  # a microbatch failed meanwhile
-        mb.steps += 1
-        live = [(i, r) for i, r in enumerate(mb.requests) if not r.is_finished]
-        if live:
-            rows = [i for i, _ in live]
-            reqs = [r for _, r in live]
-            toks = sample(logits[rows], [r.params for r in reqs], [r.sampler for r in reqs], [r.banned_token_ids() for r in reqs])
-            for r, t in zip(reqs, toks):
-                r.num_computed_tokens = r.num_tokens
-                self.generated += 1
-                reason = r.append_token(t, self.max_model_len)
-                if reason is not None:
-                    r.finish(reason)
-        for r in mb.requests:  # free before telling the client, so a finished request holds nothing
-            if r.is_finished:
-                self._release(r)
-        for _, r in live:
-            self._emit(r)
-            if r.is_finished:
-                self.sinks.pop(r.request_id, None)
-        if mb.pipeline.role == "prompt":
-            for r in mb.requests:
-                self._release_prompt_blocks(r.request_id)
-                if not r.is_finished and r.request_id not in self.kv_pending:
-                    self.ready.append(r)
+        p = next((p for p in self.pipelines if msg.batch in p.in_flight), None)
+        if p is None:
             return
-        remaining = [r for r in mb.requests if not r.is_finished]
-        if remaining:  # round again; a microbatch with none left frees its slot for a new one
-            mb.requests = remaining
-            self._send(mb, prompt=False)
+        out = p.in_flight.pop(msg.batch)
+        rows = [i for i, s in enumerate(out.seqs) if s.completes_prompt and not s.request.is_finished]
+        sampled: dict[str, int] = {}
+        if rows:
+            reqs = [out.seqs[i].request for i in rows]
+            toks = sample(logits[rows], [r.params for r in reqs], [r.sampler for r in reqs], [r.banned_token_ids() for r in reqs])
+            sampled = {r.request_id: t for r, t in zip(reqs, toks)}
+            self.generated += len(toks)
+        changed = p.sched.update(out, sampled)
+        for req in changed:
+            self._emit(req)
+            if req.is_finished:
+                self._settle(req)
+        for req in p.sched.take_handoffs():
+            if req.request_id in self.kv_pending:
+                self.handed_off[req.request_id] = req
+            else:
+                self._to_token_side(req)
+
+    def _to_token_side(self, req: Request) -> None:
+        if req.is_finished:
+            self._settle(req)
+            return
+        req.block_ids = self.token_tables.pop(req.request_id)
+        if self.token.sched.config.policy == "microbatch":
+            self.ready.append(req)
+        else:
+            self.token.sched.add_running(req)
+
+    def _preempted(self, p: Pipeline, req: Request) -> None:
+        """A token-side preemption (disaggregated): the request is recomputed by the prompt pipeline."""
+        if p.role == "token":
+            self.pipelines[0].sched.add_front(req)
 
     # ------------------------------------------------------------------ endings
     def _emit(self, req: Request) -> None:
@@ -342,31 +370,25 @@ class Controller:
         if sink is not None:
             loop, q = sink
             loop.call_soon_threadsafe(q.put_nowait, req.take_output())
+            if req.is_finished:
+                self.sinks.pop(req.request_id, None)
 
     def _finish(self, req: Request, reason, error: str | None = None) -> None:
         req.finish(reason, error)
         self._emit(req)
-        self.sinks.pop(req.request_id, None)
 
-    def _release(self, req: Request) -> None:
-        """Free a finished request's blocks unless a microbatch step or a KV transfer may still write them."""
-        if any(req in m.requests for m in self.in_flight.values()):
-            return
-        self._release_prompt_blocks(req.request_id)
-        if req.request_id not in self.kv_pending and self.reqs.pop(req.request_id, None) is not None:
-            self._release_token_blocks(req)
-
-    def _release_prompt_blocks(self, rid: str) -> None:
-        table = self.prompt_blocks.pop(rid, None)
+    def _settle(self, req: Request) -> None:
+        """A finished request: free its token-side reservation once no KV is still on its way."""
+        rid = req.request_id
+        self.handed_off.pop(rid, None)
+        if rid in self.kv_pending:
+            return  # freed when the last token stage reports the KV in
+        table = self.token_tables.pop(rid, None)
         if table:
-            self.pipelines[0].kv.release(table)
-
-    def _release_token_blocks(self, req: Request) -> None:
-        if req.block_ids:
-            self.pipelines[-1].kv.release(req.block_ids)
-        if self.pipelines[-1].role == "token":
-            for s in self.pipelines[-1].stages:
-                self.to_stage[s.name].send_multipart(encode(Free([req.request_id])))
+            self.token.kv.release(table)
+            self.token.pending_free.append(rid)
+        if not any(rid in p.sched.in_flight for p in self.pipelines):
+            self.reqs.pop(rid, None)
 
     # ------------------------------------------------------------------ failures
     def _check_liveness(self) -> None:
@@ -387,10 +409,14 @@ class Controller:
         log.error("%s; failing all in-flight requests", message)
         if self.failure is None:
             self.failure = message
-        victims = list(self.reqs.values())
-        self.in_flight.clear()
-        self.waiting.clear()
+        self.epoch += 1  # whatever is still on the wire from before is stale
+        for p in self.pipelines:
+            p.sched.fail_all()
+            p.in_flight.clear()
+        self.handed_off.clear()
         self.ready.clear()
-        for r in victims:
+        self.kv_pending.clear()
+        for r in list(self.reqs.values()):
             if not r.is_finished:
                 self._finish(r, "error", message)
+        self.reqs.clear()

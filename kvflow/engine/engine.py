@@ -9,10 +9,13 @@ from pathlib import Path
 
 import torch
 
+
+
 from kvflow.sched.request import Request, RequestOutput
 from kvflow.engine.runner import ModelRunner
 from kvflow.sched.sampling import SamplingParams
-from kvflow.sched.scheduler import Limits, Scheduler, SchedulerConfig, validate
+from kvflow.config import EngineConfig
+from kvflow.sched.scheduler import Limits, Scheduler, validate
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.kv.manager import KVCacheManager
 from kvflow.model.llama import LayerHook, LlamaModel
@@ -20,47 +23,6 @@ from kvflow.model.loader import load_checkpoint
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How to build an engine. `model` None means the embedded default (SmolLM2-135M-Instruct).
-
-    The KV cache gets `num_kv_blocks` blocks of `block_size` tokens, or, when that is None, as many
-    as fit in `kv_cache_memory_gb`. `max_model_len` None means the checkpoint's context length.
-    """
-
-    model: str | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
-    max_model_len: int | None = None
-    scheduler: SchedulerConfig = SchedulerConfig()
-    num_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
-            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
-        if self.max_model_len is not None and self.max_model_len <= 1:
-            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -85,7 +47,7 @@ class LLMEngine:
         mcfg = model.cfg
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         layout = KVLayout.for_model(mcfg, 1, config.block_size, dtype=config.torch_dtype)
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // layout.bytes_per_block))
+        num_blocks = config.kv_blocks(layout.bytes_per_block)
         layout = KVLayout.for_model(mcfg, num_blocks, config.block_size, dtype=config.torch_dtype)
         self.kv_cache = KVCache(layout, config.device)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size)

@@ -6,7 +6,9 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvflow.engine.engine import EngineConfig, LLMEngine
+from kvflow.config import EngineConfig
+
+from kvflow.engine.engine import LLMEngine
 from kvflow.sched.request import RequestOutput
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import SchedulerConfig

@@ -17,7 +17,8 @@ from kvflow.perf.profiled import Profile, Sample
 
 
 def _engine(model: str | None, max_batch: int, max_tokens: int, threads: int):
-    from kvflow.engine.engine import EngineConfig, LLMEngine
+    from kvflow.config import EngineConfig
+    from kvflow.engine.engine import LLMEngine
     from kvflow.sched.scheduler import SchedulerConfig
 
     sched = SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_tokens, prefill_chunk_size=max_tokens)

@@ -30,19 +30,24 @@ class SchedulerConfig:
     (DéjàVu's baseline: fixed microbatches of up to `microbatch_size` requests, KV reserved for
     prompt + max_tokens at admission, a new microbatch only when one of the `max_in_flight` slots is
     free). max_num_batched_tokens: tokens one batch may process; prefill_chunk_size: most prompt
-    tokens one request gets per batch; max_num_seqs: running requests at once (continuous)."""
+    tokens one request gets per batch; max_num_seqs: running requests at once (continuous);
+    microbatch_size: requests per batch (required by "microbatch"; a per-batch cap for "continuous",
+    where a pipeline's `max_in_flight` batches share the running requests)."""
 
     policy: str = "continuous"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefill_chunk_size: int = 512
-    microbatch_size: int = 8
+    microbatch_size: int | None = None
     max_in_flight: int = 1
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for key in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "microbatch_size", "max_in_flight"):
+        keys = ["max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_in_flight"]
+        if self.policy == "microbatch" or self.microbatch_size is not None:
+            keys.append("microbatch_size")
+        for key in keys:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"SchedulerConfig.{key} must be a positive integer, got {v!r}")
@@ -200,10 +205,11 @@ class Scheduler:
 
     def _schedule_continuous(self) -> tuple[list[ScheduledSeq], list[Request]]:
         budget = self.config.max_num_batched_tokens
+        cap = self.config.microbatch_size or self.config.max_num_seqs
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
         for req in list(self.running):
-            if budget <= 0:
+            if budget <= 0 or len(seqs) >= cap:
                 break
             if req.request_id in self.in_flight or req.status is not RequestStatus.RUNNING:
                 continue
@@ -211,11 +217,11 @@ class Scheduler:
             if s is not None:
                 seqs.append(s)
                 budget -= s.num_new_tokens
-        while (self.role != "token" and self.waiting and not preempted and budget > 0
+        while (self.role != "token" and self.waiting and not preempted and budget > 0 and len(seqs) < cap
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             n = min(req.num_pending_tokens, budget, self.config.prefill_chunk_size)
-            if not self.kv.can_ensure(req.block_ids, req.num_computed_tokens + n):
+            if not self.kv.can_ensure(req.block_ids, self._blocks_needed(req, n)):
                 break
             if self.admit_hook is not None and not self.admit_hook(req):
                 break
@@ -233,7 +239,7 @@ class Scheduler:
         in flight while blocks are short; None if `req` itself had to be preempted."""
         n = min(req.num_pending_tokens, budget, self.config.prefill_chunk_size)
         before = len(req.block_ids)
-        while not self.kv.ensure(req.block_ids, req.num_computed_tokens + n):
+        while not self.kv.ensure(req.block_ids, self._blocks_needed(req, n)):
             victim = next((r for r in reversed(self.running) if r.request_id not in self.in_flight), None)
             assert victim is not None, "the request being scheduled is not in flight"
             self._preempt(victim)
@@ -245,6 +251,11 @@ class Scheduler:
         self._reset.discard(rid)
         new = tuple(req.block_ids) if reset else tuple(req.block_ids[before:])
         return ScheduledSeq(req, n, req.num_computed_tokens, new, reset)
+
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        """Tokens `req`'s table must hold to run `n` more. A prompt-role request holds its whole
+        prompt from admission on (it leaves after one pass), so a prompt pipeline never preempts."""
+        return req.num_tokens if self.role == "prompt" else req.num_computed_tokens + n
 
     def _schedule_microbatch(self) -> list[ScheduledSeq]:
         """The next microbatch whose previous pass has returned, or a new one if a slot is free."""

@@ -40,6 +40,7 @@ def scatter(
     coalesce: bool = True,
     staging: Staging | None = None,
     max_chunk_bytes: int = 256 << 20,
+    meta: dict | None = None,
 ) -> TransferStats:
     """Send `region` of `cache` through `out`.
 
@@ -48,7 +49,8 @@ def scatter(
     packs the whole region into one reusable staging buffer (the transport's own memory when it
     offers `reserve`, e.g. shared memory) and flushes it as one chunk, or as a few layer slices
     when it would exceed `max_chunk_bytes`. Either way a `gather` on the other side reconstructs
-    exactly the same KV. Returns how many chunks and payload bytes were sent.
+    exactly the same KV. `meta` travels in every chunk's header. Returns how many chunks and payload
+    bytes were sent.
     """
     lay = cache.layout
     chunks = nbytes = 0
@@ -56,7 +58,7 @@ def scatter(
         for p in contiguous_pieces(region, lay.block_size, coalesce):
             s = region.seqs[p.seq]
             desc = ChunkDesc((Segment(s.request_id, p.token_start, p.token_start + p.length),), p.layer, p.layer + 1, "kv"[p.kind])
-            h = flush(out, desc, piece_view(cache, p))
+            h = flush(out, desc, piece_view(cache, p), meta)
             chunks, nbytes = chunks + 1, nbytes + h.nbytes
         return TransferStats(chunks, nbytes)
     if mode != "buffered":
@@ -74,7 +76,7 @@ def scatter(
             data, event = staging.pack(cache, part, slots)
             if event is not None:
                 event.synchronize()
-        h = flush(out, part.desc, data)
+        h = flush(out, part.desc, data, meta)
         chunks, nbytes = chunks + 1, nbytes + h.nbytes
     return TransferStats(chunks, nbytes)
 
@@ -112,6 +114,11 @@ class KVSink:
     @property
     def complete(self) -> bool:
         return self.complete_for(self.expected)
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is expected of and was received for a request (done, finished or failed)."""
+        self.expected.pop(request_id, None)
+        self.received.pop(request_id, None)
 
     def complete_for(self, request_ids) -> bool:
         """Whether everything expected of these requests has arrived."""

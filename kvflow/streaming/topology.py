@@ -108,21 +108,29 @@ def stream_out(
     plan: Sequence[Transfer],
     outs: Mapping[int, OutStream],
     mode: Mode = "buffered",
+    layers: tuple[int, int] | None = None,
+    meta: dict | None = None,
 ) -> dict[int, TransferStats]:
-    """Send this source stage's part of `plan`.
+    """Send this source stage's part of `plan` (only its layers within `layers`, when given: a
+    layer-by-layer sender calls it once per layer as the layer's KV is written).
 
     Contract: `requests[i]` is the i-th request of the global order with its block ids in `cache`
     and the token range to send; `outs[d]` reaches destination stage d. Each transfer becomes one
-    scatter of (its requests, its layers). Returns per-destination totals.
+    scatter of (its requests, its layers), with `meta` in its chunks. Returns per-destination totals.
     """
     totals: dict[int, TransferStats] = {}
     for t in plan:
         if t.src != stage:
             continue
+        la, lb = t.layer_start, t.layer_end
+        if layers is not None:
+            la, lb = max(la, layers[0]), min(lb, layers[1])
+            if la >= lb:
+                continue
         if t.dst not in outs:
             raise KeyError(f"no stream to destination stage {t.dst}")
-        region = KVRegion(tuple(requests[t.request_start : t.request_end]), t.layer_start, t.layer_end)
-        st = scatter(cache, region, outs[t.dst], mode=mode)
+        region = KVRegion(tuple(requests[t.request_start : t.request_end]), la, lb)
+        st = scatter(cache, region, outs[t.dst], mode=mode, meta=meta)
         prev = totals.get(t.dst, TransferStats(0, 0))
         totals[t.dst] = TransferStats(prev.chunks + st.chunks, prev.nbytes + st.nbytes)
     return totals

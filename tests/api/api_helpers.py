@@ -9,7 +9,8 @@ import httpx
 import openai
 
 from kvflow.api.server import BackgroundServer
-from kvflow.engine.engine import EngineConfig, LLMEngine
+from kvflow.config import EngineConfig
+from kvflow.engine.engine import LLMEngine
 from kvflow.serving.backend import EngineBackend
 
 MODEL = "tiny"

@@ -12,7 +12,7 @@ import pytest
 
 from kvflow.api.server import BackgroundServer
 from kvflow.controller.controller import Controller
-from kvflow.controller.pipeline import ClusterConfig
+from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.sched.sampling import SamplingParams
 
 from conftest import run_to_completion, tiny_engine
@@ -20,7 +20,8 @@ from conftest import run_to_completion, tiny_engine
 
 def _controller(ckpt, **kw) -> Controller:
     kw = {"heartbeat_timeout_s": 3.0, **kw}
-    cfg = ClusterConfig(model=str(ckpt), num_kv_blocks=128, block_size=4, microbatch_size=4, prompt_microbatch_size=2, **kw)
+    cfg = ClusterConfig(engine=EngineConfig(model=str(ckpt), num_kv_blocks=128, block_size=4), microbatch_size=4,
+                        prompt_microbatch_size=2, **kw)
     return Controller(cfg, "tiny")
 
 

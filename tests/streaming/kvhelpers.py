@@ -7,7 +7,9 @@ import random
 
 import torch
 
-from kvflow.engine.engine import EngineConfig, LLMEngine
+from kvflow.config import EngineConfig
+
+from kvflow.engine.engine import LLMEngine
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.kv.manager import KVCacheManager
 from kvflow.model.config import ModelConfig

@@ -8,7 +8,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from kvflow.engine.engine import EngineConfig, LLMEngine
+from kvflow.config import EngineConfig
+
+from kvflow.engine.engine import LLMEngine
 from kvflow.sched.sampling import SamplingParams
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint

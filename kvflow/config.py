@@ -1,0 +1,168 @@
+"""The one config tree every process's settings derive from (frozen, validated dataclasses).
+
+    ClusterConfig                       a serving layout (pipeline modes)
+      ├── engine: EngineConfig          model, dtype, device, KV (block size, blocks or a memory
+      │     │                           budget), max_model_len, threads
+      │     └── scheduler: SchedulerConfig
+      └── topology fields               mode, depths, microbatch sizes, host, timeouts
+
+The single-process engine takes an `EngineConfig`; the controller takes a `ClusterConfig` and hands
+each worker its `WorkerSpec` (name, layers, role) plus the engine subtree in the start-up handshake,
+so nothing is rebuilt from command-line flags on the worker side. `to_dict`/`from_dict` carry the
+tree over the wire (msgpack-friendly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvflow.sched.scheduler import POLICIES, SchedulerConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+MODES = ("colocated", "disaggregated")
+ROLES = ("both", "prompt", "token")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build a model and its KV cache. `model` None means the embedded default
+    (SmolLM2-135M-Instruct); `max_model_len` None means the checkpoint's context length. The KV cache
+    gets `num_kv_blocks` blocks of `block_size` tokens, or, when that is None, as many as fit in
+    `kv_cache_memory_gb`."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks <= 0):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb!r}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+
+    def kv_blocks(self, bytes_per_block: int) -> int:
+        """The number of KV blocks: `num_kv_blocks`, or as many as fit in the memory budget."""
+        return self.num_kv_blocks or max(1, int(self.kv_cache_memory_gb * 2**30 // bytes_per_block))
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """One pipeline of the cluster: its name, role, depth and microbatch size."""
+
+    name: str
+    role: str
+    depth: int
+    microbatch_size: int
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How to lay the model out over worker processes.
+
+    colocated: one pipeline of `depth` stages doing prompts and tokens, up to `depth` batches in
+    flight of up to `microbatch_size` requests each. disaggregated: a prompt pipeline (`prompt_depth`
+    stages, batches of `prompt_microbatch_size`) streaming each layer's KV into a token pipeline
+    (`token_depth` stages, batches of `microbatch_size`). `policy` is the scheduling policy of
+    every pipeline: "continuous" (chunked prefill, preemption) or "microbatch" (DéjàVu's baseline).
+    `host` is the interface the internal (ZeroMQ) sockets bind, independent of the HTTP server's.
+    """
+
+    engine: EngineConfig = EngineConfig(num_kv_blocks=2048)
+    mode: str = "colocated"
+    depth: int = 1
+    prompt_depth: int = 1
+    token_depth: int = 1
+    microbatch_size: int = 8
+    prompt_microbatch_size: int = 4
+    policy: str = "continuous"
+    threads_per_worker: int = 1
+    host: str = "127.0.0.1"
+    heartbeat_timeout_s: float = 3.0
+    start_timeout_s: float = 180.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for key in ("depth", "prompt_depth", "token_depth", "microbatch_size", "prompt_microbatch_size", "threads_per_worker"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{key} must be a positive integer, got {v!r}")
+        if self.engine.num_kv_blocks is None:
+            raise ValueError("pipeline modes need an explicit engine.num_kv_blocks (the controller accounts blocks)")
+        if self.heartbeat_timeout_s <= 0 or self.start_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+
+    def pipelines(self) -> list[PipelineSpec]:
+        if self.mode == "colocated":
+            return [PipelineSpec("colocated", "both", self.depth, self.microbatch_size)]
+        return [PipelineSpec("prompt", "prompt", self.prompt_depth, self.prompt_microbatch_size),
+                PipelineSpec("token", "token", self.token_depth, self.microbatch_size)]
+
+    def scheduler_for(self, p: PipelineSpec) -> SchedulerConfig:
+        """A pipeline's scheduler: `depth` batches in flight of at most `microbatch_size` requests."""
+        return replace(self.engine.scheduler, policy=self.policy, microbatch_size=p.microbatch_size,
+                       max_in_flight=p.depth)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one stage process is: sent by the controller in the handshake with the engine subtree."""
+
+    name: str
+    stage: int
+    layer_start: int
+    layer_end: int
+    role: str = "both"
+    threads: int = 1
+    heartbeat_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 0 <= self.layer_start < self.layer_end:
+            raise ValueError(f"bad layer range [{self.layer_start}, {self.layer_end})")
+        if self.threads <= 0 or self.heartbeat_s <= 0:
+            raise ValueError("threads and heartbeat_s must be positive")
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def engine_from_dict(d: dict) -> EngineConfig:
+    d = dict(d)
+    d["scheduler"] = SchedulerConfig(**d["scheduler"])
+    return EngineConfig(**d)
+
+
+__all__ = ["ClusterConfig", "EngineConfig", "PipelineSpec", "SchedulerConfig", "WorkerSpec", "engine_from_dict",
+           "to_dict"]

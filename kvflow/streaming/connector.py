@@ -1,0 +1,237 @@
+"""The KV connector: the one path by which a worker's KV leaves its cache for another worker.
+
+Split as in vLLM's KV connector, on DéjàVuLib's level-3 primitives:
+
+- scheduler side, `plan_handoff(src_bounds, dst_bounds, n)`: which layer ranges of which requests
+  go from each source stage to each destination stage (`plan_transfers` over the two pipelines'
+  topologies, any depth pair). The controller attaches it to a prompt batch.
+- worker side, sending, `KVSender`: installed as the model's layer hook, it sends each layer's KV
+  of the planned requests as soon as the layer has written it (`stream_out` restricted to that
+  layer). "naive" and "buffered" send on the compute thread; "overlap" packs the layer into a
+  pooled staging buffer (one copy, so the source blocks may be reused as soon as the step returns)
+  and a background thread flushes it while the next layers compute.
+- worker side, receiving, `KVReceiver`: a background thread that fetches, verifies and writes chunks
+  into the cache through a `KVSink`. Each chunk names its destination block table and the total
+  token count of each request in its metadata, so the sink expects exactly the planned region
+  (this stage's layers, tokens [0, total)) and the receiver reports a request once all of it has
+  arrived; anything unplanned or repeated is rejected.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kvflow.kv.cache import KVCache
+from kvflow.streaming.errors import StreamingError
+from kvflow.streaming.primitives import InStream, OutStream, fetch, flush
+from kvflow.streaming.region import KVRegion, SeqRegion
+from kvflow.streaming.scatter import KVSink
+from kvflow.streaming.staging import StagingPool
+from kvflow.streaming.topology import PipelineTopology, Transfer, plan_transfers, stream_out
+
+SendMode = Literal["naive", "buffered", "overlap"]
+SEND_MODES = ("naive", "buffered", "overlap")
+
+
+@dataclass(frozen=True)
+class HandoffRequest:
+    """One request of a hand-off: tokens [token_start, token_end) of its KV, from `src_blocks` at the
+    source into `dest_blocks` at the destination (a table covering [0, total))."""
+
+    request_id: str
+    token_start: int
+    token_end: int
+    total: int
+    src_blocks: tuple[int, ...]
+    dest_blocks: tuple[int, ...]
+
+
+def plan_handoff(src_bounds: Sequence[int], dst_bounds: Sequence[int], num_requests: int) -> list[Transfer]:
+    """Scheduler side: the transfers that move `num_requests` requests' KV (one source batch, landing
+    in the destination's one pool) from a pipeline with layer bounds `src_bounds` to one with
+    `dst_bounds`."""
+    return plan_transfers(PipelineTopology(tuple(src_bounds), (num_requests,)),
+                          PipelineTopology(tuple(dst_bounds), (num_requests,)))
+
+
+class KVSender:
+    """Worker side of a source stage (see module docstring).
+
+    Contract: `begin(requests, plan)` before a step (requests in the plan's order; the plan is this
+    step's transfers, any stage's); install `on_layer` as the model's layer hook; `finish()` waits
+    until everything sent so far is acknowledged. A background failure is re-raised by the next
+    `begin`, `on_layer` or `finish`, so a dead peer fails the step that depends on it.
+    """
+
+    def __init__(self, cache: KVCache, stage: int, outs: dict[int, OutStream], mode: SendMode = "overlap",
+                 pool_size: int = 4, timeout: float = 30.0) -> None:
+        if mode not in SEND_MODES:
+            raise ValueError(f"mode must be one of {SEND_MODES}, got {mode!r}")
+        self.cache, self.stage, self.outs, self.mode, self.timeout = cache, stage, outs, mode, timeout
+        self.pool_size = pool_size
+        self.nbytes = 0
+        self.chunks = 0
+        self._requests: list[SeqRegion] = []
+        self._metas: list[dict] = []
+        self._plan: list[Transfer] = []
+        self._error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._pool = StagingPool(pool_size, cache.device)
+        self._thread: threading.Thread | None = None
+        if mode == "overlap":
+            self._thread = threading.Thread(target=self._sender, name="kv-sender", daemon=True)
+            self._thread.start()
+
+    def begin(self, requests: Sequence[HandoffRequest], plan: Sequence[Transfer]) -> None:
+        self._raise_pending()
+        self._requests = [SeqRegion(r.request_id, r.src_blocks, r.token_start, r.token_end) for r in requests]
+        self._metas = [{"total": r.total, "blocks": list(r.dest_blocks)} for r in requests]
+        self._plan = [t for t in plan if t.src == self.stage]
+
+    @property
+    def active(self) -> bool:
+        return bool(self._plan)
+
+    def on_layer(self, layer: int, batch=None) -> None:
+        """The layer hook: send `layer`'s KV of every planned request right after it was written."""
+        self._raise_pending()
+        for t in self._plan:
+            if not t.layer_start <= layer < t.layer_end:
+                continue
+            if self.mode == "overlap":
+                self._enqueue(t, layer)
+                continue
+            meta = self._meta(t)
+            st = stream_out(self.stage, self.cache, self._requests, [t], self.outs, self.mode, (layer, layer + 1), meta)
+            for s in st.values():
+                self.chunks, self.nbytes = self.chunks + s.chunks, self.nbytes + s.nbytes
+
+    def _meta(self, t: Transfer) -> dict:
+        reqs = self._requests[t.request_start:t.request_end]
+        metas = self._metas[t.request_start:t.request_end]
+        return {"kv": {r.request_id: m for r, m in zip(reqs, metas)}}
+
+    def _enqueue(self, t: Transfer, layer: int) -> None:
+        region = KVRegion(tuple(self._requests[t.request_start:t.request_end]), layer, layer + 1)
+        try:
+            staging = self._pool.acquire(timeout=self.timeout)
+        except TimeoutError:
+            self._raise_pending()
+            raise StreamingError(f"KV sending fell {self.pool_size} buffers behind for {self.timeout}s") from None
+        lay = self.cache.layout
+        data, event = staging.pack(self.cache, region, region.slot_tensor(lay.block_size, self.cache.device))
+        self._queue.put((staging, t.dst, region, data, event, self._meta(t)))
+
+    def finish(self) -> None:
+        """Wait until all KV handed to this sender is sent and acknowledged."""
+        if self._thread is not None:
+            done = threading.Event()
+            self._queue.put(done)
+            while not done.wait(0.05):
+                self._raise_pending()
+                if not self._thread.is_alive():
+                    break
+        self._raise_pending()
+        for out in self.outs.values():
+            out.drain()
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=self.timeout)
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise StreamingError(f"KV streaming failed: {type(err).__name__}: {err}") from err
+
+    def _sender(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            staging, dst, region, data, event, meta = item
+            try:
+                if self._error is None:
+                    if event is not None:
+                        event.synchronize()
+                    h = flush(self.outs[dst], region.desc, data, meta)
+                    self.chunks, self.nbytes = self.chunks + 1, self.nbytes + h.nbytes
+            except BaseException as e:  # surfaced on the compute thread at its next call
+                self._error = e
+            finally:
+                self._pool.release(staging)
+
+
+class KVReceiver:
+    """Worker side of a destination stage: a background thread receiving chunks into `cache`.
+
+    `on_complete(request_ids)` is called (on that thread) when all the KV planned for a request in
+    this stage's layers, tokens [0, total), has arrived; `on_error(message)` when a chunk is
+    rejected (the sender is told through the acknowledgement as well). A completed request is
+    forgotten, so the same request can be sent again later (recomputed after a preemption).
+    """
+
+    def __init__(self, cache: KVCache, inp: InStream, on_complete: Callable[[list[str]], None],
+                 on_error: Callable[[str], None]) -> None:
+        self.cache = cache
+        self.inp = inp
+        self.on_complete = on_complete
+        self.on_error = on_error
+        self.tables: dict[str, list[int]] = {}
+        self.sink = KVSink(cache, self._resolve)
+        self.nbytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _resolve(self, rid: str, num_tokens: int) -> list[int]:
+        return self.tables[rid]
+
+    def _expect_from(self, meta: dict) -> None:
+        lay = self.cache.layout
+        for rid, m in meta.get("kv", {}).items():
+            if rid not in self.sink.expected:
+                self.tables[rid] = [int(b) for b in m["blocks"]]
+                self.sink.expect(rid, lay.layer_start, lay.layer_end, 0, int(m["total"]))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                chunk = fetch(self.inp, timeout=0.2)
+            except TimeoutError:
+                continue
+            except Exception as e:  # failed verification: already rejected back to its sender
+                self.on_error(f"KV chunk rejected: {type(e).__name__}: {e}")
+                continue
+            done = []
+            try:
+                with chunk:  # releasing the chunk acknowledges it (or reports the error)
+                    self._expect_from(chunk.header.meta)
+                    self.sink.write(chunk)
+                    self.nbytes += chunk.header.nbytes
+                    for seg in chunk.header.desc.segments:
+                        rid = seg.request_id
+                        if rid in self.sink.expected and self.sink.complete_for([rid]):
+                            done.append(rid)
+                            self.sink.forget(rid)
+                            self.tables.pop(rid, None)
+            except Exception as e:
+                self.on_error(f"KV chunk rejected: {type(e).__name__}: {e}")
+                continue
+            if done:
+                self.on_complete(done)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2.0)

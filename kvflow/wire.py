@@ -1,0 +1,274 @@
+"""Messages between the controller and the worker processes, and their one codec.
+
+Belongs to neither side: both import it. Messages are small dataclasses packed with msgpack; a
+tensor travels as a raw frame beside the header, never pickled. Every message is authenticated:
+the frames are `[header, mac, (tensor)]`, `mac` a keyed BLAKE2b over header and tensor bytes with
+the cluster's secret (handed to each worker at launch), so a stranger who can reach a port cannot
+inject steps. `decode` never raises anything but `WireError` for bytes it does not accept (bad MAC,
+not msgpack, unknown type, wrong field types, a tensor frame of the wrong size): the loop that
+receives drops the message and counts it.
+
+Steps are deltas: a request's first step after admission (or preemption) carries its whole block
+table (`reset`), later ones only the blocks added. Every step and result carries the controller's
+`epoch`, so a result from before a recovery is recognised as stale and dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+TENSOR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+_DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
+SECRET_ENV = "KVFLOW_CLUSTER_SECRET"
+MAC_BYTES = 16
+
+
+class WireError(ValueError):
+    """Bytes that are not a valid, authentic message."""
+
+
+def new_secret() -> bytes:
+    return os.urandom(32)
+
+
+# ---------------------------------------------------------------------------------------- messages
+@dataclass
+class SeqStep:
+    """One request's part of a step: `num_new` tokens from position `start`. `new_blocks` are
+    appended to the stage's copy of the request's block table, or replace it when `reset`."""
+
+    rid: str
+    start: int
+    num_new: int
+    new_blocks: list[int]
+    reset: bool = False
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.num_new
+
+
+@dataclass
+class KVOut:
+    """Disaggregated prompt step: tokens [token_start, token_end) of `rid` go to the token pipeline,
+    into `dest_blocks` (its block table there, covering [0, total))."""
+
+    rid: str
+    token_start: int
+    token_end: int
+    total: int
+    dest_blocks: list[int]
+
+
+@dataclass
+class Step:
+    """Run one batch through a pipeline. Stage 0 gets `token_ids`; later stages get the hidden states
+    as the tensor frame. `free`: requests to forget first. `kv_out` + `kv_plan`: the connector's plan
+    (prompt pipelines of the disaggregated mode): `streaming.topology.Transfer`s as field lists
+    [src, dst, layer_start, layer_end, request_start, request_end, src_microbatch, dst_microbatch]
+    over the order of `kv_out`."""
+
+    epoch: int
+    batch: int
+    seqs: list[SeqStep]
+    token_ids: list[int] = field(default_factory=list)
+    free: list[str] = field(default_factory=list)
+    kv_out: list[KVOut] = field(default_factory=list)
+    kv_plan: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    """Last stage -> controller: last-token logits of each sequence (tensor frame)."""
+
+    epoch: int
+    batch: int
+    rids: list[str]
+    busy_s: float = 0.0
+
+
+@dataclass
+class Hello:
+    """Worker -> controller at start: who it is and where its step socket listens."""
+
+    name: str
+    step_addr: str
+
+
+@dataclass
+class Setup:
+    """Controller -> worker: what to be (a `WorkerSpec` and the `EngineConfig` subtree, as dicts)."""
+
+    spec: dict
+    engine: dict
+    epoch: int = 0
+
+
+@dataclass
+class Ready:
+    """Worker -> controller once its layers are loaded: where it receives KV (token role)."""
+
+    name: str
+    kv_addr: str = ""
+
+
+@dataclass
+class Wire:
+    """Controller -> worker: where its output goes and which token stages receive its KV, as
+    [stage index, layer_start, layer_end, kv address]."""
+
+    next_addr: str
+    kv_peers: list[list] = field(default_factory=list)
+    token_bounds: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Heartbeat:
+    name: str
+    busy_s: float
+    steps: int
+    kv_bytes_sent: int
+    kv_bytes_received: int
+    dropped_messages: int = 0
+
+
+@dataclass
+class KVArrived:
+    """Token worker -> controller: all planned KV of these requests is in its cache."""
+
+    name: str
+    rids: list[str]
+
+
+@dataclass
+class WorkerError:
+    name: str
+    message: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+MESSAGES = (Step, StepResult, Hello, Setup, Ready, Wire, Heartbeat, KVArrived, WorkerError, Shutdown)
+_TYPES = {c.__name__: c for c in MESSAGES}
+_NESTED = {"seqs": SeqStep, "kv_out": KVOut}
+
+
+# ---------------------------------------------------------------------------------------- codec
+def _mac(secret: bytes, header: bytes, payload) -> bytes:
+    h = hashlib.blake2b(key=secret, digest_size=MAC_BYTES)
+    h.update(len(header).to_bytes(8, "little"))
+    h.update(header)
+    if payload is not None:
+        h.update(payload)
+    return h.digest()
+
+
+def encode(msg: Any, secret: bytes, tensor: torch.Tensor | None = None) -> list:
+    """Frames for a message: [header, mac] or [header, mac, raw tensor bytes]."""
+    head: dict[str, Any] = {"t": type(msg).__name__, "d": dataclasses.asdict(msg)}
+    payload = None
+    if tensor is not None:
+        t = tensor.detach().contiguous().cpu()
+        head["tensor"] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
+        payload = memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else b""
+    header = msgpack.packb(head)
+    frames = [header, _mac(secret, header, payload)]
+    if payload is not None:
+        frames.append(payload)
+    return frames
+
+
+_PRIMS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), dict: (dict,)}
+
+
+def _check(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp in _NESTED.values():
+        if not isinstance(value, dict):
+            raise WireError(f"{where}: expected a mapping")
+        return _build(tp, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise WireError(f"{where}: expected a list")
+        (inner,) = typing.get_args(tp) or (Any,)
+        return [_check(v, inner, f"{where}[]") for v in value]
+    if tp is Any or origin is not None:
+        return value
+    ok = _PRIMS.get(tp)
+    if ok is None:
+        return value
+    if not isinstance(value, ok) or (tp is not bool and isinstance(value, bool)):
+        raise WireError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _build(cls: type, data: dict, where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    if not set(data) <= names:
+        raise WireError(f"{where}: unknown fields {sorted(map(str, set(data) - names))}")
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if not required <= set(data):
+        raise WireError(f"{where}: missing fields {sorted(required - set(data))}")
+    return cls(**{k: _check(v, hints[k], f"{where}.{k}") for k, v in data.items()})
+
+
+def decode(frames: list, secret: bytes) -> tuple[Any, torch.Tensor | None]:
+    """The message and tensor in `frames`, or WireError (never another exception)."""
+    if not 2 <= len(frames) <= 3:
+        raise WireError(f"a message has 2 or 3 frames, got {len(frames)}")
+    header, mac = bytes(frames[0]), bytes(frames[1])
+    payload = frames[2] if len(frames) == 3 else None
+    pbytes = None if payload is None else (payload.buffer if hasattr(payload, "buffer") else payload)
+    if not hmac.compare_digest(mac, _mac(secret, header, pbytes)):
+        raise WireError("bad message authentication code")
+    try:
+        head = msgpack.unpackb(header, strict_map_key=False)
+    except Exception as e:  # msgpack raises several types for bad bytes
+        raise WireError(f"header is not msgpack: {type(e).__name__}") from None
+    if not isinstance(head, dict) or not isinstance(head.get("d"), dict):
+        raise WireError("header is not a message")
+    cls = _TYPES.get(head.get("t")) if isinstance(head.get("t"), str) else None
+    if cls is None:
+        raise WireError(f"unknown message type {head.get('t')!r}")
+    try:
+        msg = _build(cls, head["d"], cls.__name__)
+    except WireError:
+        raise
+    except Exception as e:
+        raise WireError(f"{cls.__name__}: {type(e).__name__}: {e}") from None
+    spec = head.get("tensor")
+    if spec is None:
+        if payload is not None:
+            raise WireError(f"{cls.__name__} carries a frame it does not announce")
+        return msg, None
+    try:
+        dtype = TENSOR_DTYPES[spec["dtype"]]
+        shape = [int(d) for d in spec["shape"]]
+        if any(d < 0 for d in shape):
+            raise ValueError("negative dimension")
+    except Exception:
+        raise WireError(f"{cls.__name__}: bad tensor spec {spec!r}") from None
+    if payload is None:
+        raise WireError(f"{cls.__name__} announces a tensor but carries none")
+    n = 1
+    for d in shape:
+        n *= d
+    buf = bytearray(pbytes)
+    if len(buf) != n * torch.empty((), dtype=dtype).element_size():
+        raise WireError(f"{cls.__name__}: tensor frame of {len(buf)} bytes does not match {spec}")
+    tensor = torch.frombuffer(buf, dtype=dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
+    return msg, tensor
