@@ -190,3 +190,48 @@ def test_bad_configs_and_requests_rejected(tiny_ckpt_dir):
         ClusterConfig(microbatch_size=0)
     with pytest.raises(ValueError, match="policy"):
         ClusterConfig(policy="fifo")
+
+
+def test_external_workers_started_from_the_printed_commands_serve_the_engine_tokens(tiny_ckpt_dir):
+    # --external-workers: the controller starts nothing and prints one command per worker; run exactly
+    # those commands (this host for <this-host>) and the cluster must behave like a spawned one.
+    import io
+    import shlex
+    import subprocess
+    import sys
+    import threading
+
+    from kvflow.controller.launcher import ExternalLauncher
+
+    printed = io.StringIO()
+    cfg = _cfg(tiny_ckpt_dir, mode="disaggregated", prompt_depth=1, token_depth=2)
+    ctrl = Controller(cfg, launcher=ExternalLauncher(printed))
+    starter = threading.Thread(target=ctrl.start_blocking)
+    starter.start()
+    deadline = time.monotonic() + 60
+    while printed.getvalue().count("\n") < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the three commands are printed before the controller waits for the workers
+    procs = []
+    try:
+        for line in printed.getvalue().splitlines():
+            env_kv, *argv = shlex.split(line)
+            key, value = env_kv.split("=", 1)
+            assert argv[:2] == ["kvflow", "worker"]
+            argv = [sys.executable, "-m", "kvflow.cli.main"] + [a.replace("<this-host>", "127.0.0.1") for a in argv[1:]]
+            procs.append(subprocess.Popen(argv, env={**os.environ, key: value}))
+        starter.join(120)
+        assert ctrl.healthy()
+
+        async def main():
+            try:
+                return await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))])
+            finally:
+                await ctrl.shutdown()
+
+        results = asyncio.run(main())
+        assert [t for t, _ in results] == reference(PROMPTS, LENGTHS)
+        assert [p.wait(30) for p in procs] == [0, 0, 0]  # Shutdown reached them
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

@@ -210,7 +210,8 @@ class Controller:
             return decode(frames, self.secret)
         except WireError as e:
             self.dropped_messages += 1
-            log.warning("dropped a message on the controller port: %s", e)
+            if self.dropped_messages & (self.dropped_messages - 1) == 0:  # 1st, 2nd, 4th, ...: no log flood
+                log.warning("dropped a message on the controller port (%d so far): %s", self.dropped_messages, e)
             return None, None
 
     def _send_to(self, name: str, msg, tensor=None) -> None:

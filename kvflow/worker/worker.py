@@ -66,7 +66,8 @@ class Worker:
                 return decode(frames, self.secret)
             except WireError as e:
                 self.dropped += 1
-                log.warning("%s dropped a message: %s", self.name, e)
+                if self.dropped & (self.dropped - 1) == 0:  # 1st, 2nd, 4th, ...: no log flood
+                    log.warning("%s dropped a message (%d so far): %s", self.name, self.dropped, e)
 
     def _to_controller(self, msg, tensor=None) -> None:
         with self._send_lock:

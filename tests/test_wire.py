@@ -1,0 +1,162 @@
+"""The wire codec (authenticated, strict) and hostile bytes thrown at every internal port of a live cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvflow.config import ClusterConfig, EngineConfig
+from kvflow.controller.controller import Controller
+from kvflow.sched.sampling import SamplingParams
+from kvflow.wire import Heartbeat, KVOut, SeqStep, Step, StepResult, WireError, decode, encode, new_secret
+
+from conftest import run_to_completion, tiny_engine
+
+SECRET = new_secret()
+
+
+def test_round_trip_with_tensor_and_nested_messages():
+    step = Step(3, 7, [SeqStep("a", 0, 5, [1, 2], True), SeqStep("b", 9, 1, [], False)], [1, 2, 3, 4, 5, 6], ["z"],
+                [KVOut("a", 0, 5, 5, [4, 5])], [[0, 0, 0, 2, 0, 1, 0, 0]])
+    x = torch.randn(6, 8, dtype=torch.bfloat16)
+    msg, t = decode(encode(step, SECRET, x), SECRET)
+    assert msg == step and torch.equal(t, x)
+    msg, t = decode(encode(StepResult(1, 2, ["a"]), SECRET), SECRET)
+    assert msg == StepResult(1, 2, ["a"]) and t is None
+
+
+def test_a_stranger_without_the_secret_cannot_forge_or_alter_messages():
+    frames = encode(Heartbeat("w", 1.0, 2, 3, 4), SECRET)
+    with pytest.raises(WireError, match="authentication"):
+        decode(frames, new_secret())
+    frames = encode(StepResult(1, 2, ["a"]), SECRET, torch.zeros(1, 4))
+    frames[2] = b"\x01" * 16  # same size, other logits
+    with pytest.raises(WireError, match="authentication"):
+        decode(frames, SECRET)
+
+
+def _signed(head) -> list:
+    from kvflow.wire import _mac
+
+    header = msgpack.packb(head)
+    return [header, _mac(SECRET, header, None)]
+
+
+@pytest.mark.parametrize("head, match", [
+    ({"t": "Nope", "d": {}}, "unknown message type"),
+    ({"t": "Heartbeat", "d": {"name": 1, "busy_s": 0.0, "steps": 0, "kv_bytes_sent": 0, "kv_bytes_received": 0}}, "name"),
+    ({"t": "Heartbeat", "d": {"name": "w", "busy_s": 0.0, "steps": True, "kv_bytes_sent": 0, "kv_bytes_received": 0}}, "steps"),
+    ({"t": "Heartbeat", "d": {"name": "w"}}, "missing"),
+    ({"t": "Heartbeat", "d": {"name": "w", "busy_s": 0.0, "steps": 0, "kv_bytes_sent": 0, "kv_bytes_received": 0, "x": 1}}, "unknown fields"),
+    ({"t": "Step", "d": {"epoch": 0, "batch": 0, "seqs": [{"rid": "a"}]}}, "missing"),
+    ({"t": "Step", "d": {"epoch": 0, "batch": 0, "seqs": "no"}}, "list"),
+    ([1, 2], "not a message"),
+    ({"t": "StepResult", "d": {"epoch": 0, "batch": 0, "rids": []}, "tensor": {"dtype": "float32", "shape": [2]}}, "carries none"),
+])
+def test_authentic_but_malformed_messages_are_rejected_with_wire_errors(head, match):
+    with pytest.raises(WireError, match=match):
+        decode(_signed(head), SECRET)
+
+
+def test_wrong_tensor_sizes_and_frame_counts_are_rejected():
+    frames = encode(StepResult(0, 0, ["a"]), SECRET, torch.zeros(2, 3))
+    from kvflow.wire import _mac
+
+    frames[2] = bytes(20)
+    frames[1] = _mac(SECRET, frames[0], frames[2])
+    with pytest.raises(WireError, match="does not match"):
+        decode(frames, SECRET)
+    with pytest.raises(WireError, match="frames"):
+        decode([b"x"], SECRET)
+
+
+@given(st.lists(st.binary(max_size=300), min_size=0, max_size=4))
+@settings(max_examples=300, deadline=None)
+def test_decode_raises_only_wire_errors_for_arbitrary_frames(frames):
+    with pytest.raises(WireError):
+        decode(frames, SECRET)
+
+
+# ------------------------------------------------------------------------------ a live cluster
+_anything = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20)
+                         | st.binary(max_size=40), lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                         max_leaves=12)
+_MESSAGE_NAMES = ["Step", "StepResult", "Hello", "Setup", "Ready", "Wire", "Heartbeat", "KVArrived", "WorkerError", "Shutdown"]
+
+
+@st.composite
+def hostile_frames(draw):
+    kind = draw(st.sampled_from(["bytes", "msgpack", "message-shaped", "signed-by-stranger"]))
+    if kind == "bytes":
+        return draw(st.lists(st.binary(max_size=200), min_size=1, max_size=4))
+    if kind == "msgpack":
+        return [msgpack.packb(draw(_anything), use_bin_type=True)] + draw(st.lists(st.binary(max_size=64), max_size=2))
+    head = {"t": draw(st.sampled_from(_MESSAGE_NAMES)), "d": draw(st.dictionaries(st.text(max_size=10), _anything, max_size=5))}
+    header = msgpack.packb(head)
+    if kind == "signed-by-stranger":
+        from kvflow.wire import _mac
+
+        return [header, _mac(new_secret(), header, None)]
+    return [header, draw(st.binary(min_size=16, max_size=16))]
+
+
+def test_hostile_bytes_on_every_internal_port_change_nothing(tiny_ckpt_dir):
+    cfg = ClusterConfig(engine=EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=128, block_size=4), mode="disaggregated",
+                        prompt_depth=2, token_depth=1, microbatch_size=2, prompt_microbatch_size=2, heartbeat_timeout_s=60.0)
+    prompt, n = [3, 30, 31, 4, 9], 6
+    eng = tiny_engine(num_kv_blocks=128, block_size=4)
+    ref = eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    expected = run_to_completion(eng)[ref.request_id].token_ids
+
+    async def one(ctrl, rid):
+        toks = []
+        async for out in ctrl.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), rid):
+            toks += out.new_token_ids
+        return toks
+
+    ctrl = Controller(cfg)
+    ctrl.start_blocking()
+    ctx = zmq.Context()
+    ports = [ctrl.address] + [s.step_addr for s in ctrl.stages.values()]
+    pushers = []
+    for addr in ports:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100000)
+        sock.connect(addr)
+        pushers.append(sock)
+    try:
+        assert asyncio.run(one(ctrl, "before")) == expected
+
+        @given(st.integers(0, len(ports) - 1), hostile_frames())
+        @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+        def throw(i, frames):
+            pushers[i].send_multipart(frames)
+
+        throw()
+        for addr in ports:  # raw bytes that are not even ZeroMQ's handshake
+            host, port = addr.removeprefix("tcp://").rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(os.urandom(4096))
+        for i, addr in enumerate(ports):  # a marker after the garbage: once it is counted, all before it was handled
+            pushers[i].send_multipart([b"end-of-garbage", bytes(16)])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (ctrl.dropped_messages == 0 or any(s.dropped_messages == 0 for s in ctrl.stages.values())):
+            time.sleep(0.05)  # the workers report their counts with their heartbeats
+        assert ctrl.dropped_messages > 0 and all(s.dropped_messages > 0 for s in ctrl.stages.values())
+        assert ctrl.healthy() and all(s.process.poll() is None for s in ctrl.stages.values())
+        assert asyncio.run(one(ctrl, "after")) == expected
+    finally:
+        for s in pushers:
+            s.close(0)
+        ctx.term()
+        ctrl.shutdown_blocking()
