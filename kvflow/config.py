@@ -23,6 +23,7 @@ from kvflow.sched.scheduler import POLICIES, SchedulerConfig
 DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("colocated", "disaggregated")
 ROLES = ("both", "prompt", "token")
+KV_SEND_MODES = ("naive", "buffered", "overlap")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ class ClusterConfig:
     stages, batches of `prompt_microbatch_size`) streaming each layer's KV into a token pipeline
     (`token_depth` stages, batches of `microbatch_size`). `policy` is the scheduling policy of
     every pipeline: "continuous" (chunked prefill, preemption) or "microbatch" (DéjàVu's baseline).
+    `kv_send_mode`: how prompt workers send KV ("overlap": packed per layer, sent by a background
+    thread; "buffered"/"naive": sent on the compute thread — DéjàVu's Fig. 7 comparison).
     `host` is the interface the internal (ZeroMQ) sockets bind, independent of the HTTP server's.
     """
 
@@ -102,6 +105,7 @@ class ClusterConfig:
     microbatch_size: int = 8
     prompt_microbatch_size: int = 4
     policy: str = "continuous"
+    kv_send_mode: str = "overlap"
     threads_per_worker: int = 1
     host: str = "127.0.0.1"
     heartbeat_timeout_s: float = 3.0
@@ -120,6 +124,8 @@ class ClusterConfig:
             raise ValueError("timeouts must be positive")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.kv_send_mode not in KV_SEND_MODES:
+            raise ValueError(f"kv_send_mode must be one of {KV_SEND_MODES}, got {self.kv_send_mode!r}")
 
     def pipelines(self) -> list[PipelineSpec]:
         if self.mode == "colocated":
@@ -143,6 +149,7 @@ class WorkerSpec:
     layer_end: int
     role: str = "both"
     threads: int = 1
+    kv_send_mode: str = "overlap"
     heartbeat_s: float = 0.25
 
     def __post_init__(self) -> None:

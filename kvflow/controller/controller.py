@@ -139,7 +139,8 @@ class Controller:
                 sock.connect(msg.step_addr)
                 self.to_stage[msg.name] = sock
                 hello.discard(msg.name)
-                spec = WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], roles[s.name], self.cfg.threads_per_worker)
+                spec = WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], roles[s.name], self.cfg.threads_per_worker,
+                                  self.cfg.kv_send_mode)
                 self._send_to(s.name, Setup(to_dict(spec), to_dict(self.cfg.engine), self.epoch))
             elif isinstance(msg, Ready) and msg.name in ready and msg.name not in hello:
                 self.stages[msg.name].kv_addr = msg.kv_addr

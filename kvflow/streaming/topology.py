@@ -1,6 +1,7 @@
-"""Level 3 of DéjàVuLib: `stream_out` / `stream_in` between pipelines of different shapes — which
-layers of which requests go from each source stage to each destination stage, splitting or merging
-layer ranges (depth mismatch) and microbatches (batch-size mismatch)."""
+"""Level 3 of DéjàVuLib: `plan_transfers` and `stream_out` between pipelines of different shapes —
+which layers of which requests go from each source stage to each destination stage, splitting or
+merging layer ranges (depth mismatch) and microbatches (batch-size mismatch). The receiving side is
+the KV connector's `KVReceiver` (`connector.py`), which expects exactly the planned region."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvflow.kv.cache import KVCache
-from kvflow.streaming.chunk import Segment
-from kvflow.streaming.primitives import InStream, OutStream
+from kvflow.streaming.primitives import OutStream
 from kvflow.streaming.region import KVRegion, SeqRegion
-from kvflow.streaming.scatter import KVSink, Mode, TransferStats, gather, scatter
+from kvflow.streaming.scatter import Mode, TransferStats, scatter
 
 
 @dataclass(frozen=True)
@@ -134,31 +134,3 @@ def stream_out(
         prev = totals.get(t.dst, TransferStats(0, 0))
         totals[t.dst] = TransferStats(prev.chunks + st.chunks, prev.nbytes + st.nbytes)
     return totals
-
-
-def stream_in(
-    stage: int,
-    plan: Sequence[Transfer],
-    requests: Sequence[Segment],
-    inp: InStream,
-    sink: KVSink,
-    microbatch: int | None = None,
-    timeout: float = 10.0,
-) -> TransferStats:
-    """Receive this destination stage's part of `plan`; return once all of it (or, if given, all
-    of `microbatch`'s requests) has arrived.
-
-    Contract: `requests[i]` names the i-th request of the global order and its token range. The
-    sink is told to expect exactly the planned (request, layers, tokens) of this stage; chunks from
-    any number of source stages are merged in whatever order they come (chunks of later
-    microbatches are written when they arrive, not rejected). Anything unplanned or repeated is
-    rejected (see KVSink); TimeoutError if a source stops sending.
-    """
-    mine = [t for t in plan if t.dst == stage]
-    for t in mine:
-        for r in requests[t.request_start : t.request_end]:
-            sink.expect(r.request_id, t.layer_start, t.layer_end, r.token_start, r.token_end)
-    wanted = {r.request_id for t in mine if microbatch is None or t.dst_microbatch == microbatch for r in requests[t.request_start : t.request_end]}
-    if not wanted:
-        return TransferStats(0, 0)
-    return gather(inp, sink, timeout=timeout, until=lambda: sink.complete_for(wanted))

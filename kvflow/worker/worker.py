@@ -118,7 +118,7 @@ class Worker:
             from kvflow.streaming.transports.tcp import TcpSender
 
             outs = {int(d): OutStream(TcpSender(addr), f"{self.name}->{d}") for d, _, _, addr in wire.kv_peers}
-            self.sender = KVSender(self.cache, self.spec.stage, outs, mode="overlap")
+            self.sender = KVSender(self.cache, self.spec.stage, outs, mode=self.spec.kv_send_mode)
         hb = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
         hb.start()
         try:

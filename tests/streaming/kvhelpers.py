@@ -102,3 +102,27 @@ def receiver_process(kind: str, layout: KVLayout, conn) -> None:
     layers = range(layout.layer_start, layout.layer_end)
     conn.send({rid: (seq_kv(sink.cache, t, 0, sink.received[rid].shape[2], layers).numpy().copy(), sink.received[rid].copy()) for rid, t in tables.items()})
     rx.close()
+
+
+def stream_engine(engine: LLMEngine, sender) -> dict[str, tuple[int, ...]]:
+    """Make `engine` send every token of KV it writes through the KV connector's `sender` (one
+    destination stage 0 holding all layers): each step's new tokens of every request are planned as
+    one hand-off and sent layer by layer. Returns the engine-side block tables seen, by request."""
+    from kvflow.streaming.connector import HandoffRequest, plan_handoff
+
+    runner, run = engine.runner, engine.runner.run
+    bounds = [0, engine.model.cfg.num_layers]
+    tables: dict[str, tuple[int, ...]] = {}
+
+    def run_and_stream(out):
+        reqs = []
+        for s in out.seqs:
+            blocks = tuple(s.request.block_ids)
+            tables[s.request.request_id] = blocks
+            reqs.append(HandoffRequest(s.request.request_id, s.start, s.end, s.end, blocks, blocks))
+        sender.begin(reqs, plan_handoff(bounds, bounds, len(reqs)) if reqs else [])
+        return run(out)
+
+    runner.hook = sender.on_layer
+    runner.run = run_and_stream
+    return tables

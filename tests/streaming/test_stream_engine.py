@@ -1,24 +1,25 @@
-"""Streaming a running engine's KV (naive / buffered / layer-by-layer + overlap), scatter pieces,
-and pull mode: tokens unchanged, destination KV equal to the source's."""
+"""Streaming a running engine's KV through the KV connector (naive / buffered / layer-by-layer +
+overlap) and its receiver, and scatter pieces: tokens unchanged, destination KV equal to the source's."""
 
 from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
 
 from kvflow.sched.sampling import SamplingParams
 from kvflow.kv.cache import KVLayout
-from kvflow.streaming.errors import PeerRejected, StreamingError
-from kvflow.streaming.overlap import KVStreamer, StreamerConfig, attach
+from kvflow.kv.cache import KVCache
+from kvflow.streaming.connector import KVReceiver, KVSender
+from kvflow.streaming.errors import StreamingError
 from kvflow.streaming.primitives import InStream, OutStream, fetch
-from kvflow.streaming.pull import PullHandle, PullServer, pull
 from kvflow.streaming.region import KVRegion, contiguous_pieces
 from kvflow.streaming.scatter import gather, scatter
 from kvflow.streaming.transports import InprocChannel, TcpReceiver, TcpSender
-from kvhelpers import new_sink, random_cache, random_seqs, seq_kv, tiny_engine
+from kvhelpers import new_sink, random_cache, random_seqs, seq_kv, stream_engine, tiny_engine
 
 PROMPTS = [[5, 9, 11, 3, 7, 8, 1, 4, 6, 10, 12], [20, 21], [30, 31, 32, 33, 34, 35, 36]]
 PARAMS = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
@@ -51,18 +52,18 @@ def test_streamed_engine_matches_and_destination_equals_source(mode):
     reference = generate(tiny_engine())
     engine = tiny_engine()
     rx = TcpReceiver()
-    streamer = KVStreamer(engine.kv_cache, OutStream(TcpSender(rx.address, window=16)), StreamerConfig(mode=mode))
-    attach(engine, streamer)
+    sender = KVSender(engine.kv_cache, 0, {0: OutStream(TcpSender(rx.address, window=16))}, mode=mode)
+    src_tables = stream_engine(engine, sender)
     stop, result = threading.Event(), {}
     t = threading.Thread(target=receive_all, args=(rx, engine.kv_cache.layout, stop, result))
     t.start()
     engine.scheduler.config = type(engine.scheduler.config)(max_num_batched_tokens=8, prefill_chunk_size=8)  # chunked prefill too
     tokens = generate(engine)
-    streamer.finish()
+    sender.finish()
     stop.set()
     t.join()
-    streamer.close()
-    streamer.out.sender.close()
+    sender.close()
+    sender.outs[0].sender.close()
     rx.close()
     assert tokens == reference
     sink, tables = result["sink"], result["tables"]
@@ -70,18 +71,44 @@ def test_streamed_engine_matches_and_destination_equals_source(mode):
         rid = f"q{i}"
         n = len(p) + PARAMS.max_tokens - 1  # the last sampled token is never fed back
         assert sink.received[rid].shape[2] == n and sink.received[rid].all()
-        src = seq_kv(engine.kv_cache, streamer.tables[rid], 0, n, range(4))
+        src = seq_kv(engine.kv_cache, src_tables[rid], 0, n, range(4))
         assert torch.equal(src, seq_kv(sink.cache, tables[rid], 0, n, range(4)))
+
+
+def test_connector_receiver_reports_each_request_once_its_planned_kv_is_in():
+    # the worker-side pair the disaggregated server uses: KVSender (overlap) -> TCP -> KVReceiver
+    engine = tiny_engine()
+    dst = KVCache(engine.kv_cache.layout)
+    rx = TcpReceiver()
+    done, errors = [], []
+    receiver = KVReceiver(dst, InStream(rx), done.extend, errors.append)
+    receiver.start()
+    sender = KVSender(engine.kv_cache, 0, {0: OutStream(TcpSender(rx.address))}, mode="overlap")
+    src_tables = stream_engine(engine, sender)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, SamplingParams(max_tokens=1, temperature=0), request_id=f"q{i}")
+    while engine.has_unfinished():
+        engine.step()  # prompts only: each one is a whole hand-off of tokens [0, len)
+    sender.finish()
+    end = time.monotonic() + 30
+    while len(done) < len(PROMPTS) and time.monotonic() < end:
+        time.sleep(0.01)
+    receiver.close()
+    sender.close()
+    assert sorted(done) == ["q0", "q1", "q2"] and not errors
+    for i, p in enumerate(PROMPTS):
+        rid = f"q{i}"
+        assert torch.equal(seq_kv(engine.kv_cache, src_tables[rid], 0, len(p), range(4)), seq_kv(dst, src_tables[rid], 0, len(p), range(4)))
 
 
 def test_background_failure_stops_the_engine():
     engine = tiny_engine()
     ch = InprocChannel(window=1, timeout=0.5)  # nobody consumes: the sender times out
-    streamer = KVStreamer(engine.kv_cache, OutStream(ch.sender), StreamerConfig(mode="overlap", pool_size=1, timeout=2))
-    attach(engine, streamer)
+    sender = KVSender(engine.kv_cache, 0, {0: OutStream(ch.sender)}, mode="overlap", pool_size=1, timeout=2)
+    stream_engine(engine, sender)
     with pytest.raises(StreamingError, match="PeerTimeout|fell"):
         generate(engine)
-    streamer.close()
+    sender.close()
 
 
 def test_naive_and_buffered_scatter_agree_and_coalesce():
@@ -103,27 +130,3 @@ def test_naive_and_buffered_scatter_agree_and_coalesce():
     want = [seq_kv(src, s.block_ids, s.token_start, s.token_end, range(2, 5)) for s in seqs]
     for g in got:
         assert all(torch.equal(a, b) for a, b in zip(g, want))
-
-
-def test_pull_mode_keeps_region_until_acknowledged():
-    layout = KVLayout(32, 4, 2, 8, 0, 2)
-    src = random_cache(layout, 5)
-    seqs = random_seqs(random.Random(4), 32, 4, [10, 7])
-    released = []
-    server = PullServer(src, on_release=released.append, max_chunk_bytes=400)
-    try:
-        handle = PullHandle.from_bytes(server.publish(KVRegion(tuple(seqs), 0, 2)).to_bytes())
-        assert server.pending == [handle.handle] and not released
-        wrong, _ = new_sink(KVLayout(32, 4, 3, 8, 0, 2))  # wrong head count: rejected, nothing acked
-        with pytest.raises(Exception, match="heads"):
-            pull(handle, wrong, timeout=5)
-        assert server.pending == [handle.handle] and not released
-        sink, tables = new_sink(layout)
-        st = pull(handle, sink, timeout=5)
-        assert st.chunks == 2 and released == [handle.handle] and not server.pending
-        for s in seqs:
-            assert torch.equal(seq_kv(src, s.block_ids, s.token_start, s.token_end, range(2)), seq_kv(sink.cache, tables[s.request_id], s.token_start, s.token_end, range(2)))
-        with pytest.raises(PeerRejected, match="unknown or released"):
-            pull(handle, new_sink(layout)[0], timeout=5)
-    finally:
-        server.close()

@@ -15,11 +15,11 @@ from kvflow.sched.sampling import SamplingParams
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint
 from kvflow.model.tokenizer import Tokenizer
-from kvflow.streaming.overlap import KVStreamer, StreamerConfig, attach
+from kvflow.streaming.connector import KVSender
 from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.streaming.scatter import gather
 from kvflow.streaming.transports import FileReceiver, FileSender, TcpSender
-from kvhelpers import new_sink, receiver_process, seq_kv
+from kvhelpers import new_sink, receiver_process, seq_kv, stream_engine
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "Write a haiku about the sea."]
@@ -36,7 +36,7 @@ def run(model, tok, streamer_for=None):
     engine = LLMEngine(model, tok, EngineConfig(num_kv_blocks=64, block_size=16))
     streamer = streamer_for(engine) if streamer_for else None
     if streamer:
-        attach(engine, streamer)
+        streamer.tables = stream_engine(engine, streamer)
     lens = {}
     for i, p in enumerate(PROMPTS):
         lens[f"p{i}"] = engine.add_request(p, PARAMS, request_id=f"p{i}").num_prompt_tokens + PARAMS.max_tokens - 1
@@ -63,12 +63,12 @@ def test_real_model_streamed_over_tcp_and_to_file_store(model_and_tokenizer, tmp
     proc.start()
     assert conn.poll(60)
     address = conn.recv()
-    engine, streamer, tokens, lens = run(model, tok, lambda e: KVStreamer(e.kv_cache, OutStream(TcpSender(address, window=32)), StreamerConfig("overlap")))
-    conn.send(streamer.out.chunks_sent)
+    engine, streamer, tokens, lens = run(model, tok, lambda e: KVSender(e.kv_cache, 0, {0: OutStream(TcpSender(address, window=32))}, "overlap"))
+    conn.send(streamer.outs[0].chunks_sent)
     assert conn.poll(120)
     remote = conn.recv()
     proc.join(10)
-    streamer.out.sender.close()
+    streamer.outs[0].sender.close()
     assert tokens == reference
     for rid, n in lens.items():
         kv, mask = remote[rid]
@@ -77,10 +77,10 @@ def test_real_model_streamed_over_tcp_and_to_file_store(model_and_tokenizer, tmp
 
     # 2) to the file store (buffered per step), read back by a fresh reader
     store = tmp_path / "kv"
-    engine, streamer, tokens, lens = run(model, tok, lambda e: KVStreamer(e.kv_cache, OutStream(FileSender(store)), StreamerConfig("buffered")))
+    engine, streamer, tokens, lens = run(model, tok, lambda e: KVSender(e.kv_cache, 0, {0: OutStream(FileSender(store))}, "buffered"))
     assert tokens == reference
     sink, tables = new_sink(layout)
-    gather(InStream(FileReceiver(store)), sink, num_chunks=streamer.out.chunks_sent, timeout=5)
+    gather(InStream(FileReceiver(store)), sink, num_chunks=streamer.outs[0].chunks_sent, timeout=5)
     for rid, n in lens.items():
         assert sink.received[rid].shape[2] == n and sink.received[rid].all()
         assert torch.equal(seq_kv(sink.cache, tables[rid], 0, n, layers), seq_kv(engine.kv_cache, streamer.tables[rid], 0, n, layers))

@@ -1,4 +1,5 @@
-"""stream_out/stream_in between pipelines of every depth pair 1..4 with unequal microbatches."""
+"""stream_out between pipelines of every depth pair 1..4 with unequal microbatches; each destination
+stage expects exactly its part of the plan and gathers it (what the KV connector's receiver does)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,22 @@ from hypothesis import strategies as st
 
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.streaming.primitives import InStream, OutStream
-from kvflow.streaming.topology import PipelineTopology, plan_transfers, stream_in, stream_out
+from kvflow.streaming.scatter import gather
+from kvflow.streaming.topology import PipelineTopology, plan_transfers, stream_out
 from kvflow.streaming.transports import InprocChannel
 from kvhelpers import new_sink, random_seqs, seq_kv
 
 HEADS, DIM, BS = 2, 4, 4
+
+
+def receive_planned(stage, plan, segments, inp, sink, microbatch) -> None:
+    """Expect this destination stage's part of the plan, then gather until one microbatch is in."""
+    mine = [t for t in plan if t.dst == stage]
+    for t in mine:
+        for r in segments[t.request_start:t.request_end]:
+            sink.expect(r.request_id, t.layer_start, t.layer_end, r.token_start, r.token_end)
+    wanted = {r.request_id for t in mine if t.dst_microbatch == microbatch for r in segments[t.request_start:t.request_end]}
+    gather(inp, sink, timeout=1, until=lambda: sink.complete_for(wanted))
 
 
 def run_streaming(src: PipelineTopology, dst: PipelineTopology, lengths: list[int], seed: int) -> None:
@@ -44,7 +56,7 @@ def run_streaming(src: PipelineTopology, dst: PipelineTopology, lengths: list[in
         sink, tables = new_sink(KVLayout(nblocks, BS, HEADS, DIM, a, b))
         inp = InStream(channels[d].receiver)
         for mb in range(len(dst.microbatch_sizes)):  # microbatch by microbatch, as a token stage would
-            stream_in(d, plan, segments, inp, sink, microbatch=mb, timeout=1)
+            receive_planned(d, plan, segments, inp, sink, mb)
             r0, r1 = dst.microbatch_requests(mb)
             assert sink.complete_for([q.request_id for q in segments[r0:r1]])
         assert sink.complete
