@@ -46,6 +46,16 @@ def param_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
+def field_path(loc: tuple | list) -> str | None:
+    """("body", "messages", 0, "content") -> "messages[0].content" (None for the body itself)."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or None
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -53,12 +63,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    where = ".".join(loc) if loc else "body"
-    parts = [f"{where}: {first.get('msg')}"]
+    where = field_path(first.get("loc", ()))
+    parts = [f"{where or 'body'}: {first.get('msg')}"]
     if len(errors) > 1:
         parts.append(f"(and {len(errors) - 1} more problem(s))")
-    return " ".join(parts), (loc[0] if loc else None)
+    return " ".join(parts), where
+
+
+def unavailable(message: str, code: str = "backend_unavailable") -> APIError:
+    return APIError(503, message, "server_error", None, code)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,8 +1,10 @@
 """Runs one prepared request through a `Backend`: a whole JSON answer or an SSE stream, aborted if the client leaves.
 
 The backend validates before yielding, so the first output is awaited before any status is sent:
-a ValueError then is a 400. A request the backend fails (finish_reason "error") is a 500 error body,
-or, once streaming has started, an `{"error": ...}` event followed by `data: [DONE]`.
+a ValueError then is a 400, `BackendUnavailable` a 503. A request the backend fails (finish_reason
+"error") is a 500 error body, or, once streaming has started, an `{"error": ...}` event followed by
+`data: [DONE]`. During shutdown, a request still running when the drain timeout passes ends the
+same way with a 503 `server_shutdown` error.
 """
 
 from __future__ import annotations
@@ -10,20 +12,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from kvflow.api.errors import APIError, bad_request
+from kvflow.api.drain import Drain
+from kvflow.api.errors import APIError, bad_request, param_of, unavailable
 from kvflow.api.metrics import APIMetrics
 from kvflow.api.prepare import Prepared
 from kvflow.api.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                 ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse, Usage)
+                                 ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse, SamplingFields,
+                                 Usage)
 from kvflow.sched.request import RequestOutput
-from kvflow.serving.backend import Backend
+from kvflow.serving.backend import Backend, BackendUnavailable
 
 class ClientGone(Exception):
     """The client disconnected before the answer was ready; the backend request has been aborted."""
@@ -100,33 +104,50 @@ def failed(p: Progress) -> APIError:
                     None, "backend_error")
 
 
+class Stopped(Exception):
+    """The drain timeout passed during shutdown while the request was running; it has been aborted."""
+
+
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
-async def race_client(request: Request, work: asyncio.Future | asyncio.Task):
-    """Await `work`, cancelling it (and raising ClientGone) if the client disconnects first."""
-    watcher = asyncio.ensure_future(_until_disconnect(request))
+async def race(work: Awaitable, drain: Drain, request: Request | None = None):
+    """Await `work`; if the client disconnects first (when `request` is given) raise ClientGone, if the drain
+    timeout passes first raise Stopped. Either way `work` is cancelled and has finished before this returns,
+    so the caller may close the generator it was iterating."""
+    work = asyncio.ensure_future(work)
+    watchers = {asyncio.ensure_future(drain.expired.wait()): Stopped}
+    if request is not None:
+        watchers[asyncio.ensure_future(_until_disconnect(request))] = ClientGone
     try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if work not in done:
+        done, _ = await asyncio.wait({work, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        raise next(exc for w, exc in watchers.items() if w in done)()
+    finally:
+        for w in watchers:
+            w.cancel()
+        if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            raise ClientGone()
-        return work.result()
-    finally:
-        watcher.cancel()
 
 
-async def start(backend: Backend, prepared: Prepared, request_id: str, request: Request) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
-    """Submit and wait for the first output; ValueError from the backend is the client's fault (400)."""
+async def start(backend: Backend, prepared: Prepared, request_id: str, request: Request,
+                drain: Drain) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
+    """Submit and wait for the first output. A ValueError from the backend is the client's fault (400, naming
+    the field it is about); `BackendUnavailable` is a 503."""
     agen = backend.generate(prepared.prompt_token_ids, prepared.params, request_id)
     try:
-        first = await race_client(request, asyncio.ensure_future(agen.__anext__()))
+        first = await race(anext(agen), drain, request)
     except ValueError as e:
         await agen.aclose()
-        raise bad_request(str(e), "prompt") from e
+        head = param_of(str(e))
+        raise bad_request(str(e), head if head in SamplingFields.model_fields else prepared.prompt_param) from e
+    except BackendUnavailable as e:
+        await agen.aclose()
+        raise unavailable(f"the serving backend cannot take requests now: {e}; try again later") from e
     except BaseException:
         await agen.aclose()
         raise
@@ -134,24 +155,25 @@ async def start(backend: Backend, prepared: Prepared, request_id: str, request: 
 
 
 async def whole(agen: AsyncIterator[RequestOutput], first: RequestOutput, p: Progress, metrics: APIMetrics,
-                request: Request) -> None:
+                request: Request, drain: Drain) -> None:
     """Collect every output into `p` (non-streaming answer)."""
 
-    async def drain() -> None:
+    async def collect() -> None:
         p.add(first, metrics)
         if not first.finished:
             async for out in agen:
                 p.add(out, metrics)
 
     try:
-        await race_client(request, asyncio.ensure_future(drain()))
+        await race(collect(), drain, request)
     finally:
         await agen.aclose()
 
 
 async def stream(agen: AsyncIterator[RequestOutput], first: RequestOutput, p: Progress, fmt: ChunkFormat,
-                 include_usage: bool, metrics: APIMetrics) -> AsyncIterator[bytes]:
-    """SSE bytes; cancellation (client gone) closes `agen`, which aborts the backend request."""
+                 include_usage: bool, metrics: APIMetrics, drain: Drain) -> AsyncIterator[bytes]:
+    """SSE bytes; cancellation (client gone) closes `agen`, which aborts the backend request. If the drain
+    timeout passes during shutdown the stream ends with an error event and `data: [DONE]`."""
     reason = "abort"
     try:
         for chunk in fmt.opening():
@@ -164,33 +186,41 @@ async def stream(agen: AsyncIterator[RequestOutput], first: RequestOutput, p: Pr
                 break
             if out.new_token_ids or out.new_text or out.finished:  # one chunk per step, even before text is decodable
                 yield _sse(fmt.delta(out.new_text, out.finish_reason if out.finished else None))
-            out = None if out.finished else await anext(agen, None)
+            out = None if out.finished else await race(anext(agen, None), drain)
         if include_usage and p.finish_reason != "error":
             yield _sse(fmt.usage(p.usage))
         yield b"data: [DONE]\n\n"
         reason = p.finish_reason or "abort"
+    except Stopped:
+        yield _sse(drain.shutdown_error().body())
+        yield b"data: [DONE]\n\n"
+        reason = "shutdown"
     finally:
-        await close_stream(agen, p, metrics, reason)
+        await close_stream(agen, p, metrics, reason, drain)
 
 
-async def close_stream(agen: AsyncIterator[RequestOutput], p: Progress, metrics: APIMetrics, reason: str) -> None:
+async def close_stream(agen: AsyncIterator[RequestOutput], p: Progress, metrics: APIMetrics, reason: str,
+                       drain: Drain) -> None:
     """Abort (if unfinished) and account a streamed request, once; also called if the stream never started."""
     if p.closed:
         return
     p.closed = True
-    await agen.aclose()
-    p.record(metrics, reason)
-    metrics.in_flight -= 1
+    try:
+        await agen.aclose()
+    finally:
+        p.record(metrics, reason)
+        metrics.in_flight -= 1
+        drain.leave()
 
 
 class SSEResponse(StreamingResponse):
     """A text/event-stream response that closes its request even when the client leaves before the first chunk."""
 
     def __init__(self, agen: AsyncIterator[RequestOutput], first: RequestOutput, p: Progress, fmt: ChunkFormat,
-                 include_usage: bool, metrics: APIMetrics) -> None:
-        super().__init__(stream(agen, first, p, fmt, include_usage, metrics), media_type="text/event-stream",
+                 include_usage: bool, metrics: APIMetrics, drain: Drain) -> None:
+        super().__init__(stream(agen, first, p, fmt, include_usage, metrics, drain), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
-        self._close = lambda: close_stream(agen, p, metrics, "abort")
+        self._close = lambda: close_stream(agen, p, metrics, "abort", drain)
 
     async def __call__(self, scope, receive, send) -> None:
         try:

@@ -1,6 +1,8 @@
 """Turns a parsed request body into prompt token ids and `SamplingParams`, enforcing the context limits.
 
 Every problem becomes an `APIError` (400, or 404 `model_not_found`) that names the offending field.
+Tokenization and chat templating can take seconds for a huge prompt, so the server runs `prepare_*`
+in a worker thread, never on the event loop.
 Default `max_tokens` when the client omits it: the rest of the context, capped at
 `DEFAULT_MAX_TOKENS` (256), so a request without it can never overflow the context.
 """
@@ -23,6 +25,7 @@ class Prepared:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    prompt_param: str  # the field a backend's complaint about the prompt is reported against
 
 
 def check_model(req: SamplingFields, model_name: str) -> None:
@@ -70,10 +73,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
         raise bad_request("tools are not supported", "tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
-    messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "".join(part.text for part in (m.content or []))
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in req.messages]
     try:
         return tokenizer.apply_chat_template(messages)
     except ValueError as e:
@@ -81,8 +81,10 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, prompt_len: int, max_model_len: int,
-                    prompt_param: str) -> SamplingParams:
+                    prompt_param: str, vocab_size: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
     """Validates lengths against the context, then builds `SamplingParams` (its ValueError -> 400)."""
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in req.stop_token_ids or ()):
+        raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size})", "stop_token_ids")
     if prompt_len >= max_model_len:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
                           f"{prompt_len} tokens, leaving no room to generate", prompt_param, "context_length_exceeded")
@@ -91,7 +93,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, prompt_len: int
         max_tokens = min(DEFAULT_MAX_TOKENS, room)
     elif isinstance(max_tokens, int) and max_tokens > room:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} "
-                          f"tokens and max_tokens is {max_tokens} (total {prompt_len + max_tokens})", "max_tokens",
+                          f"tokens and {max_tokens_param} is {max_tokens} (total {prompt_len + max_tokens})", max_tokens_param,
                           "context_length_exceeded")
     try:
         return SamplingParams(
@@ -106,7 +108,10 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, prompt_len: int
             min_tokens=req.min_tokens,
         )
     except ValueError as e:
-        raise bad_request(str(e), param_of(str(e))) from e
+        message, param = str(e), param_of(str(e))
+        if param == "max_tokens":  # the chat field the client actually sent
+            message, param = max_tokens_param + message[len(param):], max_tokens_param
+        raise bad_request(message, param) from e
 
 
 def prepare_completion(req: CompletionRequest, model_name: str, tokenizer: Tokenizer, max_model_len: int,
@@ -120,16 +125,17 @@ def prepare_completion(req: CompletionRequest, model_name: str, tokenizer: Token
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     ids = completion_prompt(req, tokenizer, vocab_size)
-    params = sampling_params(req, req.max_tokens, len(ids), max_model_len, "prompt")
-    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+    params = sampling_params(req, req.max_tokens, len(ids), max_model_len, "prompt", vocab_size)
+    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), "prompt")
 
 
-def prepare_chat(req: ChatCompletionRequest, model_name: str, tokenizer: Tokenizer, max_model_len: int) -> Prepared:
+def prepare_chat(req: ChatCompletionRequest, model_name: str, tokenizer: Tokenizer, max_model_len: int,
+                 vocab_size: int | None) -> Prepared:
     check_model(req, model_name)
     _reject_unsupported(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree; send one of them", "max_completion_tokens")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     ids = chat_prompt(req, tokenizer)
-    params = sampling_params(req, max_tokens, len(ids), max_model_len, "messages")
-    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+    params = sampling_params(req, getattr(req, which), len(ids), max_model_len, "messages", vocab_size, which)
+    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), "messages")

@@ -1,21 +1,52 @@
 """Request and response bodies of /v1/completions and /v1/chat/completions (pydantic, OpenAI field names).
 
-Unknown fields are ignored, as OpenAI-compatible servers do. Fields we cannot honour with a
-non-default value (n > 1, logprobs, penalties, logit_bias, echo, suffix, tools) are rejected
-with a 400 by `kvflow.api.prepare`, never silently dropped.
+Requests are validated strictly: no type coercion (`true`, `"5"` or `5.0` where an integer is
+required is an error naming the field; a number where a bool is required too), no NaN/Infinity,
+and every string must be valid Unicode (a lone surrogate such as `"\\ud800"` is an error). Unknown
+fields are ignored, as OpenAI-compatible servers do. Fields we cannot honour with a non-default
+value (n > 1, logprobs, penalties, logit_bias, echo, suffix, tools) are rejected with a 400 by
+`kvflow.api.prepare`, never silently dropped.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+MAX_SEED = 2**64 - 1  # what a torch.Generator accepts
+
+
+def _valid_unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError("invalid_unicode", "is not valid Unicode (a lone surrogate at character {pos})",
+                                  {"pos": e.start}) from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise PydanticCustomError("string_type", "{what} must be a string", {"what": what})
+    return _valid_unicode(value)
+
+
+def _token_ids(value: list, what: str) -> list[int]:
+    for i, t in enumerate(value):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise PydanticCustomError("int_type", "{what}[{i}] must be an integer token id", {"what": what, "i": i})
+    return value
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -25,13 +56,13 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """Fields shared by both endpoints. `top_k`, `ignore_eos`, `min_tokens`, `stop_token_ids` are extensions (as vLLM)."""
 
-    model: str
+    model: Text
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None  # checked by `_stop` (one clear error instead of one per union member)
     stop_token_ids: list[int] | None = None
     n: int = 1
     stream: bool = False
@@ -40,27 +71,73 @@ class SamplingFields(_Body):
     min_tokens: int = 0
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[Text, float] | None = None
     best_of: int | None = None
-    user: str | None = None
+    user: Text | None = None
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop(cls, value: Any, _handler) -> str | list[str] | None:
+        if value is None or isinstance(value, str):
+            return value if value is None else _valid_unicode(value)
+        if not isinstance(value, list):
+            raise PydanticCustomError("stop_type", "must be a string or a list of strings")
+        return [_text(v, f"stop[{i}]") for i, v in enumerate(value)]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]]  # checked by `_prompt`
     echo: bool = False
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt(cls, value: Any, _handler) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(value, str):
+            return _valid_unicode(value)
+        if not isinstance(value, list):
+            raise PydanticCustomError("prompt_type", "must be a string, a list of token ids, or a one-element list of either")
+        if value and all(isinstance(v, str) for v in value):
+            return [_text(v, f"prompt[{i}]") for i, v in enumerate(value)]
+        if value and all(isinstance(v, list) for v in value):
+            return [_token_ids(v, f"prompt[{i}]") for i, v in enumerate(value)]
+        return _token_ids(value, "prompt")
 
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: str | list[TextPart] | None = None  # checked by `_content`
+    name: Text | None = None
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _content(cls, value: Any, handler) -> str | list[TextPart] | None:
+        if value is None or isinstance(value, str):
+            return value if value is None else _valid_unicode(value)
+        if not isinstance(value, list):
+            raise PydanticCustomError("content_type", "must be a string or a list of text parts")
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or "text" not in part:
+                raise PydanticCustomError("content_part", "part {i} must be {\"type\": \"text\", \"text\": ...} "
+                                          "(only text content is supported)", {"i": i})
+            _text(part["text"], f"content[{i}].text")
+        return handler(value)
+
+    @model_validator(mode="after")
+    def _needs_content(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing_content", "a {role} message needs content", {"role": self.role})
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -141,12 +218,34 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class ModelPermission(BaseModel):
+    """As vLLM lists it (clients written against vLLM read `permission`)."""
+
+    id: str = Field(default_factory=lambda: new_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = False
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
+    """OpenAI's model object plus vLLM's fields (`root`, `parent`, `max_model_len`, `permission`)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvflow"
+    root: str | None = None  # the checkpoint served under `id`
+    parent: str | None = None
     max_model_len: int  # extension (as vLLM): the context length
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
     vocab_size: int | None = None  # extension: lets the load generator draw synthetic token-id prompts
 
 

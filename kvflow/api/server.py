@@ -1,31 +1,76 @@
-"""The OpenAI-compatible HTTP server: `build_app(backend)` (FastAPI), `serve(...)` (uvicorn) and `BackgroundServer`.
+"""The OpenAI-compatible HTTP server: `build_app(backend, config)` (FastAPI), `serve(...)` (uvicorn) and `BackgroundServer`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
 GET /health (200 / 503, answered even while the backend is broken), GET /metrics (Prometheus).
-The app starts the backend on startup and shuts it down on exit.
+With an API key every route but `APIConfig.open_paths` needs `Authorization: Bearer <key>`.
+The app starts the backend on startup; on shutdown (SIGTERM, Ctrl-C) the server stops accepting,
+drains in-flight requests up to `APIConfig.drain_timeout_s` (`kvflow.api.drain`), then shuts the
+backend down, and a SIGTERM-initiated shutdown exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
+import signal
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kvflow.api import generation as gen
-from kvflow.api.errors import APIError, install_error_handlers
+from kvflow.api.drain import Drain
+from kvflow.api.errors import APIError, error_body, install_error_handlers, unavailable
 from kvflow.api.metrics import APIMetrics
 from kvflow.api.prepare import Prepared, prepare_chat, prepare_completion
 from kvflow.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id
 from kvflow.serving.backend import Backend
 
 log = logging.getLogger(__name__)
+
+TOKENIZER_THREADS = 4  # chat templating + tokenization run here, never on the event loop
+
+
+@dataclass(frozen=True)
+class APIConfig:
+    """How the app guards and stops itself. `api_key` None: no authentication."""
+
+    api_key: str | None = None
+    open_paths: tuple[str, ...] = ("/health", "/metrics")  # answered without the key
+    drain_timeout_s: float = 30.0  # on shutdown: how long in-flight requests may still run
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
+            raise ValueError("the API key must be a non-empty string without surrounding whitespace")
+        if any(not p.startswith("/") for p in self.open_paths):
+            raise ValueError(f"open paths must start with '/', got {self.open_paths}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"the drain timeout must be >= 0 seconds, got {self.drain_timeout_s}")
+
+
+class _APIKeyAuth:
+    """ASGI middleware: without `Authorization: Bearer <key>` every path but the open ones gets a 401 (OpenAI shape)."""
+
+    def __init__(self, app, api_key: str, open_paths: tuple[str, ...]) -> None:
+        self.app, self.expected, self.open_paths = app, f"Bearer {api_key}".encode(), frozenset(open_paths)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        message = ("Incorrect API key provided" if given else "Missing API key: send it as 'Authorization: Bearer <key>'")
+        response = JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
 
 class _StatusCounter:
@@ -46,9 +91,11 @@ class _StatusCounter:
         await self.app(scope, receive, counting_send)
 
 
-def build_app(backend: Backend) -> FastAPI:
+def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
     metrics = APIMetrics()
+    drain = Drain(config.drain_timeout_s)
     vocab_size = getattr(backend.tokenizer, "vocab_size", None)
+    tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvflow-tokenize")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -56,12 +103,19 @@ def build_app(backend: Backend) -> FastAPI:
         try:
             yield
         finally:
+            await drain.run()  # no-op if the server already drained (it does, before closing connections)
             await backend.shutdown()
+            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvflow", summary="OpenAI-compatible API over a kvflow backend", lifespan=lifespan)
-    app.add_middleware(_StatusCounter, metrics=metrics)
+    if config.api_key is not None:
+        app.add_middleware(_APIKeyAuth, api_key=config.api_key, open_paths=config.open_paths)
+    app.add_middleware(_StatusCounter, metrics=metrics)  # added last = outermost: counts the 401s too
     install_error_handlers(app)
-    app.state.backend, app.state.metrics = backend, metrics
+    app.state.backend, app.state.metrics, app.state.drain = backend, metrics, drain
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn, *args)
 
     def healthy() -> bool:
         try:
@@ -70,20 +124,25 @@ def build_app(backend: Backend) -> FastAPI:
             log.exception("backend.healthy() raised")
             return False
 
-    async def respond(request: Request, prepared: Prepared, chat: bool) -> Response:
+    def admit() -> None:
+        drain.admit()
         if not healthy():
-            raise APIError(503, "the serving backend is not healthy; try again later", "server_error", None, "backend_unavailable")
+            raise unavailable("the serving backend is not healthy; try again later")
+
+    async def respond(request: Request, prepared: Prepared, chat: bool) -> Response:
+        admit()
         request_id = new_id("chatcmpl" if chat else "cmpl")
         fmt = gen.ChunkFormat(chat, request_id, backend.model_name)
         progress = gen.Progress(len(prepared.prompt_token_ids))
+        drain.enter()
         metrics.in_flight += 1
         streaming = False
         try:
-            agen, first = await gen.start(backend, prepared, request_id, request)
+            agen, first = await gen.start(backend, prepared, request_id, request, drain)
             if prepared.stream:
                 streaming = True
-                return gen.SSEResponse(agen, first, progress, fmt, prepared.include_usage, metrics)
-            await gen.whole(agen, first, progress, metrics, request)
+                return gen.SSEResponse(agen, first, progress, fmt, prepared.include_usage, metrics, drain)
+            await gen.whole(agen, first, progress, metrics, request, drain)
             progress.record(metrics, progress.finish_reason)
             if progress.finish_reason == "error":
                 raise gen.failed(progress)
@@ -91,23 +150,33 @@ def build_app(backend: Backend) -> FastAPI:
         except gen.ClientGone:
             progress.record(metrics, "abort")
             return Response(status_code=499)  # nobody reads it: the client has gone
+        except gen.Stopped:
+            progress.record(metrics, "shutdown")
+            raise drain.shutdown_error() from None
         finally:
             if not streaming:
                 metrics.in_flight -= 1
+                drain.leave()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prepared = prepare_completion(body, backend.model_name, backend.tokenizer, backend.max_model_len, vocab_size)
+        admit()  # before spending a tokenizer thread on it
+        prepared = await off_loop(prepare_completion, body, backend.model_name, backend.tokenizer, backend.max_model_len,
+                                  vocab_size)
         return await respond(request, prepared, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prepared = prepare_chat(body, backend.model_name, backend.tokenizer, backend.max_model_len)
+        admit()
+        prepared = await off_loop(prepare_chat, body, backend.model_name, backend.tokenizer, backend.max_model_len,
+                                  vocab_size)
         return await respond(request, prepared, chat=True)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=backend.model_name, max_model_len=backend.max_model_len, vocab_size=vocab_size)])
+        card = ModelCard(id=backend.model_name, root=backend.model_name, max_model_len=backend.max_model_len,
+                         vocab_size=vocab_size)
+        return ModelList(data=[card])
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -126,25 +195,57 @@ def build_app(backend: Backend) -> FastAPI:
     return app
 
 
-def _config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
+class _Server(uvicorn.Server):
+    """uvicorn with kvflow's shutdown: stop accepting, drain the app (`Drain.run`), then uvicorn's own shutdown
+    (close connections, lifespan → backend.shutdown). A SIGTERM that ends in a clean shutdown exits 0 instead
+    of being re-raised at exit as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.app = app
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:  # stop accepting new connections
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):  # idle keep-alive ones close; busy ones after their response
+            connection.shutdown()
+        await self.app.state.drain.run()
+        await super().shutdown(sockets)
 
 
-def serve(backend: Backend, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve until interrupted (Ctrl-C / SIGTERM)."""
-    uvicorn.Server(_config(build_app(backend), host, port, log_level)).run()
+def _config(app: FastAPI, host: str, port: int, log_level: str, config: APIConfig) -> uvicorn.Config:
+    # uvicorn's own graceful timeout only backs up the drain (which ends every request itself)
+    grace = config.drain_timeout_s + 10
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace, lifespan="on")
+
+
+def serve(backend: Backend, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          config: APIConfig = APIConfig()) -> None:
+    """Serve until SIGTERM / Ctrl-C, then drain and shut down (see the module docstring)."""
+    app = build_app(backend, config)
+    _Server(_config(app, host, port, log_level, config), app).run()
 
 
 class BackgroundServer:
-    """Runs the app under uvicorn in a daemon thread on a port the OS picks (tests, in-process benchmarks)."""
+    """Runs the app under uvicorn in a daemon thread on a port the OS picks (tests, in-process benchmarks).
+    Leaving the `with` block shuts it down as SIGTERM would (drain included)."""
 
-    def __init__(self, backend: Backend, host: str = "127.0.0.1", log_level: str = "warning") -> None:
+    def __init__(self, backend: Backend, host: str = "127.0.0.1", log_level: str = "warning",
+                 config: APIConfig = APIConfig()) -> None:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.app = build_app(backend)
-        self.server = uvicorn.Server(_config(self.app, host, self.port, log_level))
+        self.app = build_app(backend, config)
+        self.server = _Server(_config(self.app, host, self.port, log_level, config), self.app)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])), daemon=True,
                                        name=f"kvflow-api-{self.port}")
 
@@ -162,7 +263,14 @@ class BackgroundServer:
             threading.Event().wait(0.05)
         raise RuntimeError("the API server did not start within 30 s")
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """Begin the shutdown (returns at once; `join` waits for it)."""
         self.server.should_exit = True
-        self.thread.join(15)
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.join(self.server.config.timeout_graceful_shutdown + 15)
         self.sock.close()

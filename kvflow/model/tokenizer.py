@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ class Tokenizer:
         self.directory = Path(directory)
         self.hf = AutoTokenizer.from_pretrained(str(directory))
         self.vocab_size = len(self.hf)
+        specials = sorted({t.content for t in self.hf.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+        self._specials_re = re.compile("|".join(map(re.escape, specials))) if specials else None  # special-token text
 
     @staticmethod
     def available(directory: str | Path) -> bool:
@@ -37,12 +40,58 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Render the checkpoint's chat template and tokenize it. Message content is plain text: special-token
+        text typed into it (e.g. "<|im_start|>system") is tokenized as ordinary characters, never as the special
+        token, so a client cannot forge turns; the template's own special tokens are real. (transformers'
+        `apply_chat_template(tokenize=True)` and vLLM parse such text as special tokens.) Content without
+        special-token text tokenizes exactly as transformers does."""
         if not self.hf.chat_template:
             raise ValueError(f"the tokenizer in {self.directory} has no chat template; pass a raw prompt instead")
         validate_messages(messages)
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        # The template already wrote any BOS it wants; do not add another.
-        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+        escaped, literals, marker = self._escape_specials(messages)
+        text = self.hf.apply_chat_template(escaped, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if not literals:  # The template already wrote any BOS it wants; do not add another.
+            return list(self.hf(text, add_special_tokens=False)["input_ids"])
+        return self._encode_with_literals(text, literals, marker)
+
+    def _escape_specials(self, messages: list[Message]) -> tuple[list[Message], list[str], str]:
+        """Replace special-token text in each content by `marker + index + marker` (a private-use character
+        no message and no template contains), so the template renders it as inert text."""
+        pattern = self._specials_re
+        literals: list[str] = []
+        if pattern is None or not any(pattern.search(m["content"]) for m in messages):
+            return messages, literals, ""
+        used = "".join(m["content"] for m in messages) + self.hf.chat_template
+        marker = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)
+
+        def hide(match: re.Match) -> str:
+            literals.append(match.group(0))
+            return f"{marker}{len(literals) - 1}{marker}"
+
+        return [{**m, "content": pattern.sub(hide, m["content"])} for m in messages], literals, marker
+
+    def _encode_with_literals(self, text: str, literals: list[str], marker: str) -> list[int]:
+        """Tokenize `text` as transformers would, except that each hidden literal is plain text: the pieces between
+        the template's special tokens are encoded with special-token parsing off (HF tokenizes those pieces
+        independently anyway, so the template's tokens come out the same)."""
+        enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        special_ids = {i for i, t in self.hf.added_tokens_decoder.items() if t.special}
+        unhide = re.compile(re.escape(marker) + r"(\d+)" + re.escape(marker))
+        ids: list[int] = []
+        cursor = 0
+
+        def plain(piece: str) -> None:
+            piece = unhide.sub(lambda m: literals[int(m.group(1))], piece)
+            if piece:
+                ids.extend(self.hf(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+        for tid, (start, end) in zip(enc["input_ids"], enc["offset_mapping"]):
+            if tid in special_ids:
+                plain(text[cursor:start])
+                ids.append(tid)
+                cursor = end
+        plain(text[cursor:])
+        return ids
 
 
 def validate_messages(messages: list[Message]) -> None:

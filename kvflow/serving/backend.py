@@ -8,7 +8,9 @@ controller (`kvflow/controller/`), which drives pipeline-stage worker processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import queue as thread_queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +23,13 @@ from kvflow.sched.sampling import SamplingParams
 from kvflow.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot take a request now (pipeline failed, recovering, shutting down): the API answers 503.
+
+    Raised by `Backend.generate` before it yields anything; the request was not queued.
+    """
 
 
 @dataclass
@@ -39,12 +48,16 @@ class BackendStats:
 class Backend(Protocol):
     """Contract used by the HTTP API.
 
-    - `generate` validates (raising ValueError for input that can never run: too long, bad ids)
-      *before* yielding anything, then yields `RequestOutput` deltas until one has finished=True.
+    - `generate` validates (raising ValueError for input that can never run: too long, bad ids;
+      `BackendUnavailable` when it cannot serve right now) *before* yielding anything, then yields
+      `RequestOutput` deltas until one has finished=True.
       A request that fails inside the system (e.g. its worker died) ends with finish_reason
       "error" and `error` set — it never hangs and is never silently dropped.
     - Cancelling the iterator (client went away) aborts the request and frees its resources.
-    - `healthy()` is False while the backend cannot serve; `stats()` feeds /metrics.
+    - `healthy()` is False while the backend cannot serve (the API then answers 503 without calling
+      `generate`); `stats()` feeds /metrics. Both are called on the event loop and must not block.
+    - Nothing here may block the event loop for longer than a queue operation: in particular no lock
+      that is held across an engine step.
     """
 
     model_name: str
@@ -76,7 +89,12 @@ async def drain(queue: asyncio.Queue, done: Callable[[bool], None]) -> AsyncIter
 
 
 class EngineBackend:
-    """One `LLMEngine` stepped by a background thread; outputs are handed to asyncio queues."""
+    """One `LLMEngine` owned by a background thread; the event loop only talks to it through queues.
+
+    `generate` posts the request to the thread's inbox and awaits its admission (or the ValueError
+    that rejects it); aborts go through the same inbox. The engine itself is touched only by its
+    thread, so the event loop never waits for a step to finish.
+    """
 
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         if engine.tokenizer is None:
@@ -85,15 +103,16 @@ class EngineBackend:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
-        self._lock = threading.Lock()
+        self._inbox: thread_queue.SimpleQueue[Callable[[], None]] = thread_queue.SimpleQueue()
         self._wake = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
         self._stop = False
+        self._closed = False  # set by the engine thread when it has stopped taking jobs
+        self._close_lock = threading.Lock()  # only orders `_post` against closing; never held across a step
         self._thread: threading.Thread | None = None
         self._busy = 0.0
         self._gen_tokens = 0
         self._prompt_tokens = 0
-        self._error: str | None = None
 
     async def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="kvflow-engine", daemon=True)
@@ -106,7 +125,7 @@ class EngineBackend:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
 
     def healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        return self._thread is not None and self._thread.is_alive() and not self._stop
 
     def stats(self) -> BackendStats:
         sched = self.engine.scheduler
@@ -119,53 +138,101 @@ class EngineBackend:
             workers_alive={"engine": self.healthy()},
         )
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(prompt_token_ids, params, request_id)  # ValueError propagates
-            self._queues[request_id] = (loop, queue)
-            self._prompt_tokens += len(prompt_token_ids)
+    def _post(self, job: Callable[[], None]) -> None:
+        with self._close_lock:
+            if self._closed:
+                raise BackendUnavailable("the engine has been shut down")
+            self._inbox.put(job)
         self._wake.set()
 
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        if not self.healthy():
+            raise BackendUnavailable("the engine is not running")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        admitted: asyncio.Future = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if admitted.done():  # cancelled: the client left while waiting
+                return
+            if error is not None:
+                admitted.set_exception(error)
+            else:
+                admitted.set_result(None)
+
+        def add() -> None:  # engine thread
+            try:
+                self.engine.add_request(prompt_token_ids, params, request_id)
+            except Exception as e:  # ValueError: the client's fault; anything else is reported the same way
+                loop.call_soon_threadsafe(settle, e)
+                return
+            self._queues[request_id] = (loop, queue)
+            self._prompt_tokens += len(prompt_token_ids)
+            loop.call_soon_threadsafe(settle, None)
+
+        self._post(add)
+        try:
+            await admitted
+        except asyncio.CancelledError:  # the client left while the request was waiting for admission
+            with contextlib.suppress(BackendUnavailable):
+                self._post(lambda: self._forget(request_id, finished=False))
+            raise
+
         def forget(finished: bool) -> None:
-            with self._lock:
-                self._queues.pop(request_id, None)
-                if not finished:
-                    self.engine.abort_request(request_id)
+            with contextlib.suppress(BackendUnavailable):  # closed: the thread already failed everything
+                self._post(lambda: self._forget(request_id, finished))
 
         async for out in drain(queue, forget):
             yield out
 
-    def _loop(self) -> None:
-        while not self._stop:
-            with self._lock:
-                busy = self.engine.has_unfinished()
-            if not busy:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            t0 = time.perf_counter()
-            try:
-                with self._lock:
-                    outs = self.engine.step()
-                    targets = [(o, self._queues.get(o.request_id)) for o in outs]
-            except Exception as e:  # a bug, not bad input: fail every request loudly, keep the thread alive
-                log.exception("engine step failed")
-                self._fail_all(f"engine step failed: {e}")
-                continue
-            self._busy += time.perf_counter() - t0
-            for out, target in targets:
-                self._gen_tokens += len(out.new_token_ids)
-                if target is not None:
-                    loop, q = target
-                    loop.call_soon_threadsafe(q.put_nowait, out)
+    def _forget(self, request_id: str, finished: bool) -> None:  # engine thread
+        self._queues.pop(request_id, None)
+        if not finished:
+            self.engine.abort_request(request_id)
 
-    def _fail_all(self, message: str) -> None:
-        with self._lock:
-            for rid, (loop, q) in list(self._queues.items()):
-                req = self.engine.requests.get(rid)
-                self.engine.abort_request(rid)
-                if req is not None:
-                    req.finish("error", message)
-                    loop.call_soon_threadsafe(q.put_nowait, req.take_output())
+    def _run_inbox(self) -> None:
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except thread_queue.Empty:
+                return
+            job()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                self._run_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self._step()
+        finally:  # stopped (or crashed): take no more jobs, admit what was posted, then fail it all loudly
+            with self._close_lock:
+                self._closed = True
+            self._run_inbox()
+            self._fail_all("the engine was shut down" if self._stop else "the engine thread crashed")
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outs = self.engine.step()
+        except Exception as e:  # a bug, not bad input: fail every request loudly, keep the thread alive
+            log.exception("engine step failed")
+            self._fail_all(f"engine step failed: {e}")
+            return
+        self._busy += time.perf_counter() - t0
+        for out in outs:
+            self._gen_tokens += len(out.new_token_ids)
+            target = self._queues.get(out.request_id)
+            if target is not None:
+                loop, q = target
+                loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _fail_all(self, message: str) -> None:  # engine thread
+        for rid, (loop, q) in list(self._queues.items()):
+            req = self.engine.requests.get(rid)
+            self.engine.abort_request(rid)
+            if req is not None:
+                req.finish("error", message)
+                loop.call_soon_threadsafe(q.put_nowait, req.take_output())
