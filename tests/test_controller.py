@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+import torch
+
 import pytest
 
 from kvflow.controller.controller import Controller
@@ -235,3 +237,18 @@ def test_external_workers_started_from_the_printed_commands_serve_the_engine_tok
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def test_pipeline_modes_honour_the_engine_dtype(tiny_ckpt_dir):
+    # the dtype travels to the workers in the handshake (config tree): bfloat16 weights, KV and hidden states
+    from kvflow.engine.engine import LLMEngine
+
+    ref_engine = LLMEngine.from_config(EngineConfig(model=str(tiny_ckpt_dir), dtype="bfloat16", num_kv_blocks=256, block_size=4))
+    assert ref_engine.kv_cache.layout.dtype == torch.bfloat16
+    reqs = [ref_engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for p, n in zip(PROMPTS, LENGTHS)]
+    final = run_to_completion(ref_engine)
+    expected = [final[r.request_id].token_ids for r in reqs]
+    cfg = ClusterConfig(engine=EngineConfig(model=str(tiny_ckpt_dir), dtype="bfloat16", num_kv_blocks=128, block_size=4),
+                        mode="disaggregated", token_depth=2, microbatch_size=4, heartbeat_timeout_s=30.0)
+    results, _, _ = serve(cfg, PROMPTS, LENGTHS)
+    assert [t for t, _ in results] == expected
