@@ -1,1 +1,1 @@
-"""The controller: admission, microbatch formation, pipelines of worker processes, token collection, failure detection."""
+"""The controller: an executor of the one scheduler over pipelines of worker processes (batch queue, KV hand-off plans, liveness)."""

@@ -1,1 +1,1 @@
-"""Single-process engine: requests, scheduler (continuous batching), model runner, sampling, LLM API."""
+"""The single-process executor of the one scheduler: model runner, LLMEngine, and the offline LLM API."""

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from kvflow.model.config import ModelConfig
+
+class ModelShape(Protocol):
+    """What a cache needs to know of a model (e.g. `kvflow.model.config.ModelConfig`)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,7 @@ class KVLayout:
     @classmethod
     def for_model(
         cls,
-        cfg: ModelConfig,
+        cfg: ModelShape,
         num_blocks: int,
         block_size: int = 16,
         layer_range: tuple[int, int] | None = None,

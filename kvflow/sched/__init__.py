@@ -1,0 +1,1 @@
+"""The one scheduling core: requests, sampling parameters, and the Scheduler every executor runs."""
