@@ -259,8 +259,10 @@ class Scheduler:
 
     def _schedule_microbatch(self) -> list[ScheduledSeq]:
         """The next microbatch whose previous pass has returned, or a new one if a slot is free."""
-        for group in self.groups:
+        for group in self.groups:  # round robin: a group that just ran goes to the back
             if not any(r.request_id in self.in_flight for r in group):
+                self.groups.remove(group)
+                self.groups.append(group)
                 return [self._whole(r) for r in group]
         if len(self.groups) >= self.config.max_in_flight or self.role == "token":
             return []

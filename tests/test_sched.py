@@ -1,0 +1,165 @@
+"""The one scheduling core, driven by hand: in-flight batches, deltas, roles and the microbatch policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.kv.manager import KVCacheManager
+from kvflow.sched.request import Request, RequestStatus
+from kvflow.sched.sampling import SamplingParams
+from kvflow.sched.scheduler import Limits, Scheduler, SchedulerConfig, validate
+
+
+def req(rid: str, n_prompt: int, max_tokens: int = 4) -> Request:
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
+def sampled_for(out, tok: int = 7) -> dict[str, int]:
+    return {s.request.request_id: tok for s in out.seqs if s.completes_prompt}
+
+
+def test_a_request_is_in_at_most_one_batch_in_flight():
+    s = Scheduler(SchedulerConfig(max_in_flight=2), KVCacheManager(64, 4), 256)
+    a, b = req("a", 5), req("b", 6)
+    s.add(a)
+    first = s.schedule()
+    s.add(b)
+    second = s.schedule()  # a is in flight: only b
+    assert [x.request.request_id for x in first.seqs] == ["a"] and [x.request.request_id for x in second.seqs] == ["b"]
+    assert s.schedule().is_empty and s.num_batches_in_flight == 2
+    s.update(second, sampled_for(second))  # batches may come back out of order
+    third = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens, x.start) for x in third.seqs] == [("b", 1, 6)]
+    s.update(first, sampled_for(first))
+    assert a.output_token_ids == [7] and b.output_token_ids == [7]
+
+
+def test_block_tables_travel_as_deltas():
+    s = Scheduler(SchedulerConfig(), KVCacheManager(64, 4), 256)
+    r = req("r", 7, max_tokens=8)
+    s.add(r)
+    out = s.schedule()
+    assert out.seqs[0].reset and out.seqs[0].new_block_ids == tuple(r.block_ids) and len(r.block_ids) == 2
+    s.update(out, sampled_for(out))  # 8 tokens: the 8th fits the 2 blocks
+    out = s.schedule()
+    assert not out.seqs[0].reset and out.seqs[0].new_block_ids == ()
+    s.update(out, sampled_for(out))  # 9 tokens: a third block
+    out = s.schedule()
+    assert out.seqs[0].new_block_ids == (r.block_ids[2],) and not out.seqs[0].reset
+
+
+def test_chunked_prefill_and_preemption_report_freed_requests():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8, prefill_chunk_size=8), KVCacheManager(6, 4), 256)
+    a, b = req("a", 12, max_tokens=6), req("b", 8, max_tokens=6)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.seqs] == [("a", 8)]
+    s.update(out, {})
+    out = s.schedule()  # the rest of a's prompt, and b's first chunk in the remaining budget
+    assert [(x.request.request_id, x.start, x.num_new_tokens) for x in out.seqs] == [("a", 8, 4), ("b", 0, 4)]
+    s.update(out, sampled_for(out))
+    while not out.preempted:  # a grows until a block is missing: the newest (b) is preempted
+        out = s.schedule()
+        s.update(out, sampled_for(out))
+    assert out.preempted == [b] and b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert s.waiting[0] is b and not b.block_ids
+    assert "b" in out.freed  # the executor is told, with this very batch, to drop b's mirrored table
+
+
+def test_prompt_role_hands_off_and_never_preempts():
+    prompt_kv = KVCacheManager(8, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=4, prefill_chunk_size=4), prompt_kv, 256, role="prompt")
+    r = req("r", 10)
+    s.add(r)
+    out = s.schedule()
+    assert len(r.block_ids) == 3  # the whole prompt from admission on
+    s.update(out, {})
+    out = s.schedule()
+    s.update(out, {})
+    out = s.schedule()
+    assert out.seqs[0].completes_prompt
+    s.update(out, {"r": 42})
+    assert s.take_handoffs() == [r] and not s.running and prompt_kv.num_free_blocks == 8
+    assert r.output_token_ids == [42] and not r.is_finished
+
+
+def test_admit_hook_can_refuse():
+    s = Scheduler(SchedulerConfig(), KVCacheManager(64, 4), 256, role="prompt", admit_hook=lambda r: r.request_id != "no")
+    s.add(req("no", 3))
+    s.add(req("yes", 3))
+    assert s.schedule().is_empty and len(s.waiting) == 2  # FCFS: the head blocks the queue
+
+
+def test_token_role_decodes_and_returns_preempted_requests():
+    kv = KVCacheManager(3, 4)
+    s = Scheduler(SchedulerConfig(), kv, 256, role="token")
+    a, b = req("a", 4, max_tokens=10), req("b", 3, max_tokens=10)
+    for r, tok in ((a, 5), (b, 6)):
+        r.append_token(tok, 256)
+        kv.ensure(r.block_ids, r.num_tokens - 1)
+        s.add_running(r)
+    out = s.schedule()
+    assert [(x.request.request_id, x.start, x.num_new_tokens, x.reset) for x in out.seqs] == [("a", 4, 1, True), ("b", 3, 1, True)]
+    s.update(out, sampled_for(out))
+    s.add(req("c", 3))  # a token scheduler never prefills
+    while True:
+        out = s.schedule()
+        if out.preempted:
+            break
+        assert all(x.request.request_id in ("a", "b") for x in out.seqs)
+        s.update(out, sampled_for(out))
+    assert out.preempted == [b] and b not in s.waiting  # returned to the executor for recompute
+
+
+def test_microbatch_policy_keeps_fixed_groups_and_reserves_max_tokens():
+    s = Scheduler(SchedulerConfig(policy="microbatch", microbatch_size=2, max_in_flight=2), KVCacheManager(64, 4), 256)
+    rs = [req(f"r{i}", 4, max_tokens=[1, 3, 2, 2, 2][i]) for i in range(5)]
+    for r in rs:
+        s.add(r)
+    g1, g2 = s.schedule(), s.schedule()
+    assert [x.request.request_id for x in g1.seqs] == ["r0", "r1"] and [x.request.request_id for x in g2.seqs] == ["r2", "r3"]
+    assert len(rs[0].block_ids) == 2  # 4 + 1 tokens reserved up front
+    assert s.schedule().is_empty  # both slots busy
+    s.update(g1, sampled_for(g1))  # r0 finishes; r1 goes on in the same microbatch
+    again = s.schedule()
+    assert [x.request.request_id for x in again.seqs] == ["r1"]
+    s.update(again, sampled_for(again))
+    s.update(g2, sampled_for(g2))
+    third = s.schedule()  # r2/r3 decode; r4 waits for a whole slot
+    assert [x.request.request_id for x in third.seqs] == ["r2", "r3"]
+    s.update(third, sampled_for(third))  # r2, r3 done: their slot frees
+    last = s.schedule()
+    assert [x.request.request_id for x in last.seqs] == ["r1"]
+    s.update(last, sampled_for(last))
+    assert [x.request.request_id for x in s.schedule().seqs] == ["r4"]
+
+
+def test_abort_of_an_in_flight_request_frees_when_its_batch_returns():
+    kv = KVCacheManager(16, 4)
+    s = Scheduler(SchedulerConfig(), kv, 256)
+    r = req("r", 6)
+    s.add(r)
+    out = s.schedule()
+    s.abort(r)
+    assert r.is_finished and kv.num_free_blocks == 14  # still being written by the batch in flight
+    assert s.update(out, {"r": 1}) == [r] and kv.num_free_blocks == 16 and r.output_token_ids == []
+
+
+@pytest.mark.parametrize("prompt, max_tokens, match", [
+    ([], 4, "empty"), ([5, 999], 4, "out of range"), (list(range(1, 60)), 4, "context length"),
+    (list(range(1, 40)), 30, "exceeds the context"), (list(range(1, 40)), 10, "KV blocks"),
+])
+def test_validate_names_the_problem(prompt, max_tokens, match):
+    r = Request("x", prompt, SamplingParams(max_tokens=max_tokens))
+    with pytest.raises(ValueError, match=match):
+        validate(r, Limits(60, 100), [KVCacheManager(64, 4), KVCacheManager(10, 4)])
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="policy"):
+        SchedulerConfig(policy="lottery")
+    with pytest.raises(ValueError, match="microbatch_size"):
+        SchedulerConfig(policy="microbatch")
+    with pytest.raises(ValueError, match="max_in_flight"):
+        SchedulerConfig(max_in_flight=0)
