@@ -34,6 +34,7 @@ from kvflow.api.protocol import ChatCompletionRequest, CompletionRequest, ModelC
 from kvflow.serving.backend import Backend
 
 log = logging.getLogger(__name__)
+_uvicorn_log = logging.getLogger("uvicorn.error")  # where `kvflow serve` prints server lifecycle lines
 
 TOKENIZER_THREADS = 4  # chat templating + tokenization run here, never on the event loop
 
@@ -217,7 +218,12 @@ class _Server(uvicorn.Server):
             sock.close()
         for connection in list(self.server_state.connections):  # idle keep-alive ones close; busy ones after their response
             connection.shutdown()
-        await self.app.state.drain.run()
+        drain: Drain = self.app.state.drain
+        if drain.in_flight:
+            _uvicorn_log.info("Draining %d in-flight request(s) for up to %g s", drain.in_flight, drain.timeout_s)
+        await drain.run()
+        if drain.expired.is_set():
+            _uvicorn_log.warning("Drain timeout (%g s) passed: the requests still running were cancelled", drain.timeout_s)
         await super().shutdown(sockets)
 
 

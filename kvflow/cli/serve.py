@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,12 @@ def register(sub) -> None:
     s.add_argument("--external-workers", action="store_true",
                    help="do not spawn workers: print the `kvflow worker` commands to start (e.g. on other hosts) and wait")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but --open-paths (default: $KVFLOW_API_KEY; unset: no auth)")
+    s.add_argument("--open-paths", default="/health,/metrics",
+                   help="comma-separated paths answered without the API key (default /health,/metrics; '' = none)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds in-flight requests may still run before they are cancelled (default 30)")
     s.set_defaults(func=run_serve)
 
     b = sub.add_parser("bench", help="benchmarks against a running server")
@@ -109,9 +116,21 @@ def _controller(args):
     return ctrl
 
 
+def _api_config(args):
+    from kvflow.api.server import APIConfig
+
+    key = args.api_key if args.api_key is not None else (os.environ.get("KVFLOW_API_KEY") or None)
+    if key is not None and not key.strip():
+        raise ValueError("--api-key must not be empty")
+    open_paths = tuple(p.strip() for p in args.open_paths.split(",") if p.strip())
+    return APIConfig(api_key=key, open_paths=open_paths, drain_timeout_s=args.drain_timeout)
+
+
 def run_serve(args) -> int:
     _check_mode(args)
     from kvflow.api.server import serve
+
+    api_config = _api_config(args)  # checked before the model loads
 
     if args.mode == "engine":
         from kvflow.config import EngineConfig
@@ -128,7 +147,7 @@ def run_serve(args) -> int:
         backend = _controller(args)
     print(f"[kvflow] serving {backend.model_name!r} ({args.mode}, context {backend.max_model_len}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve(backend, args.host, args.port, args.log_level)
+    serve(backend, args.host, args.port, args.log_level, api_config)
     return 0
 
 

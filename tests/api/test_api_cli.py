@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -42,8 +41,8 @@ def test_kvflow_serve_subprocess(tiny_ckpt_dir):
                                       extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 3 and r.model == "tiny-cli"
     finally:
-        proc.terminate()  # uvicorn shuts down gracefully, then re-raises SIGTERM
-        assert proc.wait(20) in (0, -signal.SIGTERM)
+        proc.terminate()  # SIGTERM: drain, shut down, exit 0
+        assert proc.wait(20) == 0
     assert "Traceback" not in proc.stdout.read().decode()
 
 

@@ -1,0 +1,91 @@
+"""The event loop stays free: tokenization runs in worker threads and no engine step blocks a request, so
+/health and other clients are answered while a huge prompt is tokenized or a step is running."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+from api_helpers import MODEL, client, tiny_backend, wait_until
+from gated import GatedEngine, GatedTokenizer
+
+from kvflow.api.server import BackgroundServer
+from kvflow.serving.backend import EngineBackend
+
+HUGE = " ".join(["w7"] * 1_000_000)  # 3 MB, far beyond the 256-token context
+
+
+def _in_flight(srv: BackgroundServer) -> int:
+    for line in httpx.get(f"{srv.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvflow_api_requests_in_flight "):
+            return int(float(line.split()[1]))
+    raise AssertionError("no in-flight gauge")
+
+
+def _in_thread(fn) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", fn()), daemon=True)
+    t.start()
+    return t, out
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": MODEL, "prompt": HUGE, "max_tokens": 2}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": HUGE}], "max_tokens": 2}),
+], ids=["completion", "chat"])
+def test_health_answers_while_a_huge_prompt_is_tokenized(tiny_ckpt_dir, path, body):
+    backend = tiny_backend(tiny_ckpt_dir)
+    tok = backend.tokenizer = GatedTokenizer(tiny_ckpt_dir)
+    with BackgroundServer(backend) as srv:
+        t, out = _in_thread(lambda: httpx.post(f"{srv.url}{path}", json=body, timeout=120))
+        assert tok.entered.wait(60), "the huge prompt never reached the tokenizer"
+        # the tokenizer is now busy with the huge prompt (held until released): the loop must still answer
+        h = httpx.get(f"{srv.url}/health", timeout=10)
+        assert h.status_code == 200 and h.json() == {"status": "ok"}
+        assert httpx.get(f"{srv.url}/v1/models", timeout=10).status_code == 200
+        tok.release.set()
+        t.join(120)
+        r = out["r"]
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        # and the server is fine afterwards
+        assert client(srv).completions.create(model=MODEL, prompt="w5", max_tokens=2, extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+
+
+def test_no_request_waits_on_an_engine_step(tiny_ckpt_dir):
+    """While the engine thread is inside a step, a new request is admitted asynchronously and /health answers."""
+    backend = tiny_backend(tiny_ckpt_dir, GatedEngine)
+    eng: GatedEngine = backend.engine
+    with BackgroundServer(backend) as srv:
+        eng.hold_after(2)
+        body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 8, "ignore_eos": True}
+        ta, a = _in_thread(lambda: httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120))
+        assert eng.holding.wait(60), "the engine never reached the held step"
+        tb, b = _in_thread(lambda: httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": "w9"}, timeout=120))
+        wait_until(lambda: _in_flight(srv) == 2, 30, "the second request to be in flight")  # its submission is pending
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+        eng.release()
+        ta.join(120)
+        tb.join(120)
+        assert a["r"].json()["usage"]["completion_tokens"] == 8 and b["r"].json()["usage"]["completion_tokens"] == 8
+
+
+class StaleHealthBackend(EngineBackend):
+    """Reports healthy from a stale view (as a controller between heartbeats can), so `generate` is reached
+    and must say the backend is unavailable itself."""
+
+    def healthy(self) -> bool:
+        return True
+
+
+def test_backend_unavailable_is_503(tiny_ckpt_dir):
+    backend = tiny_backend(tiny_ckpt_dir)
+    backend = StaleHealthBackend(backend.engine, MODEL)
+    with BackgroundServer(backend) as srv:
+        assert client(srv).completions.create(model=MODEL, prompt="w5", max_tokens=2).usage.completion_tokens >= 1
+        asyncio.run(backend.shutdown())  # the engine thread stops
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "w5", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and err["code"] == "backend_unavailable" and "shut down" in err["message"]

@@ -1,0 +1,167 @@
+"""Graceful shutdown: stop accepting, let in-flight requests finish up to the drain timeout, then cancel the rest
+with a clear error; `kvflow serve` exits 0 on SIGTERM. Every signal is sent after an event (a streamed token,
+the engine held at a step), never after a sleep."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from api_helpers import MODEL, tiny_backend, wait_until
+from gated import GatedEngine
+
+from kvflow.api.server import APIConfig, BackgroundServer
+
+
+def _events(lines) -> list[dict | str]:
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def _in_flight(srv: BackgroundServer) -> int:
+    for line in httpx.get(f"{srv.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvflow_api_requests_in_flight "):
+            return int(float(line.split()[1]))
+    raise AssertionError("no in-flight gauge")
+
+
+STREAM = {"model": MODEL, "prompt": "w5 w6 w7", "max_tokens": 20, "ignore_eos": True, "stream": True,
+          "stream_options": {"include_usage": True}}
+
+
+def test_in_flight_stream_finishes_during_drain(tiny_ckpt_dir):
+    backend = tiny_backend(tiny_ckpt_dir, GatedEngine)
+    eng: GatedEngine = backend.engine
+    srv = BackgroundServer(backend, config=APIConfig(drain_timeout_s=120))
+    with srv:
+        eng.hold_after(2)  # the request gets two tokens out, then its next step waits
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{srv.url}/v1/completions", json=STREAM) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert eng.holding.wait(60)
+            srv.stop()  # what SIGTERM does
+            assert srv.app.state.drain.started.wait(60)
+            with pytest.raises(httpx.ConnectError):  # no longer accepting
+                httpx.get(f"{srv.url}/health", timeout=10)
+            assert srv.thread.is_alive()  # still draining: the request is in flight
+            eng.release()
+            events = _events([first, *lines])
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert all("error" not in c for c in chunks)
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 20
+        srv.join(60)
+        assert not srv.thread.is_alive() and not backend.healthy()  # shut down, backend stopped
+
+
+def test_drain_timeout_cancels_with_a_clear_error(tiny_ckpt_dir):
+    backend = tiny_backend(tiny_ckpt_dir, GatedEngine)
+    eng: GatedEngine = backend.engine
+    srv = BackgroundServer(backend, config=APIConfig(drain_timeout_s=0.5))
+    with srv:
+        eng.hold_after(2)
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{srv.url}/v1/completions", json=STREAM) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert eng.holding.wait(60)
+            whole: dict = {}  # a non-streaming request, waiting for admission behind the held step
+            t = threading.Thread(target=lambda: whole.setdefault("r", httpx.post(
+                f"{srv.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "w9"}],
+                                                        "max_tokens": 4}, timeout=60)), daemon=True)
+            t.start()
+            wait_until(lambda: _in_flight(srv) == 2, 30, "both requests to be in flight")
+            srv.stop()
+            events = _events([first, *lines])  # the engine stays held: only the drain timeout can end them
+        assert events[-1] == "[DONE]"
+        err = events[-2]["error"]
+        assert err["code"] == "server_shutdown" and err["type"] == "server_error" and "drain timeout" in err["message"]
+        t.join(60)
+        r = whole["r"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown"
+        eng.release()
+        srv.join(60)
+        assert not srv.thread.is_alive()
+    # the backend aborted both requests: nothing is left running in the engine
+    assert not backend.engine.requests and not backend.engine.has_unfinished()
+
+
+def test_requests_on_a_kept_alive_connection_get_503_while_draining(tiny_ckpt_dir):
+    backend = tiny_backend(tiny_ckpt_dir, GatedEngine)
+    eng: GatedEngine = backend.engine
+    srv = BackgroundServer(backend, config=APIConfig(drain_timeout_s=120))
+    with srv:
+        eng.hold_after(2)
+        with httpx.Client(timeout=60) as keep, httpx.Client(timeout=60) as http, \
+                http.stream("POST", f"{srv.url}/v1/completions", json=STREAM) as r:
+            assert keep.get(f"{srv.url}/health").status_code == 200  # opens a keep-alive connection
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            assert eng.holding.wait(60)
+            app = srv.app
+            app.state.drain.draining = True  # the state shutdown puts the app in, before connections are closed
+            resp = keep.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "w5", "max_tokens": 2})
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "server_shutting_down"
+            app.state.drain.draining = False
+            eng.release()
+            list(lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_and_exits_0(tiny_ckpt_dir):
+    port = _free_port()
+    key = "sk-shutdown-test"
+    cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--model", str(tiny_ckpt_dir), "--port", str(port),
+           "--threads", "1", "--served-model-name", MODEL, "--drain-timeout", "120", "--log-level", "info"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVFLOW_API_KEY": key}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:  # open without the key
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "kvflow serve did not come up"
+            time.sleep(0.2)
+        with pytest.raises(openai.AuthenticationError):  # KVFLOW_API_KEY is in force
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        body = {**STREAM, "max_tokens": 200}
+        headers = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)  # after the first streamed token
+            events = _events([first, *lines])
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert all("error" not in c for c in chunks) and chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 200
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = proc.stdout.read().decode()
+    assert "Traceback" not in log and "aclose" not in log and "Cancel" not in log, log
