@@ -5,6 +5,7 @@ the engine held at a step), never after a sleep."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -67,7 +68,22 @@ def test_in_flight_stream_finishes_during_drain(tiny_ckpt_dir):
         assert not srv.thread.is_alive() and not backend.healthy()  # shut down, backend stopped
 
 
-def test_drain_timeout_cancels_with_a_clear_error(tiny_ckpt_dir):
+@pytest.fixture
+def server_errors():
+    """ERROR records from uvicorn, asyncio and kvflow while the test runs (e.g. "aclose(): asynchronous generator is
+    already running", "Task exception was never retrieved")."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    loggers = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "asyncio", "kvflow")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    yield records
+    for lg in loggers:
+        lg.removeHandler(handler)
+
+
+def test_drain_timeout_cancels_with_a_clear_error(tiny_ckpt_dir, server_errors):
     backend = tiny_backend(tiny_ckpt_dir, GatedEngine)
     eng: GatedEngine = backend.engine
     srv = BackgroundServer(backend, config=APIConfig(drain_timeout_s=0.5))
@@ -96,6 +112,7 @@ def test_drain_timeout_cancels_with_a_clear_error(tiny_ckpt_dir):
         assert not srv.thread.is_alive()
     # the backend aborted both requests: nothing is left running in the engine
     assert not backend.engine.requests and not backend.engine.has_unfinished()
+    assert not server_errors, [r.getMessage() for r in server_errors]
 
 
 def test_requests_on_a_kept_alive_connection_get_503_while_draining(tiny_ckpt_dir):
