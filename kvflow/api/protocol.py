@@ -48,6 +48,16 @@ def _token_ids(value: list, what: str) -> list[int]:
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """`"stream": null` (OpenAI's schema allows null for optional fields) means the default, not an error."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
