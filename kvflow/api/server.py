@@ -17,9 +17,10 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -115,8 +116,8 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
     install_error_handlers(app)
     app.state.backend, app.state.metrics, app.state.drain = backend, metrics, drain
 
-    async def off_loop(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn, *args)
+    async def off_loop(fn: Callable[[], Prepared]) -> Prepared:
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn)
 
     def healthy() -> bool:
         try:
@@ -130,30 +131,32 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
         if not healthy():
             raise unavailable("the serving backend is not healthy; try again later")
 
-    async def respond(request: Request, prepared: Prepared, chat: bool) -> Response:
+    async def respond(request: Request, prepare: Callable[[], Prepared], chat: bool) -> Response:
         admit()
-        request_id = new_id("chatcmpl" if chat else "cmpl")
-        fmt = gen.ChunkFormat(chat, request_id, backend.model_name)
-        progress = gen.Progress(len(prepared.prompt_token_ids))
-        drain.enter()
+        drain.enter()  # in flight from here, tokenization included: a drain waits for it
         metrics.in_flight += 1
-        streaming = False
+        streaming = False  # once the SSE response owns the request, it does the accounting (`close_stream`)
         try:
-            agen, first = await gen.start(backend, prepared, request_id, request, drain)
-            if prepared.stream:
-                streaming = True
-                return gen.SSEResponse(agen, first, progress, fmt, prepared.include_usage, metrics, drain)
-            await gen.whole(agen, first, progress, metrics, request, drain)
+            prepared = await off_loop(prepare)
+            request_id = new_id("chatcmpl" if chat else "cmpl")
+            fmt = gen.ChunkFormat(chat, request_id, backend.model_name)
+            progress = gen.Progress(len(prepared.prompt_token_ids))
+            try:
+                agen, first = await gen.start(backend, prepared, request_id, request, drain)
+                if prepared.stream:
+                    streaming = True
+                    return gen.SSEResponse(agen, first, progress, fmt, prepared.include_usage, metrics, drain)
+                await gen.whole(agen, first, progress, metrics, request, drain)
+            except gen.ClientGone:
+                progress.record(metrics, "abort")
+                return Response(status_code=499)  # nobody reads it: the client has gone
+            except gen.Stopped:
+                progress.record(metrics, "shutdown")
+                raise drain.shutdown_error() from None
             progress.record(metrics, progress.finish_reason)
             if progress.finish_reason == "error":
                 raise gen.failed(progress)
             return JSONResponse(fmt.response(progress).model_dump())
-        except gen.ClientGone:
-            progress.record(metrics, "abort")
-            return Response(status_code=499)  # nobody reads it: the client has gone
-        except gen.Stopped:
-            progress.record(metrics, "shutdown")
-            raise drain.shutdown_error() from None
         finally:
             if not streaming:
                 metrics.in_flight -= 1
@@ -161,17 +164,13 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        admit()  # before spending a tokenizer thread on it
-        prepared = await off_loop(prepare_completion, body, backend.model_name, backend.tokenizer, backend.max_model_len,
-                                  vocab_size)
-        return await respond(request, prepared, chat=False)
+        prepare = partial(prepare_completion, body, backend.model_name, backend.tokenizer, backend.max_model_len, vocab_size)
+        return await respond(request, prepare, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        admit()
-        prepared = await off_loop(prepare_chat, body, backend.model_name, backend.tokenizer, backend.max_model_len,
-                                  vocab_size)
-        return await respond(request, prepared, chat=True)
+        prepare = partial(prepare_chat, body, backend.model_name, backend.tokenizer, backend.max_model_len, vocab_size)
+        return await respond(request, prepare, chat=True)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

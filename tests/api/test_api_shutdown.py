@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from api_helpers import MODEL, tiny_backend, wait_until
-from gated import GatedEngine
+from gated import GatedEngine, GatedTokenizer
 
 from kvflow.api.server import APIConfig, BackgroundServer
 
@@ -113,6 +113,27 @@ def test_drain_timeout_cancels_with_a_clear_error(tiny_ckpt_dir, server_errors):
     # the backend aborted both requests: nothing is left running in the engine
     assert not backend.engine.requests and not backend.engine.has_unfinished()
     assert not server_errors, [r.getMessage() for r in server_errors]
+
+
+def test_request_being_tokenized_is_drained(tiny_ckpt_dir):
+    backend = tiny_backend(tiny_ckpt_dir)
+    tok = backend.tokenizer = GatedTokenizer(tiny_ckpt_dir)
+    srv = BackgroundServer(backend, config=APIConfig(drain_timeout_s=120))
+    with srv:
+        out: dict = {}
+        body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 3, "ignore_eos": True}
+        t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(f"{srv.url}/v1/completions", json=body,
+                                                                           timeout=120)), daemon=True)
+        t.start()
+        assert tok.entered.wait(60)  # held inside tokenization
+        srv.stop()
+        assert srv.app.state.drain.started.wait(60)
+        tok.release.set()
+        t.join(120)
+        r = out["r"]
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        srv.join(60)
+        assert not srv.thread.is_alive()
 
 
 def test_requests_on_a_kept_alive_connection_get_503_while_draining(tiny_ckpt_dir):
