@@ -24,6 +24,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("colocated", "disaggregated")
 ROLES = ("both", "prompt", "token")
 KV_SEND_MODES = ("naive", "buffered", "overlap")
+RECOVERY = ("recompute", "none")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,11 @@ class ClusterConfig:
     `kv_send_mode`: how prompt workers send KV ("overlap": packed per layer, sent by a background
     thread; "buffered"/"naive": sent on the compute thread — DéjàVu's Fig. 7 comparison).
     `host` is the interface the internal (ZeroMQ) sockets bind, independent of the HTTP server's.
+    `recovery`: what a worker's death (exit, or no heartbeat for `heartbeat_timeout_s`) does —
+    "recompute": fence it, start a replacement through the launcher, and recompute every request
+    that lost KV from its prompt and the tokens it already produced (clients see only a delay);
+    after `max_restarts` failed replacements in a row the controller gives up. "none": fail-stop,
+    every request fails with the worker's name and the backend stays unhealthy.
     """
 
     engine: EngineConfig = EngineConfig(num_kv_blocks=2048)
@@ -110,8 +116,14 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     heartbeat_timeout_s: float = 3.0
     start_timeout_s: float = 180.0
+    recovery: str = "recompute"
+    max_restarts: int = 3
 
     def __post_init__(self) -> None:
+        if self.recovery not in RECOVERY:
+            raise ValueError(f"recovery must be one of {RECOVERY}, got {self.recovery!r}")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 1:
+            raise ValueError(f"max_restarts must be a positive integer, got {self.max_restarts!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         for key in ("depth", "prompt_depth", "token_depth", "microbatch_size", "prompt_microbatch_size", "threads_per_worker"):

@@ -153,6 +153,17 @@ class KVArrived:
 class WorkerError:
     name: str
     message: str
+    epoch: int = -1  # the epoch of the step that failed (-1: not tied to a step)
+
+
+@dataclass
+class Reset:
+    """Controller -> worker after a failure: from now on only steps of `epoch` count; forget every
+    mirrored block table (`tables`) and every partly received KV hand-off (`kv`)."""
+
+    epoch: int
+    tables: bool = True
+    kv: bool = True
 
 
 @dataclass
@@ -160,7 +171,7 @@ class Shutdown:
     pass
 
 
-MESSAGES = (Step, StepResult, Hello, Setup, Ready, Wire, Heartbeat, KVArrived, WorkerError, Shutdown)
+MESSAGES = (Step, StepResult, Hello, Setup, Ready, Wire, Heartbeat, KVArrived, WorkerError, Reset, Shutdown)
 _TYPES = {c.__name__: c for c in MESSAGES}
 _NESTED = {"seqs": SeqStep, "kv_out": KVOut}
 

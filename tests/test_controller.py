@@ -12,6 +12,7 @@ import torch
 import pytest
 
 from kvflow.controller.controller import Controller
+from kvflow.serving.backend import BackendUnavailable
 from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.controller.pipeline import even_split
 from kvflow.sched.sampling import SamplingParams
@@ -146,14 +147,14 @@ def test_kv_streamed_equals_prompt_kv(tiny_ckpt_dir):
     assert stats.kv_bytes_streamed_total == kv_bytes
 
 
-def test_killed_worker_fails_in_flight_requests_quickly(tiny_ckpt_dir):
+def test_without_recovery_a_killed_worker_fails_in_flight_requests_quickly(tiny_ckpt_dir):
     # Deterministic on any machine speed: a first request completes (so the prompt->token KV link is up),
     # then token-0 is stopped (SIGSTOP) before the victim request arrives, so
     # after the prompt pipeline has produced the first token the request provably still has 199 tokens
     # left and cannot make progress; only then is token-0 killed. The heartbeat timeout is long, so the
     # failure can only be detected through the process exit (the error says "died").
     async def main():
-        ctrl = Controller(_cfg(tiny_ckpt_dir, mode="disaggregated", heartbeat_timeout_s=120.0))
+        ctrl = Controller(_cfg(tiny_ckpt_dir, mode="disaggregated", heartbeat_timeout_s=120.0, recovery="none"))
         await ctrl.start()
         victim = ctrl.stages["token-0"].process
         try:
@@ -173,8 +174,8 @@ def test_killed_worker_fails_in_flight_requests_quickly(tiny_ckpt_dir):
             assert "token-0" in last.error and "died" in last.error
             assert elapsed < ctrl.cfg.heartbeat_timeout_s  # detected by the exit, not by a heartbeat timeout
             assert not ctrl.healthy()
-            _, after = await asyncio.wait_for(_collect(ctrl, [5, 6], 3, "late"), timeout=60)
-            assert after.finish_reason == "error"
+            with pytest.raises(BackendUnavailable, match="token-0"):  # refused up front: the API answers 503
+                await _collect(ctrl, [5, 6], 3, "late")
         finally:
             if victim.poll() is None:
                 os.kill(victim.pid, signal.SIGKILL)

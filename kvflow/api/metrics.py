@@ -132,6 +132,13 @@ def _backend_lines(s: BackendStats, metric) -> None:
            [f'kvflow_worker_busy_seconds_total{{worker="{_esc(w)}"}} {t:.6f}' for w, t in sorted(s.worker_busy_seconds.items())])
     metric("kvflow_worker_up", "gauge", "1 while the worker is alive",
            [f'kvflow_worker_up{{worker="{_esc(w)}"}} {int(a)}' for w, a in sorted(s.workers_alive.items())])
+    metric("kvflow_dropped_messages_total", "counter", "Internal messages dropped (not authentic, malformed or stale)",
+           [f'kvflow_dropped_messages_total{{port="{_esc(w)}"}} {n}' for w, n in sorted(s.dropped_messages_total.items())])
+    metric("kvflow_preemptions_total", "counter", "Requests preempted (KV freed, recomputed later)", [f"kvflow_preemptions_total {s.preemptions_total}"])
+    metric("kvflow_worker_failures_total", "counter", "Workers lost (died, hung or failed a step)", [f"kvflow_worker_failures_total {s.worker_failures_total}"])
+    metric("kvflow_recoveries_total", "counter", "Recoveries completed (worker replaced, requests resumed)", [f"kvflow_recoveries_total {s.recoveries_total}"])
+    metric("kvflow_recovery_seconds_total", "counter", "Seconds spent recovering", [f"kvflow_recovery_seconds_total {s.recovery_seconds_total:.6f}"])
+    metric("kvflow_recovering", "gauge", "1 while a recovery is under way", [f"kvflow_recovering {int(s.recovering)}"])
 
 
 def _esc(label: str) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -37,14 +38,18 @@ from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvflow.sched.request import Request, RequestOutput
 from kvflow.sched.sampling import SamplingParams, sample
 from kvflow.sched.scheduler import Limits, Scheduler, SchedulerOutput, validate
-from kvflow.serving.backend import BackendStats, drain
+from kvflow.serving.backend import BackendStats, BackendUnavailable, drain
 from kvflow.streaming.connector import plan_handoff
 from kvflow.wire import (
-    Heartbeat, Hello, KVArrived, KVOut, Ready, SeqStep, Setup, Shutdown, Step, StepResult, Wire, WireError, WorkerError,
+    Heartbeat, Hello, KVArrived, KVOut, Ready, Reset, SeqStep, Setup, Shutdown, Step, StepResult, Wire, WireError, WorkerError,
     decode, encode, new_secret,
 )
 
 log = logging.getLogger(__name__)
+
+
+class StartError(RuntimeError):
+    """A worker did not come up (exited, reported an error, or timed out)."""
 
 
 class Controller:
@@ -91,6 +96,11 @@ class Controller:
         self.prompt_tokens = 0
         self.dropped_messages = 0
         self.preemptions = 0
+        self.failures = 0
+        self.recoveries = 0
+        self.recovery_seconds = 0.0
+        self.recovering: str | None = None
+        self._batch_ids = itertools.count()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -101,39 +111,41 @@ class Controller:
     def start_blocking(self) -> None:
         for s in self.stages.values():
             s.process = self.launcher.start(s.name, self.address, self.cfg.host, self.secret)
-        self._handshake()
-        bounds = self.token.layer_bounds if self.token is not None else []
-        for p in self.pipelines:
-            for i, s in enumerate(p.stages):
-                nxt = p.stages[i + 1].step_addr if i + 1 < p.depth else self.address
-                peers = [[t.stage, t.layers[0], t.layers[1], t.kv_addr] for t in self.token.stages] if p.role == "prompt" else []
-                self._send_to(s.name, Wire(nxt, peers, bounds))
+        try:
+            self._handshake()
+        except StartError as e:
+            self._kill_all()
+            raise RuntimeError(str(e)) from None
+        self._wire_all()
         now = time.monotonic()
         for s in self.stages.values():
             s.last_heartbeat = now
         self._thread = threading.Thread(target=self._loop, name="kvflow-controller", daemon=True)
         self._thread.start()
 
-    def _handshake(self) -> None:
-        """Hello -> Setup (spec + engine config) -> Ready, for every stage."""
+    def _handshake(self, names: set[str] | None = None) -> None:
+        """Hello -> Setup (spec + engine config) -> Ready, for the stages `names` (default: all).
+        Other messages that arrive meanwhile (a recovery runs while the rest of the cluster works)
+        are handled as usual."""
         deadline = time.monotonic() + self.cfg.start_timeout_s
         roles = {s.name: p.role for p in self.pipelines for s in p.stages}
-        hello, ready = set(self.stages), set(self.stages)
+        hello, ready = set(names or self.stages), set(names or self.stages)
         while ready:
             for name in ready:
                 proc = self.stages[name].process
                 if proc is not None and proc.poll() is not None:
-                    self._kill_all()
-                    raise RuntimeError(f"worker {name} exited with code {proc.poll()} during start-up")
+                    raise StartError(f"worker {name} exited with code {proc.poll()} during start-up")
             if time.monotonic() > deadline:
-                self._kill_all()
-                raise RuntimeError(f"workers {sorted(ready)} did not start within {self.cfg.start_timeout_s}s")
+                raise StartError(f"workers {sorted(ready)} did not start within {self.cfg.start_timeout_s}s")
             if not self.inbox.poll(200):
                 continue
-            msg = self._decode(self.inbox.recv_multipart())[0]
+            msg, tensor = self._decode(self.inbox.recv_multipart())
             if isinstance(msg, Hello) and msg.name in hello:
                 s = self.stages[msg.name]
                 s.step_addr = msg.step_addr
+                old = self.to_stage.pop(msg.name, None)
+                if old is not None:
+                    old.close(0)
                 sock = self.ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(msg.step_addr)
@@ -144,10 +156,20 @@ class Controller:
                 self._send_to(s.name, Setup(to_dict(spec), to_dict(self.cfg.engine), self.epoch))
             elif isinstance(msg, Ready) and msg.name in ready and msg.name not in hello:
                 self.stages[msg.name].kv_addr = msg.kv_addr
+                self.stages[msg.name].last_heartbeat = time.monotonic()
                 ready.discard(msg.name)
-            elif isinstance(msg, WorkerError):
-                self._kill_all()
-                raise RuntimeError(f"worker {msg.name} failed: {msg.message}")
+            elif isinstance(msg, WorkerError) and msg.name in ready:
+                raise StartError(f"worker {msg.name} failed: {msg.message}")
+            elif msg is not None and self._thread is not None and not isinstance(msg, WorkerError):
+                self._handle(msg, tensor)  # (a worker failing meanwhile is found by the next liveness check)
+
+    def _wire_all(self) -> None:
+        bounds = self.token.layer_bounds if self.token is not None else []
+        for p in self.pipelines:
+            for i, s in enumerate(p.stages):
+                nxt = p.stages[i + 1].step_addr if i + 1 < p.depth else self.address
+                peers = [[t.stage, t.layers[0], t.layers[1], t.kv_addr] for t in self.token.stages] if p.role == "prompt" else []
+                self._send_to(s.name, Wire(nxt, peers, bounds))
 
     async def shutdown(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown_blocking)
@@ -189,9 +211,17 @@ class Controller:
             kv_bytes_streamed_total=sum(s.kv_bytes_sent for s in self.stages.values()),
             worker_busy_seconds={s.name: s.busy_s for s in self.stages.values()},
             workers_alive={s.name: s.alive for s in self.stages.values()},
+            dropped_messages_total={"controller": self.dropped_messages, **{s.name: s.dropped_messages for s in self.stages.values()}},
+            preemptions_total=self.preemptions,
+            worker_failures_total=self.failures,
+            recoveries_total=self.recoveries,
+            recovery_seconds_total=self.recovery_seconds,
+            recovering=self.recovering is not None,
         )
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        if self.failure is not None or self._stop.is_set():  # (during a recovery requests queue)
+            raise BackendUnavailable(self.failure or "the server is shutting down")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, detok)
         validate(req, self.limits, [p.kv for p in self.pipelines])
@@ -284,7 +314,13 @@ class Controller:
                 s.last_heartbeat = time.monotonic()
                 s.busy_s, s.kv_bytes_sent, s.dropped_messages = msg.busy_s, msg.kv_bytes_sent, msg.dropped_messages
         elif isinstance(msg, WorkerError):
-            self._fail(f"worker {msg.name} failed: {msg.message}")
+            if msg.epoch not in (-1, self.epoch):
+                return  # an error of a step from before a recovery is moot
+            epoch = self.epoch
+            self._check_liveness()  # e.g. a prompt worker whose KV peer died: recover the dead one
+            s = self.stages.get(msg.name)
+            if epoch == self.epoch and s is not None and s.alive and self.failure is None:
+                self._worker_lost(s, f"worker {msg.name} failed: {msg.message}")
 
     # ------------------------------------------------------------------ scheduling
     def _schedule(self) -> None:
@@ -324,9 +360,10 @@ class Controller:
                     self.kv_pending[rid] = set(token_names)
             kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(out.seqs))]
         free, p.pending_free = p.pending_free + out.freed, []
-        p.in_flight[out.batch_id] = out
+        wire_id = next(self._batch_ids)  # unique across pipelines (each scheduler numbers its own batches)
+        p.in_flight[wire_id] = out
         p.batch_log.append((out.batch_id, [(s.request.request_id, s.num_new_tokens) for s in out.seqs]))
-        self._send_to(p.stages[0].name, Step(self.epoch, out.batch_id, seqs, ids, free, kv_out, kv_plan))
+        self._send_to(p.stages[0].name, Step(self.epoch, wire_id, seqs, ids, free, kv_out, kv_plan))
 
     def _on_result(self, msg: StepResult, logits: torch.Tensor) -> None:
         p = next((p for p in self.pipelines if msg.batch in p.in_flight), None)
@@ -400,11 +437,81 @@ class Controller:
                 continue
             code = s.process.poll() if s.process is not None else None
             if code is not None:
-                s.alive = False
-                self._fail(f"worker {s.name} (layers {s.layers[0]}-{s.layers[1] - 1}) died (exit code {code})")
-            elif now - s.last_heartbeat > self.cfg.heartbeat_timeout_s:
-                s.alive = False
-                self._fail(f"worker {s.name} stopped sending heartbeats for {now - s.last_heartbeat:.1f}s")
+                self._worker_lost(s, f"worker {s.name} (layers {s.layers[0]}-{s.layers[1] - 1}) died (exit code {code})")
+                return
+            if now - s.last_heartbeat > self.cfg.heartbeat_timeout_s:
+                self._worker_lost(s, f"worker {s.name} stopped sending heartbeats for {now - s.last_heartbeat:.1f}s")
+                return
+
+    def _worker_lost(self, s: StageHandle, message: str) -> None:
+        s.alive = False
+        self.failures += 1
+        if self.cfg.recovery == "none":
+            self._fail(message)
+        else:
+            self._recover(s, message)
+
+    def _recover(self, lost: StageHandle, message: str) -> None:
+        """Fence the lost worker, start a replacement, and recompute every request that lost KV.
+
+        Every pipeline is reset (the new epoch voids whatever is still on the wire): the requests
+        keep the tokens they produced and are recomputed from prompt + output, so greedy and seeded
+        outputs are exactly those of a run without the failure. While this runs, new requests queue.
+        """
+        t0 = time.monotonic()
+        log.warning("%s; recovering (epoch %d -> %d)", message, self.epoch, self.epoch + 1)
+        self.recovering = message
+        self.epoch += 1
+        self._reset_requests()
+        for attempt in range(1, self.cfg.max_restarts + 1):
+            if lost.process is not None and lost.process.poll() is None:
+                lost.process.kill()  # fence: a worker that only hung must never write again
+                lost.process.wait()
+            for s in self.stages.values():
+                if s is not lost and s.name in self.to_stage:
+                    self._send_to(s.name, Reset(self.epoch))
+            lost.process = self.launcher.start(lost.name, self.address, self.cfg.host, self.secret)
+            try:
+                self._handshake({lost.name})
+                break
+            except StartError as e:
+                log.error("replacing %s failed (attempt %d of %d): %s", lost.name, attempt, self.cfg.max_restarts, e)
+        else:
+            self._fail(f"{message}; its replacement failed {self.cfg.max_restarts} times")
+            return
+        self._wire_all()
+        lost.alive = True
+        now = time.monotonic()
+        for s in self.stages.values():
+            s.last_heartbeat = now
+        self.recovering = None
+        self.recoveries += 1
+        self.recovery_seconds += now - t0
+        log.warning("recovered from the loss of %s in %.2fs", lost.name, now - t0)
+
+    def _reset_requests(self) -> None:
+        """Every pipeline forgets its KV; unfinished requests are queued to be recomputed."""
+        again: list[Request] = []
+        for p in self.pipelines:
+            again += p.sched.reset()
+            p.in_flight.clear()
+            p.pending_free.clear()
+        if self.token is not None:
+            again += [r for r in list(self.handed_off.values()) + list(self.ready) if not r.is_finished]
+            self.handed_off.clear()
+            self.ready.clear()
+            self.kv_pending.clear()
+            for table in self.token_tables.values():
+                if table:
+                    self.token.kv.release(table)
+            self.token_tables.clear()
+            first = self.pipelines[0].sched
+            for r in sorted(again, key=lambda r: r.arrival_time, reverse=True):
+                if r not in first.waiting:
+                    first.add_front(r)
+        for rid, r in list(self.reqs.items()):  # finished requests that only waited for blocks to settle
+            if r.is_finished:
+                del self.reqs[rid]
 
     def _fail(self, message: str) -> None:
         """Fail every unfinished request with a clear error; new requests are refused with it too."""

@@ -330,6 +330,30 @@ class Scheduler:
         out, self.handoffs = self.handoffs, []
         return out
 
+    def reset(self) -> list[Request]:
+        """The pipeline lost its KV (a worker failed): nothing is in flight any more, and every
+        running request loses its blocks and will be recomputed from its prompt and the tokens it
+        has produced (queued first, in arrival order; the token role returns them to the executor).
+        Requests that were aborted meanwhile are just dropped. Returns the requests to recompute."""
+        lost = [r for r in self.running if not r.is_finished]
+        for r in self.running:
+            if r.block_ids:
+                self.kv.release(r.block_ids)
+        for r in lost:
+            r.num_computed_tokens = 0
+            r.status = RequestStatus.WAITING
+        lost.sort(key=lambda r: r.arrival_time)
+        if self.role != "token":
+            self.waiting.extendleft(reversed(lost))
+        self.running.clear()
+        self.groups.clear()
+        self.in_flight.clear()
+        self.handoffs.clear()
+        self._reset.clear()
+        self._freed.clear()  # the workers drop every table on a reset
+        self._batches = 0
+        return lost
+
     def fail_all(self) -> list[Request]:
         """Forget every request (the pipeline failed); returns them. Blocks are released."""
         reqs = list(self.waiting) + self.running

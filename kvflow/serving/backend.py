@@ -43,6 +43,12 @@ class BackendStats:
     kv_bytes_streamed_total: int = 0
     worker_busy_seconds: dict[str, float] = field(default_factory=dict)  # worker name -> busy time
     workers_alive: dict[str, bool] = field(default_factory=dict)
+    dropped_messages_total: dict[str, int] = field(default_factory=dict)  # port owner -> messages dropped
+    preemptions_total: int = 0
+    worker_failures_total: int = 0
+    recoveries_total: int = 0
+    recovery_seconds_total: float = 0.0
+    recovering: bool = False
 
 
 class Backend(Protocol):

@@ -78,6 +78,7 @@ class KVSender:
         self._requests: list[SeqRegion] = []
         self._metas: list[dict] = []
         self._plan: list[Transfer] = []
+        self._epoch = 0
         self._error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue()
         self._pool = StagingPool(pool_size, cache.device)
@@ -86,11 +87,13 @@ class KVSender:
             self._thread = threading.Thread(target=self._sender, name="kv-sender", daemon=True)
             self._thread.start()
 
-    def begin(self, requests: Sequence[HandoffRequest], plan: Sequence[Transfer]) -> None:
+    def begin(self, requests: Sequence[HandoffRequest], plan: Sequence[Transfer], epoch: int = 0) -> None:
+        """`epoch` travels with the chunks: a receiver drops chunks from before its last reset."""
         self._raise_pending()
         self._requests = [SeqRegion(r.request_id, r.src_blocks, r.token_start, r.token_end) for r in requests]
         self._metas = [{"total": r.total, "blocks": list(r.dest_blocks)} for r in requests]
         self._plan = [t for t in plan if t.src == self.stage]
+        self._epoch = epoch
 
     @property
     def active(self) -> bool:
@@ -113,7 +116,7 @@ class KVSender:
     def _meta(self, t: Transfer) -> dict:
         reqs = self._requests[t.request_start:t.request_end]
         metas = self._metas[t.request_start:t.request_end]
-        return {"kv": {r.request_id: m for r, m in zip(reqs, metas)}}
+        return {"epoch": self._epoch, "kv": {r.request_id: m for r, m in zip(reqs, metas)}}
 
     def _enqueue(self, t: Transfer, layer: int) -> None:
         region = KVRegion(tuple(self._requests[t.request_start:t.request_end]), layer, layer + 1)
@@ -177,6 +180,8 @@ class KVReceiver:
     this stage's layers, tokens [0, total), has arrived; `on_error(message)` when a chunk is
     rejected (the sender is told through the acknowledgement as well). A completed request is
     forgotten, so the same request can be sent again later (recomputed after a preemption).
+    `reset(epoch)` (after a failure) forgets every partly received request and from then on drops,
+    unwritten, chunks sent in an older epoch.
     """
 
     def __init__(self, cache: KVCache, inp: InStream, on_complete: Callable[[list[str]], None],
@@ -188,6 +193,9 @@ class KVReceiver:
         self.tables: dict[str, list[int]] = {}
         self.sink = KVSink(cache, self._resolve)
         self.nbytes = 0
+        self.stale = 0  # chunks dropped because they were sent before the last reset
+        self.epoch = 0
+        self.lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
 
@@ -196,6 +204,13 @@ class KVReceiver:
 
     def _resolve(self, rid: str, num_tokens: int) -> list[int]:
         return self.tables[rid]
+
+    def reset(self, epoch: int) -> None:
+        with self.lock:
+            self.epoch = epoch
+            for rid in list(self.sink.expected):
+                self.sink.forget(rid)
+            self.tables.clear()
 
     def _expect_from(self, meta: dict) -> None:
         lay = self.cache.layout
@@ -215,7 +230,10 @@ class KVReceiver:
                 continue
             done = []
             try:
-                with chunk:  # releasing the chunk acknowledges it (or reports the error)
+                with chunk, self.lock:  # releasing the chunk acknowledges it (or reports the error)
+                    if chunk.header.meta.get("epoch", 0) < self.epoch:
+                        self.stale += 1
+                        continue
                     self._expect_from(chunk.header.meta)
                     self.sink.write(chunk)
                     self.nbytes += chunk.header.nbytes

@@ -34,7 +34,7 @@ from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender
 from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.streaming.topology import Transfer
 from kvflow.wire import (
-    SECRET_ENV, Heartbeat, Hello, KVArrived, Ready, Setup, Shutdown, Step, StepResult, Wire, WireError, WorkerError,
+    SECRET_ENV, Heartbeat, Hello, KVArrived, Ready, Reset, Setup, Shutdown, Step, StepResult, Wire, WireError, WorkerError,
     decode, encode,
 )
 
@@ -110,15 +110,8 @@ class Worker:
             self.receiver = KVReceiver(self.cache, InStream(rx), self._kv_complete, self._kv_error)
             self.receiver.start()
         self._to_controller(Ready(self.name, kv_addr))
-        wire = self._expect(Wire)
-        self.out = self.ctx.socket(zmq.PUSH)
-        self.out.setsockopt(zmq.LINGER, 1000)
-        self.out.connect(wire.next_addr)
-        if self.spec.role == "prompt":
-            from kvflow.streaming.transports.tcp import TcpSender
-
-            outs = {int(d): OutStream(TcpSender(addr), f"{self.name}->{d}") for d, _, _, addr in wire.kv_peers}
-            self.sender = KVSender(self.cache, self.spec.stage, outs, mode=self.spec.kv_send_mode)
+        self.out = None
+        self._wire(self._expect(Wire))
         hb = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
         hb.start()
         try:
@@ -131,6 +124,24 @@ class Worker:
             if self.receiver is not None:
                 self.receiver.close()
             self.ctx.destroy(linger=0)
+
+    def _wire(self, wire: Wire) -> None:
+        """Connect to the next stage (or the controller) and, as a prompt worker, to the token stages
+        receiving KV. Sent at start and again after a failure, when a neighbour was replaced."""
+        if self.out is not None:
+            self.out.close(0)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 1000)
+        self.out.connect(wire.next_addr)
+        if self.spec.role == "prompt":
+            from kvflow.streaming.transports.tcp import TcpSender
+
+            if self.sender is not None:
+                self.sender.close()
+                for o in self.sender.outs.values():
+                    o.sender.close()
+            outs = {int(d): OutStream(TcpSender(addr), f"{self.name}->{d}@{self.epoch}") for d, _, _, addr in wire.kv_peers}
+            self.sender = KVSender(self.cache, self.spec.stage, outs, mode=self.spec.kv_send_mode)
 
     def _expect(self, cls):
         parent = os.getppid()
@@ -159,9 +170,17 @@ class Worker:
                 self.epoch = msg.epoch
                 try:
                     self._step(msg, tensor)
-                except Exception as e:  # report; the controller fails the batch's requests
+                except Exception as e:  # report; the controller recovers or fails the batch's requests
                     log.exception("step failed")
-                    self._to_controller(WorkerError(self.name, f"{type(e).__name__}: {e}"))
+                    self._to_controller(WorkerError(self.name, f"{type(e).__name__}: {e}", msg.epoch))
+            elif isinstance(msg, Reset):
+                self.epoch = max(self.epoch, msg.epoch)
+                if msg.tables:
+                    self.tables.clear()
+                if msg.kv and self.receiver is not None:
+                    self.receiver.reset(msg.epoch)
+            elif isinstance(msg, Wire):
+                self._wire(msg)
             elif isinstance(msg, Shutdown):
                 return
             else:
@@ -193,7 +212,7 @@ class Worker:
         if self.sender is not None and msg.kv_plan:
             reqs = [HandoffRequest(k.rid, k.token_start, k.token_end, k.total, tuple(self.tables[k.rid]), tuple(k.dest_blocks))
                     for k in msg.kv_out]
-            self.sender.begin(reqs, [Transfer(*t) for t in msg.kv_plan])
+            self.sender.begin(reqs, [Transfer(*t) for t in msg.kv_plan], msg.epoch)
             hook = self.sender.on_layer if self.sender.active else None
         hidden = self.model.run_layers(hidden, batch, self.cache, hook)
         if self.model.is_last:

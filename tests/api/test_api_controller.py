@@ -46,13 +46,13 @@ def test_openai_client_gets_engine_tokens(tiny_ckpt_dir, kw):
         assert "kvflow_worker_busy_seconds" in m
 
 
-def test_killed_worker_fails_request_and_health_keeps_answering(tiny_ckpt_dir):
+def test_without_recovery_a_killed_worker_fails_the_request_and_health_keeps_answering(tiny_ckpt_dir):
     # Deterministic on any machine speed: after a first request has completed (the prompt->token KV link
     # is up), token-0 is stopped before the victim request arrives, so once the
     # first token (sampled from the prompt pipeline) is out, the request provably has work left that it
     # cannot do; only then is token-0 killed. A long heartbeat timeout leaves the process exit as the
     # only way the failure can be detected.
-    ctrl = _controller(tiny_ckpt_dir, mode="disaggregated", heartbeat_timeout_s=120.0)
+    ctrl = _controller(tiny_ckpt_dir, mode="disaggregated", heartbeat_timeout_s=120.0, recovery="none")
     with BackgroundServer(ctrl) as server:
         victim = ctrl.stages["token-0"].process
         warm = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "w10", "max_tokens": 2}, timeout=60)
