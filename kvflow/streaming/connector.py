@@ -178,7 +178,7 @@ class KVReceiver:
 
     `on_complete(request_ids)` is called (on that thread) when all the KV planned for a request in
     this stage's layers, tokens [0, total), has arrived; `on_error(message)` when a chunk is
-    rejected (the sender is told through the acknowledgement as well). A completed request is
+    rejected and dropped (the sender is told through the acknowledgement). A completed request is
     forgotten, so the same request can be sent again later (recomputed after a preemption).
     `reset(epoch)` (after a failure) forgets every partly received request and from then on drops,
     unwritten, chunks sent in an older epoch.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +11,7 @@ from typing import Any
 import torch
 
 from kvflow.streaming.chunk import ChunkDesc, ChunkHeader, decode_header, encode_header, make_header, payload_tensor, tensor_bytes, verify_payload
-from kvflow.streaming.errors import ChunkError, ChunkOutOfOrder, DuplicateChunk
+from kvflow.streaming.errors import ChunkCorrupted, ChunkError, ChunkOutOfOrder, DuplicateChunk
 from kvflow.streaming.transport import ChunkReceiver, ChunkSender, RawChunk
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30
@@ -19,9 +21,10 @@ _RELEASED = torch.empty(0)
 class OutStream:
     """A numbered sequence of chunks to one destination. The stream id is unique per instance."""
 
-    def __init__(self, sender: ChunkSender, stream_id: str | None = None) -> None:
+    def __init__(self, sender: ChunkSender, stream_id: str | None = None, secret: bytes | None = None) -> None:
         self.sender = sender
         self.stream_id = stream_id or uuid.uuid4().hex[:12]
+        self.secret = secret  # when set, every header carries a keyed MAC (see `authenticate`)
         self.next_seq = 0
         self.bytes_sent = 0
         self.chunks_sent = 0
@@ -53,10 +56,11 @@ class InStream:
     """Receives chunks from any number of OutStreams through one receiver, checking each stream's
     sequence numbers (no gaps, no repeats), sizes and checksums."""
 
-    def __init__(self, receiver: ChunkReceiver, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+    def __init__(self, receiver: ChunkReceiver, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, secret: bytes | None = None) -> None:
         if max_chunk_bytes <= 0:
             raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
         self.receiver = receiver
+        self.secret = secret  # when set, a chunk whose header MAC does not verify is rejected
         self.max_chunk_bytes = max_chunk_bytes
         self.expected_seq: dict[str, int] = {}
 
@@ -66,6 +70,26 @@ class InStream:
             raise DuplicateChunk(f"chunk {h.stream}#{h.seq} was already received (next expected #{want})")
         if h.seq > want:
             raise ChunkOutOfOrder(f"chunk {h.stream}#{h.seq} arrived before #{want}")
+
+
+MAC_BYTES = 16
+
+
+def _mac(secret: bytes, head: bytes) -> bytes:
+    return hashlib.blake2b(head, key=secret, digest_size=MAC_BYTES).digest()
+
+
+def authenticate(head: bytes, secret: bytes) -> bytes:
+    """The header frame with a keyed BLAKE2b MAC appended. The header holds the payload's checksum,
+    so a stranger without the secret can neither forge a chunk nor relabel one."""
+    return bytes(head) + _mac(secret, bytes(head))
+
+
+def verified_header(frame, secret: bytes) -> bytes:
+    head = bytes(frame)
+    if len(head) <= MAC_BYTES or not hmac.compare_digest(head[-MAC_BYTES:], _mac(secret, head[:-MAC_BYTES])):
+        raise ChunkCorrupted("chunk header is not authentic (no or wrong MAC)")
+    return head[:-MAC_BYTES]
 
 
 def flush(out: OutStream, desc: ChunkDesc, data: torch.Tensor, meta: dict[str, Any] | None = None) -> ChunkHeader:
@@ -79,7 +103,8 @@ def flush(out: OutStream, desc: ChunkDesc, data: torch.Tensor, meta: dict[str, A
     if data.dim() != 5 or tuple(data.shape[:3]) != (desc.num_layers, len(desc.kinds), desc.num_tokens):
         raise ValueError(f"tensor of shape {tuple(data.shape)} does not match {desc}")
     header = make_header(out.stream_id, out.next_seq, desc, data, meta)
-    out.sender.send(encode_header(header), tensor_bytes(data))
+    head = encode_header(header)
+    out.sender.send(authenticate(head, out.secret) if out.secret else head, tensor_bytes(data))
     out.next_seq += 1
     out.chunks_sent += 1
     out.bytes_sent += header.nbytes
@@ -97,7 +122,8 @@ def fetch(inp: InStream, timeout: float | None = None) -> Chunk:
     """
     raw = inp.receiver.recv(timeout)
     try:
-        header = decode_header(raw.header)
+        head = verified_header(raw.header, inp.secret) if inp.secret else raw.header
+        header = decode_header(head)
         verify_payload(header, raw.payload, inp.max_chunk_bytes)
         inp.check_order(header)
     except ChunkError as e:
