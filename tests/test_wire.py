@@ -109,6 +109,28 @@ def hostile_frames(draw):
     return [header, draw(st.binary(min_size=16, max_size=16))]
 
 
+@st.composite
+def hostile_chunks(draw):
+    """What a stranger could send a worker's KV port (a ROUTER): the tag frame, then junk, a chunk
+    header without a MAC, or a well-formed chunk that overwrites a live request's KV, signed with
+    another secret."""
+    from kvflow.streaming.chunk import ChunkDesc, Segment, encode_header, make_header, tensor_bytes
+    from kvflow.streaming.primitives import authenticate
+
+    tag = draw(st.binary(min_size=0, max_size=12))
+    kind = draw(st.sampled_from(["bytes", "unsigned-chunk", "chunk-signed-by-stranger"]))
+    if kind == "bytes":
+        return [tag] + draw(st.lists(st.binary(max_size=200), max_size=3))
+    n = draw(st.integers(1, 8))
+    data = torch.randn(1, 2, n, 2, 8)
+    layer = draw(st.integers(0, 3))
+    desc = ChunkDesc((Segment(draw(st.sampled_from(["victim", "x"])), 0, n),), layer, layer + 1, "kv")
+    head = encode_header(make_header("stranger", draw(st.integers(0, 3)), desc, data, {"epoch": 99, "kv": {}}))
+    if kind == "chunk-signed-by-stranger":
+        head = authenticate(head, new_secret())
+    return [tag, head, bytes(tensor_bytes(data))]
+
+
 def test_hostile_bytes_on_every_internal_port_change_nothing(tiny_ckpt_dir):
     cfg = ClusterConfig(engine=EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=128, block_size=4), mode="disaggregated",
                         prompt_depth=2, token_depth=1, microbatch_size=2, prompt_microbatch_size=2, heartbeat_timeout_s=60.0)
@@ -127,13 +149,16 @@ def test_hostile_bytes_on_every_internal_port_change_nothing(tiny_ckpt_dir):
     ctrl.start_blocking()
     ctx = zmq.Context()
     ports = [ctrl.address] + [s.step_addr for s in ctrl.stages.values()]
-    pushers = []
-    for addr in ports:
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100000)
-        sock.connect(addr)
-        pushers.append(sock)
+    kv_ports = [s.kv_addr for s in ctrl.stages.values() if s.kv_addr]  # the token worker's KV receiver
+    assert kv_ports
+    pushers, dealers = [], []
+    for addrs, kind, socks in ((ports, zmq.PUSH, pushers), (kv_ports, zmq.DEALER, dealers)):
+        for addr in addrs:
+            sock = ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 100000)
+            sock.connect(addr)
+            socks.append(sock)
     try:
         assert asyncio.run(one(ctrl, "before")) == expected
 
@@ -143,7 +168,14 @@ def test_hostile_bytes_on_every_internal_port_change_nothing(tiny_ckpt_dir):
             pushers[i].send_multipart(frames)
 
         throw()
-        for addr in ports:  # raw bytes that are not even ZeroMQ's handshake
+
+        @given(st.integers(0, len(kv_ports) - 1), hostile_chunks())
+        @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+        def throw_kv(i, frames):
+            dealers[i].send_multipart(frames)
+
+        throw_kv()
+        for addr in ports + kv_ports:  # raw bytes that are not even ZeroMQ's handshake
             host, port = addr.removeprefix("tcp://").rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=5) as s:
                 s.sendall(os.urandom(4096))
@@ -154,9 +186,36 @@ def test_hostile_bytes_on_every_internal_port_change_nothing(tiny_ckpt_dir):
             time.sleep(0.05)  # the workers report their counts with their heartbeats
         assert ctrl.dropped_messages > 0 and all(s.dropped_messages > 0 for s in ctrl.stages.values())
         assert ctrl.healthy() and all(s.process.poll() is None for s in ctrl.stages.values())
+        assert ctrl.failures == 0 and ctrl.recoveries == 0
         assert asyncio.run(one(ctrl, "after")) == expected
     finally:
-        for s in pushers:
+        for s in pushers + dealers:
             s.close(0)
         ctx.term()
         ctrl.shutdown_blocking()
+
+
+def test_kv_chunks_verify_only_under_the_cluster_secret():
+    """A KV chunk signed with the cluster's secret is accepted; the same bytes unsigned, signed by a
+    stranger, or with a flipped header byte are rejected (and the sender told), never written."""
+    from kvflow.streaming.chunk import ChunkDesc, Segment
+    from kvflow.streaming.errors import ChunkCorrupted
+    from kvflow.streaming.primitives import InStream, OutStream, fetch, flush
+    from kvflow.streaming.transports.inproc import InprocChannel
+
+    desc = ChunkDesc((Segment("r", 0, 3),), 0, 1, "kv")
+    data = torch.randn(1, 2, 3, 2, 8)
+    for sender_secret, tamper, ok in ((SECRET, False, True), (None, False, False), (new_secret(), False, False), (SECRET, True, False)):
+        ch = InprocChannel()
+        if tamper:
+            real = ch.sender.send
+            ch.sender.send = lambda head, payload: real(head[:5] + bytes([head[5] ^ 1]) + head[6:], payload)
+        flush(OutStream(ch.sender, "s", sender_secret), desc, data)
+        inp = InStream(ch.receiver, secret=SECRET)
+        if ok:
+            with fetch(inp, timeout=5) as chunk:
+                assert torch.equal(chunk.data, data)
+        else:
+            with pytest.raises(ChunkCorrupted, match="not authentic"):
+                fetch(inp, timeout=5)
+            assert ch._errors  # the rejection went back to the sender
