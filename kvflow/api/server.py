@@ -1,11 +1,14 @@
 """The OpenAI-compatible HTTP server: `build_app(backend, config)` (FastAPI), `serve(...)` (uvicorn) and `BackgroundServer`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
-GET /health (200 / 503, answered even while the backend is broken), GET /metrics (Prometheus).
+GET /health (200 "ok", 200 "degraded" while a worker is being replaced, 503 "unhealthy"; answered
+even while the backend is broken), GET /metrics (Prometheus).
 With an API key every route but `APIConfig.open_paths` needs `Authorization: Bearer <key>`.
 The app starts the backend on startup; on shutdown (SIGTERM, Ctrl-C) the server stops accepting,
 drains in-flight requests up to `APIConfig.drain_timeout_s` (`kvflow.api.drain`), then shuts the
-backend down, and a SIGTERM-initiated shutdown exits 0.
+backend down, and a SIGTERM-initiated shutdown exits 0. A backend that fails for good (the
+controller could not replace a lost worker, the engine thread died) shuts `serve` down with exit
+code 1, so that a supervisor (systemd, Kubernetes) restarts the server.
 """
 
 from __future__ import annotations
@@ -180,8 +183,16 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = healthy()
-        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+        if not healthy():
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        try:
+            why = backend.degraded()
+        except Exception:
+            log.exception("backend.degraded() raised")
+            why = None
+        if why:  # serving, with a delay: requests queue until the recovery ends
+            return JSONResponse({"status": "degraded", "reason": why}, status_code=200)
+        return JSONResponse({"status": "ok"}, status_code=200)
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
@@ -200,9 +211,25 @@ class _Server(uvicorn.Server):
     (close connections, lifespan → backend.shutdown). A SIGTERM that ends in a clean shutdown exits 0 instead
     of being re-raised at exit as uvicorn does."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, exit_on_backend_failure: bool = False) -> None:
         super().__init__(config)
         self.app = app
+        self.exit_on_backend_failure = exit_on_backend_failure
+        self.backend_failed = False
+
+    async def on_tick(self, counter: int) -> bool:
+        # every 0.5 s: a backend that can no longer serve (its recovery failed, its engine thread
+        # died) ends the process, so that a supervisor restarts it instead of a 503-forever zombie
+        if self.exit_on_backend_failure and counter % 5 == 0 and not self.should_exit and not self.backend_failed:
+            try:
+                ok = bool(self.app.state.backend.healthy())
+            except Exception:
+                ok = False
+            if not ok:
+                _uvicorn_log.error("The serving backend failed and cannot recover; shutting down (exit code 1)")
+                self.backend_failed = True
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -233,10 +260,13 @@ def _config(app: FastAPI, host: str, port: int, log_level: str, config: APIConfi
 
 
 def serve(backend: Backend, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          config: APIConfig = APIConfig()) -> None:
-    """Serve until SIGTERM / Ctrl-C, then drain and shut down (see the module docstring)."""
+          config: APIConfig = APIConfig()) -> int:
+    """Serve until SIGTERM / Ctrl-C, then drain and shut down (see the module docstring). Returns the
+    process exit code: 0 after a shutdown, 1 when the backend failed for good (see `_Server.on_tick`)."""
     app = build_app(backend, config)
-    _Server(_config(app, host, port, log_level, config), app).run()
+    server = _Server(_config(app, host, port, log_level, config), app, exit_on_backend_failure=True)
+    server.run()
+    return 1 if server.backend_failed else 0
 
 
 class BackgroundServer:

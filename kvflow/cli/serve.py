@@ -147,8 +147,7 @@ def run_serve(args) -> int:
         backend = _controller(args)
     print(f"[kvflow] serving {backend.model_name!r} ({args.mode}, context {backend.max_model_len}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve(backend, args.host, args.port, args.log_level, api_config)
-    return 0
+    return serve(backend, args.host, args.port, args.log_level, api_config)
 
 
 def _length_dist(spec: str | None):

@@ -202,9 +202,14 @@ class Controller:
     def healthy(self) -> bool:
         return self.failure is None and self._thread is not None and self._thread.is_alive()
 
+    def degraded(self) -> str | None:
+        return self.recovering
+
     def stats(self) -> BackendStats:
         return BackendStats(
-            waiting_requests=sum(len(p.sched.waiting) for p in self.pipelines) + len(self.handed_off) + len(self.ready),
+            # (submissions: arrived, not yet taken by the loop, e.g. while it replaces a worker)
+            waiting_requests=sum(len(p.sched.waiting) for p in self.pipelines) + len(self.handed_off) + len(self.ready)
+            + len(self.submissions),
             running_requests=sum(len(p.sched.running) for p in self.pipelines),
             generated_tokens_total=self.generated,
             prompt_tokens_total=self.prompt_tokens,
@@ -370,6 +375,7 @@ class Controller:
         if p is None:
             return
         out = p.in_flight.pop(msg.batch)
+        p.step_log.append((sum(s.num_new_tokens for s in out.seqs), msg.busy_s))
         rows = [i for i, s in enumerate(out.seqs) if s.completes_prompt and not s.request.is_finished]
         sampled: dict[str, int] = {}
         if rows:

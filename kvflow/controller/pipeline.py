@@ -4,12 +4,15 @@ scheduler (the one scheduling core, `kvflow.sched`) and the batches it has in fl
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from kvflow.config import PipelineSpec
 from kvflow.controller.launcher import WorkerHandle
 from kvflow.kv.manager import KVCacheManager
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
+
+LOG_LEN = 100_000
 
 
 def even_split(num_layers: int, depth: int) -> list[tuple[int, int]]:
@@ -45,7 +48,10 @@ class Pipeline:
     sched: Scheduler
     in_flight: dict[int, SchedulerOutput] = field(default_factory=dict)
     pending_free: list[str] = field(default_factory=list)  # forget these with the next step
-    batch_log: list[tuple[int, list[tuple[str, int]]]] = field(default_factory=list)
+    # The latest LOG_LEN batches, for tests and benchmarks: (scheduler batch id, [(request, new tokens)])
+    # and (tokens, last stage's busy seconds).
+    batch_log: deque[tuple[int, list[tuple[str, int]]]] = field(default_factory=lambda: deque(maxlen=LOG_LEN))
+    step_log: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=LOG_LEN))
 
     @property
     def name(self) -> str:

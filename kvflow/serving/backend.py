@@ -61,7 +61,9 @@ class Backend(Protocol):
       "error" and `error` set — it never hangs and is never silently dropped.
     - Cancelling the iterator (client went away) aborts the request and frees its resources.
     - `healthy()` is False while the backend cannot serve (the API then answers 503 without calling
-      `generate`); `stats()` feeds /metrics. Both are called on the event loop and must not block.
+      `generate`); `degraded()` is why it serves only with a delay now (recovering from a worker's
+      loss: requests queue), else None; `stats()` feeds /metrics. All are called on the event loop
+      and must not block.
     - Nothing here may block the event loop for longer than a queue operation: in particular no lock
       that is held across an engine step.
     """
@@ -73,6 +75,8 @@ class Backend(Protocol):
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]: ...
 
     def healthy(self) -> bool: ...
+
+    def degraded(self) -> str | None: ...
 
     def stats(self) -> BackendStats: ...
 
@@ -132,6 +136,9 @@ class EngineBackend:
 
     def healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop
+
+    def degraded(self) -> str | None:
+        return None
 
     def stats(self) -> BackendStats:
         sched = self.engine.scheduler

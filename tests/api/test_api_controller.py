@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import shutil
 import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -12,6 +18,7 @@ import pytest
 
 from kvflow.api.server import BackgroundServer
 from kvflow.controller.controller import Controller
+from kvflow.controller.launcher import SubprocessLauncher
 from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.sched.sampling import SamplingParams
 
@@ -84,3 +91,82 @@ def test_without_recovery_a_killed_worker_fails_the_request_and_health_keeps_ans
         assert h.status_code == 503
         r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "w10", "max_tokens": 2}, timeout=10)
         assert r.status_code == 503
+
+
+class GatedLauncher(SubprocessLauncher):
+    """Starts the first `initial` workers at once; a replacement only once `gate` is set, so the test
+    can look at the server while a recovery is provably in progress."""
+
+    def __init__(self, initial: int) -> None:
+        self.initial, self.starts, self.gate = initial, 0, threading.Event()
+
+    def start(self, name, controller_addr, host, secret):
+        self.starts += 1
+        if self.starts > self.initial:
+            assert self.gate.wait(120), "the test never opened the gate"
+        return super().start(name, controller_addr, host, secret)
+
+
+def test_health_is_degraded_and_requests_queue_while_a_lost_worker_is_replaced(tiny_ckpt_dir):
+    eng = tiny_engine(num_kv_blocks=128, block_size=4)
+    ref = eng.add_request([3, 30, 31, 4], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    expected = " ".join(f"w{t}" for t in run_to_completion(eng)[ref.request_id].token_ids)
+    launcher = GatedLauncher(initial=2)
+    cfg = ClusterConfig(engine=EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=128, block_size=4), mode="colocated",
+                        depth=2, microbatch_size=4, heartbeat_timeout_s=120.0)
+    ctrl = Controller(cfg, "tiny", launcher)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w30 w31"}], "max_tokens": 6, "ignore_eos": True,
+            "temperature": 0}
+    with BackgroundServer(ctrl) as server, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+        ctrl.stages["colocated-1"].process.kill()
+        deadline = time.monotonic() + 60
+        while (h := httpx.get(f"{server.url}/health", timeout=5)).json()["status"] != "degraded":
+            assert time.monotonic() < deadline, h.json()
+            time.sleep(0.02)
+        assert h.status_code == 200 and "colocated-1" in h.json()["reason"]
+        queued = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", json=body, timeout=120)
+        while ctrl.stats().waiting_requests == 0 and not queued.done():  # the request is in, not refused
+            time.sleep(0.02)
+        assert not queued.done()
+        launcher.gate.set()
+        r = queued.result()
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected
+        assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+        assert ctrl.recoveries == 1
+
+
+def test_serve_exits_1_when_a_lost_worker_cannot_be_replaced(tiny_ckpt_dir, tmp_path):
+    """The policy for a supervisor: recovery that fails `max_restarts` times ends the server with
+    exit code 1 (here the replacements cannot load the model: its files are gone)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_ckpt_dir, model)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--model", str(model), "--port", str(port), "--mode", "colocated",
+           "--depth", "1", "--threads", "1", "--served-model-name", "tiny", "--log-level", "info"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "kvflow serve did not come up"
+            time.sleep(0.2)
+        workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(workers) == 1, workers
+        shutil.rmtree(model)
+        os.kill(int(workers[0]), signal.SIGKILL)
+        assert proc.wait(180) == 1
+        log = proc.stdout.read().decode()
+        assert "replacement failed" in log and "cannot recover" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
