@@ -2,8 +2,8 @@
 
 from kvflow.perf.hardware import DEVICES, DeviceSpec, MachineSpec, cpu_device, machine
 from kvflow.perf.model_shape import MODELS, ModelShape, model_shape
-from kvflow.perf.perf_model import AnalyticPerfModel, PerfModel
+from kvflow.perf.perf_model import AnalyticPerfModel, BatchShape, PerfModel
 from kvflow.perf.profiled import Profile, ProfiledPerfModel, Sample
 
 __all__ = ["DEVICES", "DeviceSpec", "MachineSpec", "cpu_device", "machine", "MODELS", "ModelShape",
-           "model_shape", "AnalyticPerfModel", "PerfModel", "Profile", "ProfiledPerfModel", "Sample"]
+           "model_shape", "AnalyticPerfModel", "BatchShape", "PerfModel", "Profile", "ProfiledPerfModel", "Sample"]

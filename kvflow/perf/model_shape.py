@@ -63,6 +63,14 @@ class ModelShape:
             raise ValueError(f"pipeline depth {depth} must be in [1, {self.layers}] for {self.name}")
         return math.ceil(self.layers / depth)
 
+    def stage_layers(self, depth: int, stage: int) -> int:
+        """Layers of stage `stage` when `depth` stages split the model evenly, earlier stages taking
+        the extra ones (the split the controller uses)."""
+        q, r = divmod(self.layers, depth)
+        if not 0 <= stage < depth or q == 0:
+            raise ValueError(f"stage {stage} of a {depth}-stage pipeline is invalid for {self.name}")
+        return q + (stage < r)
+
 
 def _mha(name: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int) -> ModelShape:
     return ModelShape(name, layers, hidden, heads, heads, hidden // heads, ffn, vocab)

@@ -5,8 +5,43 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from dataclasses import dataclass
+
 from kvflow.perf.hardware import MachineSpec
 from kvflow.perf.model_shape import ModelShape
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What a batch costs depends on: prefill chunks (`prefill_seqs` sequences with more than one
+    new token; `prefill_tokens` new tokens and `prefill_attention` = sum of new x context after,
+    b*s^2 for b whole prompts of s) and decode steps (`decode_seqs` sequences, `decode_context` =
+    sum of their contexts)."""
+
+    prefill_seqs: int = 0
+    prefill_tokens: int = 0
+    prefill_attention: int = 0
+    decode_seqs: int = 0
+    decode_context: int = 0
+
+    @classmethod
+    def of(cls, seqs) -> "BatchShape":
+        """From (num_new_tokens, context_after) pairs."""
+        ps = pt = pa = ds = dc = 0
+        for n, end in seqs:
+            if n > 1:
+                ps, pt, pa = ps + 1, pt + n, pa + n * end
+            else:
+                ds, dc = ds + 1, dc + end
+        return cls(ps, pt, pa, ds, dc)
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+    @property
+    def seqs(self) -> int:
+        return self.prefill_seqs + self.decode_seqs
 
 
 class PerfModel(ABC):
@@ -30,6 +65,18 @@ class PerfModel(ABC):
     def token_stage_time(self, batch: int, context_len: int, depth: int) -> float:
         """Seconds one stage spends on one decode step of `batch` requests at `context_len`."""
 
+    def step_time(self, batch: "BatchShape", depth: int) -> float:
+        """Seconds one stage spends on one batch of the scheduler (`BatchShape`): prefill chunks
+        (more than one new token) and decode steps (one new token), possibly mixed. This default
+        prices the prefill part as `prompt_stage_time` of its mean chunk and the decode part as
+        `token_stage_time` at its mean context, and adds them when a batch has both."""
+        t = 0.0
+        if batch.prefill_seqs:
+            t += self.prompt_stage_time(batch.prefill_seqs, max(1, round(batch.prefill_tokens / batch.prefill_seqs)), depth)
+        if batch.decode_seqs:
+            t += self.token_stage_time(batch.decode_seqs, max(1, round(batch.decode_context / batch.decode_seqs)), depth)
+        return t
+
     # --- derived, shared by every source -------------------------------------------------------
 
     @property
@@ -42,6 +89,15 @@ class PerfModel(ABC):
         if nbytes < 0:
             raise ValueError("cannot transfer a negative number of bytes")
         return nbytes / (bandwidth or self.machine.link_bandwidth)
+
+    def kv_transfer_time(self, tokens: int, depth: int, stage: int | None = None) -> float:
+        """The one KV-transfer time of planner and simulator: seconds for stage `stage` of a
+        `depth`-stage pipeline (default: its most loaded stage) to send the KV of `tokens` tokens of
+        its layers over its own network link. Every prompt stage streams its layers' KV in
+        parallel, starting when it starts computing them (DéjàVu Table 6: 10.7 GB per stage and
+        microbatch of BLOOM-176B on 3 stages, 0.856 s at 100 Gbps)."""
+        layers = self.shape.layers_per_stage(depth) if stage is None else self.shape.stage_layers(depth, stage)
+        return self.transfer_time(tokens * layers * self.shape.kv_bytes_per_token_layer)
 
     def hop_time(self, batch: int, tokens: int) -> float:
         """Seconds to send one microbatch's activations from one stage to the next."""
@@ -56,12 +112,23 @@ class PerfModel(ABC):
         return self.shape.layers_per_stage(depth) * self.shape.layer_weight_bytes + (
             self.shape.head_weight_bytes if depth == 1 else 0)
 
-    def max_microbatch(self, depth: int, max_tokens: int, slots: int) -> int:
-        """Largest microbatch whose KV for `slots` resident microbatches of `max_tokens` tokens
-        fits beside one stage's weights; 0 when even the weights do not fit (a count, not a flag)."""
+    def kv_capacity_tokens(self, depth: int, resident: int | None = None) -> int:
+        """The one memory-feasibility function of planner and simulator: tokens of KV a pipeline of
+        `depth` stages holds, limited by its most loaded stage's memory beside that stage's weights
+        (0 when the weights alone do not fit). `resident` < depth: only that many of the `depth`
+        microbatches keep their KV on the device (swapping, DéjàVu §4.2.2), the rest lives in host
+        memory, so the pipeline holds depth/resident times more."""
         free = self.machine.usable_memory - self.stage_weight_bytes(depth)
-        per_request = max_tokens * self.shape.layers_per_stage(depth) * self.shape.kv_bytes_per_token_layer
-        return max(0, int(free // (slots * per_request)))
+        per_token = self.shape.layers_per_stage(depth) * self.shape.kv_bytes_per_token_layer
+        tokens = max(0, int(free // per_token))
+        return tokens * depth // resident if resident else tokens
+
+    def max_microbatch(self, depth: int, max_tokens: int, slots: int, block_size: int = 1) -> int:
+        """Largest microbatch of which `slots` resident microbatches, each request holding
+        `max_tokens` tokens of KV in blocks of `block_size`, fit beside one stage's weights; 0 when
+        even the weights do not fit (a count, not a flag)."""
+        per_request = -(-max_tokens // block_size) * block_size
+        return self.kv_capacity_tokens(depth) // (slots * per_request)
 
     def _slowest_stage(self, layer_time: float, head_time: float, depth: int) -> float:
         """Stages hold ceil or floor of L/depth layers; the LM head sits on a lighter stage."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvflow.perf.hardware import MachineSpec, machine
 from kvflow.perf.model_shape import ModelShape
-from kvflow.perf.perf_model import PerfModel, _check
+from kvflow.perf.perf_model import BatchShape, PerfModel, _check
 
 
 @dataclass(frozen=True)
@@ -117,3 +117,15 @@ class ProfiledPerfModel(PerfModel):
     def token_stage_time(self, batch: int, context_len: int, depth: int) -> float:
         _check(batch, context_len)
         return self._stage(self.token_fit, *token_features(batch, context_len), depth)
+
+    def step_time(self, batch: BatchShape, depth: int) -> float:
+        """Exact features of a mixed or chunked batch: one step overhead (the larger intercept),
+        p1 * prefill tokens + p2 * sum(new x context) for the prefill chunks, q1 * b + q2 * sum of
+        contexts for the decodes."""
+        if not batch.seqs:
+            raise ValueError("an empty batch has no step time")
+        p0, p1, p2 = self.prompt_fit.coef
+        q0, q1, q2 = self.token_fit.coef
+        c0 = max(p0 if batch.prefill_seqs else 0.0, q0 if batch.decode_seqs else 0.0)
+        var = p1 * batch.prefill_tokens + p2 * batch.prefill_attention + q1 * batch.decode_seqs + q2 * batch.decode_context
+        return c0 + self.shape.layers_per_stage(depth) / self.shape.layers * var

@@ -49,8 +49,9 @@ def prompt_inverse_throughput(d: int, d_p: float, y: float, m: float) -> float:
 
 
 def streaming_overhead(stream_s: float, prompt_stage_s: float) -> float:
-    """m = max(1, KV transfer time / prompt time) (Appendix H.4): streaming overlaps the prompt
-    pass layer by layer, so only the part that does not fit behind it slows the prompt pipeline."""
+    """m = max(1, KV transfer time / prompt time) (Appendix H.4), both per stage: each prompt stage
+    streams its layers' KV (`PerfModel.kv_transfer_time`) while it computes them, so only the part
+    that does not fit behind its compute slows the prompt pipeline."""
     if prompt_stage_s <= 0:
         raise ValueError("prompt time must be positive")
     return max(1.0, stream_s / prompt_stage_s)

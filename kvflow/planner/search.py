@@ -9,7 +9,7 @@ from typing import Callable
 
 from kvflow.perf.perf_model import PerfModel
 from kvflow.planner.formulas import Infeasible, balanced_split, streaming_overhead
-from kvflow.simulator.config import Layout, PipelineSpec, SimConfig
+from kvflow.simulator.config import BLOCK_SIZE, Layout, PipelineSpec, SimConfig
 from kvflow.simulator.metrics import Summary
 from kvflow.simulator.simulator import simulate
 from kvflow.simulator.workload import Workload
@@ -37,10 +37,12 @@ class SearchSpace:
 
 
 def fits(perf: PerfModel, depth: int, batch: int, tokens: int, slots: int) -> bool:
-    """True when one stage of a `depth` pipeline holds its weights and `slots` microbatches of KV."""
+    """True when one stage of a `depth` pipeline holds its weights and `slots` microbatches of KV,
+    each request holding `tokens` tokens in the simulator's blocks (`PerfModel.kv_capacity_tokens`
+    sizes the simulated pools too)."""
     if depth > perf.shape.layers:
         return False
-    return perf.max_microbatch(depth, tokens, slots) >= batch
+    return perf.max_microbatch(depth, tokens, slots, BLOCK_SIZE) >= batch
 
 
 def _token_slots(space: SearchSpace, depth: int) -> int:
@@ -65,8 +67,7 @@ def formula_split(perf: PerfModel, machines: int, batch: int, space: SearchSpace
     depth = min(machines, perf.shape.layers)
     y = perf.prompt_stage_time(batch, space.prompt_len, depth)
     t = perf.token_stage_time(batch, int(space.prompt_len + space.mean_output / 2), depth)
-    stream = perf.transfer_time(batch * space.prompt_len * perf.kv_bytes_per_token) / depth
-    m = streaming_overhead(stream, y)
+    m = streaming_overhead(perf.kv_transfer_time(batch * space.prompt_len, depth), y)
     return balanced_split(machines, y, t, space.mean_output, m), (y, t, m)
 
 
@@ -96,7 +97,8 @@ def _shapes(perf: PerfModel, n_p: int, n_t: int, b: int, space: SearchSpace):
             if fits(perf, depth, b, tokens, slots_of(depth)):
                 return PipelineSpec(depth, b, n // depth)
         return None
-    p = shallowest(n_p, space.prompt_len, lambda d: d)
+    # The microbatch policy reserves prompt + max_tokens at admission on the prompt side too.
+    p = shallowest(n_p, space.max_tokens, lambda d: d)
     t = shallowest(n_t, space.max_tokens, lambda d: _token_slots(space, d))
     return [(p, t)] if p and t else []
 
@@ -140,7 +142,6 @@ def analytic_throughput(perf: PerfModel, layout: Layout, space: SearchSpace) -> 
         t = perf.token_stage_time(p.microbatch, ctx, p.depth)
         return p.count * p.microbatch / colocated_inverse_throughput(p.depth, y, t, n)
     tk = layout.token
-    links = min(p.depth, tk.depth)
-    m = streaming_overhead(perf.transfer_time(p.microbatch * space.prompt_len * perf.kv_bytes_per_token) / links, y)
+    m = streaming_overhead(perf.kv_transfer_time(p.microbatch * space.prompt_len, p.depth), y)
     t = perf.token_stage_time(tk.microbatch, ctx, tk.depth)
     return min(p.count * p.microbatch / (m * y), tk.count * tk.microbatch / (n * t))

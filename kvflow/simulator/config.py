@@ -3,13 +3,17 @@ dispatch, and injected worker failures with their recovery mode."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from kvflow.sched.scheduler import POLICIES, SchedulerConfig
+
+BLOCK_SIZE = 16  # KV block size of simulated pools (the engine's default)
 
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """`count` identical pipelines of `depth` machines each, running microbatches of up to
-    `microbatch` requests with `depth` microbatches in flight (one per stage)."""
+    """`count` identical pipelines of `depth` machines each, running batches of up to `microbatch`
+    requests with up to `depth` batches in flight (one per stage)."""
 
     depth: int
     microbatch: int
@@ -98,10 +102,18 @@ class Recovery:
 class SimConfig:
     """Everything the simulator needs besides the performance model and the workload.
 
+    Each pipeline runs the real scheduling core, `kvflow.sched.Scheduler`, with
+    `scheduler` (token budget, chunk size, running cap) and `policy`: "microbatch" (DéjàVu's
+    microbatch-level pipelines, the default of the planner and the Appendix B sweeps) or
+    "continuous" (the server's default). `microbatch_size` and `max_in_flight` come from the
+    layout's pipeline specs, exactly as `ClusterConfig.scheduler_for` derives them.
+    `kv_blocks`: blocks of `block_size` tokens per pipeline; None sizes the pool from the
+    performance model's memory (`PerfModel.kv_capacity_tokens`).
+    `max_model_len`: the context limit the scheduler enforces (None: unlimited).
     `dispatch`: 'shared' (any pipeline with a free slot takes the next request) or
     'round_robin' (requests are bound to pipelines i mod count at arrival).
     `swapping`: KV of microbatches not computing lives in host memory (DéjàVu §4.2.2); a token
-    step then lasts max(compute, swap-in of the next microbatch).
+    step then lasts max(compute, swap-in of the next microbatch) and the pool holds depth/2 times more.
     `rigid_rounds`: original FasterTransformer — a pipeline admits new microbatches only once all
     in flight have finished (the setting of DéjàVu eq. 4).
     """
@@ -112,15 +124,41 @@ class SimConfig:
     rigid_rounds: bool = False
     failures: tuple[Failure, ...] = field(default_factory=tuple)
     recovery: Recovery = field(default_factory=Recovery)
+    policy: str = "microbatch"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_blocks: int | None = None
+    block_size: int = BLOCK_SIZE
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("shared", "round_robin"):
             raise ValueError("dispatch must be 'shared' or 'round_robin'")
         if self.dispatch == "round_robin" and self.layout.disaggregated:
             raise ValueError("round_robin dispatch applies to colocated layouts only")
-        if self.rigid_rounds and self.layout.disaggregated:
-            raise ValueError("rigid_rounds applies to colocated layouts only")
+        if self.rigid_rounds and (self.layout.disaggregated or self.policy != "microbatch"):
+            raise ValueError("rigid_rounds applies to colocated layouts with the microbatch policy only")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.kv_blocks is not None and self.kv_blocks < 1 or self.block_size < 1:
+            raise ValueError("kv_blocks and block_size must be positive")
         for f in self.failures:
             group = self.layout.token if f.role == "token" else self.layout.prompt
             if group is None or f.pipeline >= group.count or f.stage >= group.depth:
                 raise ValueError(f"failure {f} names a worker the layout does not have")
+
+    def scheduler_for(self, spec: PipelineSpec) -> SchedulerConfig:
+        """A pipeline's scheduler config (the same derivation as `ClusterConfig.scheduler_for`)."""
+        return replace(self.scheduler, policy=self.policy, microbatch_size=spec.microbatch, max_in_flight=spec.depth)
+
+    @classmethod
+    def from_cluster(cls, cluster, max_model_len: int | None = None, **kw) -> "SimConfig":
+        """The simulated twin of a `kvflow.config.ClusterConfig`: same layout, policy, scheduler
+        settings and block pool per pipeline."""
+        if cluster.mode == "colocated":
+            layout = Layout(PipelineSpec(cluster.depth, cluster.microbatch_size))
+        else:
+            layout = Layout(PipelineSpec(cluster.prompt_depth, cluster.prompt_microbatch_size),
+                            PipelineSpec(cluster.token_depth, cluster.microbatch_size))
+        eng = cluster.engine
+        return cls(layout, policy=cluster.policy, scheduler=eng.scheduler, kv_blocks=eng.num_kv_blocks,
+                   block_size=eng.block_size, max_model_len=max_model_len, **kw)

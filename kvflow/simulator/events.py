@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvflow.simulator.pipeline import Microbatch, Pipeline
+    from kvflow.simulator.executor import SimPipeline
     from kvflow.simulator.simulator import Simulator
 
 
@@ -30,35 +30,35 @@ class Arrival(Event):
 
 
 class PassDone(Event):
-    """Microbatch `mb` left the last stage of `pipeline` (void if the pipeline failed since)."""
+    """Batch `wire_id` left the last stage of `pipeline` (void if the pipeline failed since)."""
 
-    __slots__ = ("pipeline", "mb", "epoch")
+    __slots__ = ("pipeline", "wire_id", "epoch")
 
-    def __init__(self, time: float, pipeline: "Pipeline", mb: "Microbatch") -> None:
-        self.time, self.pipeline, self.mb, self.epoch = time, pipeline, mb, pipeline.epoch
+    def __init__(self, time: float, pipeline: "SimPipeline", wire_id: int) -> None:
+        self.time, self.pipeline, self.wire_id, self.epoch = time, pipeline, wire_id, pipeline.epoch
 
     def handle(self, sim: "Simulator") -> list[Event]:
         if self.epoch != self.pipeline.epoch:
             return []
-        return sim.on_pass_done(self.time, self.pipeline, self.mb)
+        return sim.on_pass_done(self.time, self.pipeline, self.wire_id)
 
 
 class KVReady(Event):
-    """Prompt KV of `reqs` has arrived in the token machines' host memory."""
+    """The prompt KV of request `rid` is complete on the token side (void if it was re-planned)."""
 
-    __slots__ = ("reqs",)
+    __slots__ = ("rid",)
 
-    def __init__(self, time: float, reqs: list[int]) -> None:
-        self.time, self.reqs = time, reqs
+    def __init__(self, time: float, rid: str) -> None:
+        self.time, self.rid = time, rid
 
     def handle(self, sim: "Simulator") -> list[Event]:
-        return sim.on_kv_ready(self.time, self.reqs)
+        return sim.on_kv_ready(self.time, self.rid)
 
 
 class WorkerFailure(Event):
     __slots__ = ("pipeline",)
 
-    def __init__(self, time: float, pipeline: "Pipeline") -> None:
+    def __init__(self, time: float, pipeline: "SimPipeline") -> None:
         self.time, self.pipeline = time, pipeline
 
     def handle(self, sim: "Simulator") -> list[Event]:
@@ -70,7 +70,7 @@ class Recovered(Event):
 
     __slots__ = ("pipeline", "epoch")
 
-    def __init__(self, time: float, pipeline: "Pipeline") -> None:
+    def __init__(self, time: float, pipeline: "SimPipeline") -> None:
         self.time, self.pipeline, self.epoch = time, pipeline, pipeline.epoch
 
     def handle(self, sim: "Simulator") -> list[Event]:

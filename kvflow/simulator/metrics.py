@@ -69,14 +69,15 @@ class SimResult:
     completions: np.ndarray  # how many times each request completed (1 when conserved)
     machine_busy: np.ndarray  # seconds each machine computed, prompt machines first
     cost_per_hour: float
-    restarts: int
+    restarts: int  # requests that lost their KV to a failure and were recomputed
+    kv_wait: np.ndarray  # disaggregated: seconds from a request's first token until its KV was in
 
     @classmethod
     def build(cls, sim: "Simulator") -> "SimResult":
         busy = [p.busy for p in sim.prompt + sim.token for _ in range(p.depth)]
         return cls(sim.config.layout, sim.workload.arrival, np.array(sim.first_token), np.array(sim.finish),
                    sim.workload.output_len, np.array(sim.completions), np.array(busy),
-                   sim.perf.machine.cost_per_hour, sim.restarts)
+                   sim.perf.machine.cost_per_hour, sim.restarts, np.array(sim.kv_wait))
 
     @property
     def makespan(self) -> float:

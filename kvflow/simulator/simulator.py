@@ -1,10 +1,17 @@
-"""The discrete-event simulator: pipelines of machines serving a workload under a `SimConfig`.
+"""The discrete-event simulator: a simulated executor of the real scheduling core.
 
-Colocated pipelines (Baseline, Baseline-DP) run prompt and token passes of their microbatches in
-one ring, with microbatch-level scheduling: when a microbatch's last request finishes (an early
-stop), its slot is refilled by a new microbatch whose long prompt pass bubbles the ring.
-Disaggregated layouts prefill on prompt pipelines, stream the KV layer by layer over the
-network (overlapped with the prompt pass), and generate on token pipelines.
+Each pipeline runs `kvflow.sched.Scheduler` over a `KVCacheManager` block pool, and the loop is the
+controller's (`kvflow/controller/controller.py`) with modelled step times instead of worker
+processes: while a pipeline has fewer than `depth` batches in flight, `out = sched.schedule()` and
+the batch is placed on its stages with the performance model's `step_time`; when the pass leaves the
+last stage, every request that completed its prompt gets a token and `sched.update(out, sampled)`
+applies it. Colocated pipelines (Baseline, Baseline-DP) have role "both". Disaggregated layouts have
+prompt pipelines (role "prompt"; admission reserves the token-side blocks, `admit_hook`) whose
+stages stream each layer's KV over their own link as they compute it; a request joins a token
+pipeline (`add_running`, or a token microbatch) once its first token is sampled and its KV is in;
+a request preempted on the token side is recomputed by a prompt pipeline. Failures void the passes
+in flight; recovery resets the pipeline (recompute from prompt + produced tokens) or resumes from
+the replicated KV.
 """
 
 from __future__ import annotations
@@ -14,12 +21,19 @@ import itertools
 import math
 from collections import deque
 
-from kvflow.perf.perf_model import PerfModel
+from kvflow.kv.manager import KVCacheManager
+from kvflow.perf.perf_model import BatchShape, PerfModel
+from kvflow.sched.request import Request
+from kvflow.sched.sampling import SamplingParams
+from kvflow.sched.scheduler import Scheduler, SchedulerOutput
 from kvflow.simulator.config import PipelineSpec, SimConfig
 from kvflow.simulator.events import Arrival, Event, KVReady, PassDone, Recovered, WorkerFailure
+from kvflow.simulator.executor import Pass, SimPipeline
 from kvflow.simulator.metrics import SimResult
-from kvflow.simulator.pipeline import Microbatch, Pipeline
 from kvflow.simulator.workload import Workload
+
+UNLIMITED_CONTEXT = 1 << 40
+SAMPLED = 0  # the token every simulated step "samples" (requests ignore EOS: lengths come from the workload)
 
 
 class Simulator:
@@ -36,24 +50,42 @@ class Simulator:
         n = workload.n
         self.first_token = [math.nan] * n
         self.finish = [math.nan] * n
+        self.kv_wait = [0.0] * n
         self.completions = [0] * n
         self.restarts = 0
-        self.prompt_queue: deque[int] = deque()
-        self.token_queue: deque[int] = deque()
-        self.prompt = self._group("prompt", layout.prompt, self.prompt_queue)
-        self.token = self._group("token", layout.token, self.token_queue) if layout.token else []
-        self.free_prompt: deque[Pipeline] = deque(self.prompt)
-        self.free_token: deque[Pipeline] = deque(self.token)
-        for p in self.prompt + self.token:
-            p.listed = True
-        self._mb_ids = itertools.count()
+        self.max_model_len = config.max_model_len or UNLIMITED_CONTEXT
+        self.queue: deque = deque()  # prompt-side requests not yet offered: workload indices or Requests
+        self.prompt = self._group(layout.prompt, "prompt" if layout.token else "both")
+        self.token = self._group(layout.token, "token") if layout.token else []
+        self.token_tables: dict[str, tuple[SimPipeline, list[int]]] = {}  # blocks reserved on the token side
+        self.kv_pending: dict[str, float] = {}  # rid -> when its prompt KV is complete on the token side
+        self.handed_off: dict[str, Request] = {}  # first token sampled, KV still on its way
+        self._wire_ids = itertools.count()
         self._times: dict[tuple, float] = {}
-        # KV of one microbatch leaves over min(prompt depth, token depth) machine links at once.
-        self.kv_links = min(layout.prompt.depth, layout.token.depth) if layout.token else 1
+        self._dirty: set[SimPipeline] = set()
+        self._version = 0  # bumped when the prompt queue grows or token blocks are freed
+        self._tried: dict[SimPipeline, int] = {}
 
-    def _group(self, role: str, spec: PipelineSpec, shared: deque) -> list[Pipeline]:
-        own = self.config.dispatch == "round_robin" and role == "prompt"
-        return [Pipeline(role, i, spec, deque() if own else shared) for i in range(spec.count)]
+    def _group(self, spec: PipelineSpec, role: str) -> list[SimPipeline]:
+        own = self.config.dispatch == "round_robin"
+        out = []
+        for i in range(spec.count):
+            kv = KVCacheManager(self._pool_blocks(spec, role), self.config.block_size)
+            hook = self._reserve_token_blocks if role == "prompt" else None
+            sched = Scheduler(self.config.scheduler_for(spec), kv, self.max_model_len, role, hook)
+            out.append(SimPipeline(role, i, spec, kv, sched, deque() if own else self.queue))
+        return out
+
+    def _pool_blocks(self, spec: PipelineSpec, role: str) -> int:
+        """The configured pool, or what the most loaded stage's memory holds (`kv_capacity_tokens`)."""
+        if self.config.kv_blocks is not None:
+            return self.config.kv_blocks
+        resident = min(2, spec.depth) if self.config.swapping and role != "prompt" else None
+        tokens = self.perf.kv_capacity_tokens(spec.depth, resident)
+        if tokens < self.config.block_size:
+            raise ValueError(f"a {spec.depth}-stage pipeline of {self.perf.shape.name} on {self.perf.machine.name} "
+                             f"has no memory left for KV")
+        return tokens // self.config.block_size
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -65,184 +97,233 @@ class Simulator:
                 for f in self.config.failures]:
             heapq.heappush(heap, (ev.time, next(seq), ev))
         while heap:
-            _, _, ev = heapq.heappop(heap)
-            for nxt in ev.handle(self):
+            now, _, ev = heapq.heappop(heap)
+            for nxt in ev.handle(self) + self._schedule_all(now):
                 heapq.heappush(heap, (nxt.time, next(seq), nxt))
         return SimResult.build(self)
 
-    # --- timing --------------------------------------------------------------------------------
+    # --- scheduling: the controller's `_schedule` ------------------------------------------------
 
-    def _prompt_time(self, batch: int, prompt_len: int, depth: int) -> float:
-        key = (0, batch, prompt_len, depth)
-        if key not in self._times:
-            self._times[key] = self.perf.prompt_stage_time(batch, prompt_len, depth)
-        return self._times[key]
+    def _schedule_all(self, now: float) -> list[Event]:
+        """Give every pipeline that may have something to do a chance to fill its free slots, prompt
+        pipelines first (their admission reserves token-side blocks), as the controller does."""
+        todo = set(self._dirty)
+        self._dirty.clear()
+        for p in self.prompt:
+            if not p.down and len(p.in_flight) < p.depth and p.queue and self._tried.get(p) != self._version:
+                todo.add(p)
+        events: list[Event] = []
+        for p in sorted(todo, key=lambda p: (p.role == "token", p.index)):
+            events += self._schedule(p, now)
+        return events
 
-    def _token_time(self, batch: int, context: int, depth: int) -> float:
-        key = (1, batch, context, depth)
+    def _schedule(self, p: SimPipeline, now: float) -> list[Event]:
+        if p.down:
+            return []
+        self._tried[p] = self._version
+        if p.ready:  # token side, microbatch policy: KV in place, waiting for a microbatch slot
+            while p.ready and len(p.sched.groups) < p.depth:
+                k = min(p.spec.microbatch, len(p.ready))
+                p.sched.add_microbatch([p.ready.popleft() for _ in range(k)])
+        admitting = not (self.config.rigid_rounds and p.sched.running)
+        events: list[Event] = []
+        while len(p.in_flight) < p.depth:
+            offered = self._offer(p) if admitting and p.role != "token" else []
+            out = p.sched.schedule()
+            self._take_back(p, offered)
+            for r in out.preempted:
+                if p.role == "token":  # recomputed by a prompt pipeline
+                    self.queue.appendleft(r)
+                    self._version += 1
+            if out.is_empty:
+                break
+            events.append(self._send(p, out, now))
+        return events
+
+    def _offer(self, p: SimPipeline) -> list[Request]:
+        """Move up to one batch's worth of queued requests into `p`'s scheduler; as the scheduler
+        only ever admits from the head of its queue and at most `microbatch` per batch, it decides
+        exactly as if every queued request were in it (without holding a million of them)."""
+        offered = []
+        while p.queue and len(offered) < p.spec.microbatch:
+            item = p.queue.popleft()
+            req = self._request(item) if isinstance(item, int) else item
+            p.sched.add(req)
+            offered.append(req)
+        return offered
+
+    def _take_back(self, p: SimPipeline, offered: list[Request]) -> None:
+        """Return the offered requests `p` did not admit to the front of the queue, in order."""
+        ids = {id(r) for r in offered}
+        back = []
+        while p.sched.waiting and id(p.sched.waiting[-1]) in ids:
+            back.append(p.sched.waiting.pop())
+        p.queue.extendleft(back)
+
+    def _request(self, i: int) -> Request:
+        params = SamplingParams(max_tokens=self.out_len[i], temperature=0.0, ignore_eos=True)
+        return Request(str(i), [0] * self.prompt_len[i], params, arrival_time=self.arrival[i])
+
+    def _send(self, p: SimPipeline, out: SchedulerOutput, now: float) -> PassDone:
+        """Place the batch on `p`'s stages: one `step_time` per stage, activation hops between them;
+        a prompt pipeline's stages also stream the KV they compute."""
+        seqs = [(s.num_new_tokens, s.end) for s in out.seqs]
+        shape = BatchShape.of(seqs)
+        t = self._step_time(shape, p)
+        hop = self._hop(shape.tokens) if p.depth > 1 else 0.0
+        spans = p.place(now, t, hop)
+        pas = Pass(out, t)
+        if p.role == "prompt":
+            tokens = sum(n for n, _ in seqs)
+            pas.kv_done = p.stream(spans, [self.perf.kv_transfer_time(tokens, p.depth, k) for k in range(p.depth)])
+        wire_id = next(self._wire_ids)
+        p.in_flight[wire_id] = pas
+        p.batch_log.append([(s.request.request_id, s.num_new_tokens) for s in out.seqs])
+        return PassDone(spans[-1][1], p, wire_id)
+
+    def _step_time(self, shape: BatchShape, p: SimPipeline) -> float:
+        key = (shape, p.depth, p.role)
         t = self._times.get(key)
         if t is None:
-            t = self.perf.token_stage_time(batch, context, depth)
-            if self.config.swapping:
-                t = max(t, self.perf.swap_in_time(batch, context, depth))
+            t = self.perf.step_time(shape, p.depth)
+            if self.config.swapping and p.role != "prompt" and shape.decode_seqs and not shape.prefill_seqs:
+                ctx = -(-shape.decode_context // shape.decode_seqs)
+                t = max(t, self.perf.swap_in_time(shape.decode_seqs, ctx, p.depth))
             self._times[key] = t
         return t
 
-    def _hop(self, batch: int, tokens: int) -> float:
-        key = (2, batch, tokens)
+    def _hop(self, tokens: int) -> float:
+        key = ("hop", tokens)
         h = self._times.get(key)
         if h is None:
-            h = self._times[key] = self.perf.hop_time(batch, tokens)
+            h = self._times[key] = self.perf.hop_time(1, tokens)
         return h
 
-    def _start_pass(self, p: Pipeline, mb: Microbatch, now: float) -> PassDone:
-        if mb.done == 0:
-            b = len(mb.reqs)
-            mb.pass_time = self._prompt_time(b, mb.prompt_len, p.depth)
-            hop = self._hop(b, mb.prompt_len) if p.depth > 1 else 0.0
-            start, finish = p.run_pass(now, mb.pass_time, hop)
-            mb.ready = start
-            return PassDone(finish, p, mb)
-        b = len(mb.reqs) - mb.next_out
-        key = (1, b, mb.prompt_len + mb.done, p.depth)
-        t = self._times.get(key)
-        if t is None:
-            t = self._token_time(b, mb.prompt_len + mb.done, p.depth)
-        mb.pass_time = t
-        hop = self._hop(b, 1) if p.depth > 1 else 0.0
-        mb.ready = now
-        return PassDone(p.run_pass(now, t, hop)[1], p, mb)
+    # --- disaggregation: the controller's hand-off ---------------------------------------------
 
-    # --- dispatch ------------------------------------------------------------------------------
+    def _reserve_token_blocks(self, req: Request) -> bool:
+        """Prompt admission: the token-side blocks this request's KV will land in (on the token
+        pipeline with the most free blocks, chosen once)."""
+        entry = self.token_tables.get(req.request_id)
+        if entry is None:
+            tp = max(self.token, key=lambda t: (t.kv.num_free_blocks, -t.index))
+            entry = self.token_tables[req.request_id] = (tp, [])
+        return entry[0].kv.ensure(entry[1], req.num_tokens)
 
-    def _admits(self, p: Pipeline) -> bool:
-        if p.down or p.free_slots == 0:
-            return False
-        return p.admitting or not self.config.rigid_rounds
+    def _to_token_side(self, req: Request) -> None:
+        if req.is_finished:
+            self._settle(req)
+            return
+        tp, table = self.token_tables.pop(req.request_id)
+        req.block_ids = table
+        if tp.sched.config.policy == "microbatch":
+            tp.ready.append(req)
+        else:
+            tp.sched.add_running(req)
+        self._dirty.add(tp)
 
-    def _fill(self, p: Pipeline, now: float) -> list[Event]:
-        """Form microbatches from `p.queue` while `p` has free slots."""
-        events = []
-        q, token_role = p.queue, p.role == "token"
-        while q and self._admits(p):
-            reqs = [q.popleft() for _ in range(min(p.microbatch, len(q)))]
-            plen = max(self.prompt_len[r] for r in reqs)
-            mb = Microbatch(next(self._mb_ids), reqs, self.out_len, plen, 1 if token_role else 0)
-            p.active[mb.id] = mb
-            events.append(self._start_pass(p, mb, now))
-        if self.config.rigid_rounds:
-            p.admitting = False
-        return events
-
-    def _fill_free(self, free: deque[Pipeline], queue: deque[int], now: float) -> list[Event]:
-        events = []
-        while queue and free:
-            p = free[0]
-            events += self._fill(p, now)
-            if not self._admits(p):
-                free.popleft()
-                p.listed = False
-        return events
-
-    def _slot_freed(self, p: Pipeline, now: float) -> list[Event]:
-        if self.config.rigid_rounds and not p.active:
-            p.admitting = True
-        events = self._fill(p, now)
-        if self._admits(p) and not p.listed and p.queue is (self.token_queue if p.role == "token"
-                                                            else self.prompt_queue):
-            (self.free_token if p.role == "token" else self.free_prompt).append(p)
-            p.listed = True
-        return events
+    def _settle(self, req: Request) -> None:
+        """A finished request: free its token-side reservation once no KV is still on its way."""
+        if req.request_id in self.kv_pending:
+            return
+        entry = self.token_tables.pop(req.request_id, None)
+        if entry is not None and entry[1]:
+            entry[0].kv.release(entry[1])
+            self._version += 1
 
     # --- handlers ------------------------------------------------------------------------------
 
     def on_arrival(self, now: float, first: int) -> list[Event]:
         i, n = first, len(self.arrival)
         rr = self.config.dispatch == "round_robin"
-        touched = set()
         while i < n and self.arrival[i] <= now:
-            if rr:
-                p = self.prompt[i % len(self.prompt)]
-                p.queue.append(i)
-                touched.add(p.index)
-            else:
-                self.prompt_queue.append(i)
+            (self.prompt[i % len(self.prompt)].queue if rr else self.queue).append(i)
             i += 1
-        events: list[Event] = [Arrival(self.arrival[i], i)] if i < n else []
-        if rr:
-            for k in sorted(touched):
-                events += self._fill(self.prompt[k], now)
-        else:
-            events += self._fill_free(self.free_prompt, self.prompt_queue, now)
+        self._version += 1
+        return [Arrival(self.arrival[i], i)] if i < n else []
+
+    def on_pass_done(self, now: float, p: SimPipeline, wire_id: int) -> list[Event]:
+        pas = p.in_flight.pop(wire_id)
+        p.busy += pas.stage_time
+        out = pas.out
+        sampled = {s.request.request_id: SAMPLED for s in out.seqs
+                   if s.completes_prompt and not s.request.is_finished}
+        if p.role == "prompt":
+            for s in out.seqs:
+                if s.completes_prompt:
+                    self.kv_pending[s.request.request_id] = pas.kv_done
+        for req in p.sched.update(out, sampled):
+            i = int(req.request_id)
+            if self.first_token[i] != self.first_token[i]:  # NaN: its first token
+                self.first_token[i] = now
+            if req.is_finished:
+                self.finish[i] = now
+                self.completions[i] += 1
+                if p.role != "prompt":
+                    self._version += 1  # its blocks were freed
+                self._settle(req)
+        events: list[Event] = []
+        if p.role == "prompt":  # handed off, or finished at its first token: both wait for their KV
+            handoffs = {r.request_id for r in p.sched.take_handoffs()}
+            for s in out.seqs:
+                req, rid = s.request, s.request.request_id
+                if rid not in self.kv_pending or not (rid in handoffs or req.is_finished):
+                    continue
+                done = self.kv_pending[rid]
+                self.kv_wait[int(rid)] = max(0.0, done - now)
+                if done > now:
+                    self.handed_off[rid] = req
+                    events.append(KVReady(done, rid))
+                else:
+                    del self.kv_pending[rid]
+                    self._to_token_side(req)
+        self._dirty.add(p)
         return events
 
-    def _emit(self, mb: Microbatch, now: float) -> None:
-        """Record the token just produced for `mb` and finish the requests that are complete."""
-        if mb.done == 1:
-            for r in mb.live:
-                if self.first_token[r] != self.first_token[r]:  # NaN: first time
-                    self.first_token[r] = now
-        reqs, out = mb.reqs, self.out_len
-        while mb.next_out < len(reqs) and out[reqs[mb.next_out]] <= mb.done:
-            r = reqs[mb.next_out]
-            self.finish[r] = now
-            self.completions[r] += 1
-            mb.next_out += 1
+    def on_kv_ready(self, now: float, rid: str) -> list[Event]:
+        if self.kv_pending.get(rid) != now:
+            return []  # re-planned since (its prompt pipeline failed)
+        del self.kv_pending[rid]
+        req = self.handed_off.pop(rid, None)
+        if req is not None:
+            self._to_token_side(req)
+        return []
 
-    def on_pass_done(self, now: float, p: Pipeline, mb: Microbatch) -> list[Event]:
-        p.busy += mb.pass_time
-        was_prompt = mb.done == 0
-        mb.done += 1
-        self._emit(mb, now)
-        events: list[Event] = []
-        if was_prompt and self.token:  # disaggregated: stream KV to the token pipelines
-            live = mb.live
-            if live:
-                nbytes = len(live) * mb.prompt_len * self.perf.kv_bytes_per_token
-                start = max(mb.ready, p.link_free)
-                p.link_free = start + self.perf.transfer_time(nbytes) / self.kv_links
-                events.append(KVReady(max(now, p.link_free), live))
-            del p.active[mb.id]
-            return events + self._slot_freed(p, now)
-        if mb.next_out == len(mb.reqs):
-            del p.active[mb.id]
-            return self._slot_freed(p, now)
-        return [self._start_pass(p, mb, now)]
-
-    def on_kv_ready(self, now: float, reqs: list[int]) -> list[Event]:
-        self.token_queue.extend(reqs)
-        return self._fill_free(self.free_token, self.token_queue, now)
-
-    def on_failure(self, now: float, p: Pipeline) -> list[Event]:
+    def on_failure(self, now: float, p: SimPipeline) -> list[Event]:
+        """Restart mode, and any prompt pipeline (prompt KV is not replicated): the pipeline's
+        requests lose their KV and are recomputed (`Scheduler.reset`). Resume mode: the replacement
+        restores the lost stage's KV from its replica and the passes in flight run again."""
         rec = self.config.recovery
-        survivors = sorted(p.active.values(), key=lambda mb: mb.ready)
-        requeue: list[int] = []
-        restore_bytes = 0.0
-        for mb in survivors:
-            if mb.in_prompt or rec.mode == "restart":
-                live = mb.live  # their first token, already seen by the user, keeps its time
-                requeue += live
-                self.restarts += len(live)
-                del p.active[mb.id]
+        restore = 0.0
+        if rec.mode == "restart" or p.role == "prompt":
+            lost = p.sched.reset()
+            p.in_flight.clear()
+            self.restarts += len(lost)
+            for r in lost:
+                self.kv_pending.pop(r.request_id, None)
+            if p.role == "token":
+                self.queue.extendleft(reversed(lost))
             else:
-                ctx = mb.prompt_len + mb.done
-                restore_bytes += len(mb.live) * ctx * self.perf.shape.layers_per_stage(p.depth) * \
-                    self.perf.shape.kv_bytes_per_token_layer
-        back = max(now, p.stage_free[0] if p.down else now) + rec.detect_s + rec.restart_s + \
-            self.perf.transfer_time(restore_bytes)
-        p.fail(now, back)
-        # Restarted requests go back to the front of the queue that leads to a prompt pass.
-        target = p.queue if p.role == "prompt" else self.prompt_queue
-        target.extendleft(reversed(requeue))
-        return [Recovered(back, p)] + self._fill_free(self.free_prompt, self.prompt_queue, now)
+                p.queue.extendleft(reversed(p.sched.waiting))
+                p.sched.waiting.clear()
+            self._version += 1
+        else:
+            tokens = sum(r.num_computed_tokens for r in p.sched.running)
+            restore = self.perf.kv_transfer_time(tokens, p.depth)
+        back = max(now, p.stage_free[0] if p.down else now) + rec.detect_s + rec.restart_s + restore
+        p.fail(back)
+        return [Recovered(back, p)]
 
-    def on_recovered(self, now: float, p: Pipeline) -> list[Event]:
+    def on_recovered(self, now: float, p: SimPipeline) -> list[Event]:
         p.down = False
-        if self.config.rigid_rounds and not p.active:
-            p.admitting = True
-        events: list[Event] = [self._start_pass(p, mb, now)
-                               for mb in sorted(p.active.values(), key=lambda mb: mb.ready)]
-        return events + self._slot_freed(p, now)
+        events: list[Event] = []
+        for wire_id in sorted(p.in_flight):  # resume: the voided passes run again, in order
+            pas = p.in_flight[wire_id]
+            shape = BatchShape.of((s.num_new_tokens, s.end) for s in pas.out.seqs)
+            spans = p.place(now, pas.stage_time, self._hop(shape.tokens) if p.depth > 1 else 0.0)
+            events.append(PassDone(spans[-1][1], p, wire_id))
+        self._dirty.add(p)
+        return events
 
 
 def simulate(config: SimConfig, perf: PerfModel, workload: Workload) -> SimResult:

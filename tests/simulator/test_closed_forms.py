@@ -70,10 +70,14 @@ def test_failure_timeline(mode):
     # Tokens 2..6 finished at 1.1..1.5; the failure at 1.55 voids token 7's step.
     back = 1.55 + 0.5 + 2.0
     if mode == "resume":
-        restore = (10 + 6) * perf.shape.kv_bytes_per_token / perf.machine.link_bandwidth
+        # The replacement restores the 15 tokens of KV in the cache (prompt 10 + tokens 1..5; token
+        # 6's KV was being computed) from the replica; the voided step runs again, then 4 more.
+        restore = 15 * perf.shape.kv_bytes_per_token / perf.machine.link_bandwidth
         assert res.finish[0] == pytest.approx(back + restore + 5 * 0.1)
         assert res.restarts == 0
     else:
-        assert res.finish[0] == pytest.approx(back + 1.0 + 10 * 0.1)
+        # Recompute (the controller's recovery): one prefill of prompt + the 6 tokens produced,
+        # which samples token 7, then tokens 8..11.
+        assert res.finish[0] == pytest.approx(back + 1.0 + 4 * 0.1)
         assert res.restarts == 1
     assert res.ttft[0] == pytest.approx(1.0)  # the first token the user saw keeps its time

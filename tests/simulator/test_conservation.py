@@ -3,6 +3,8 @@ deterministic under a seed."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 from sim_helpers import ConstantPerf, workload
 
 from kvflow.perf import AnalyticPerfModel, machine, model_shape
-from kvflow.simulator import Failure, LengthDist, Layout, PipelineSpec, Recovery, SimConfig, simulate, synthetic
+from kvflow.simulator import Failure, LengthDist, Layout, PipelineSpec, Recovery, SimConfig, Simulator, simulate, synthetic
 
 LAYOUTS = [
     Layout(PipelineSpec(3, 4)),
@@ -37,10 +39,16 @@ def test_conservation_with_failures(layout_i, seed, mode, rate, fail_times):
     group = lay.token if lay.disaggregated else lay.prompt
     failures = tuple(Failure(ft, role, i % group.count, i % group.depth) for i, ft in enumerate(fail_times))
     cfg = SimConfig(lay, failures=failures, recovery=Recovery(mode, 0.2, 1.0), swapping=bool(seed % 2))
-    res = simulate(cfg, ConstantPerf(0.5, 0.05), w)
+    sim = Simulator(cfg, ConstantPerf(0.5, 0.05), w)
+    res = sim.run()
     _check(res, 60)
-    if failures and mode == "restart" and not lay.disaggregated:
-        assert res.restarts >= 0
+    # Every prompt pass (more than one new token: prompts are 50 tokens, decodes 1) is a request's
+    # first prefill or the recompute of one that lost its KV to a failure, and nothing else.
+    prefills = Counter(rid for p in sim.prompt + sim.token for batch in p.batch_log for rid, n in batch if n > 1)
+    assert sorted(prefills) == sorted(str(i) for i in range(60))
+    assert sum(prefills.values()) - 60 == res.restarts
+    if mode == "resume" and not lay.disaggregated:
+        assert res.restarts == 0  # the replacement restores the KV: nothing is recomputed
 
 
 def test_prompt_pipeline_failure_in_disaggregated_layout_conserves():

@@ -1,0 +1,74 @@
+"""One simulated pipeline: the real scheduler (`kvflow.sched.Scheduler`) over a block pool, and the
+clocks of its stages and their KV links — the simulator's counterpart of `controller/pipeline.py`.
+
+Every stage of a pipeline takes the same time for a given batch and serves in arrival order, so a
+batch's whole pass is placed on all stages when it is sent to stage 0 (the tandem-queue recursion
+`finish[k] = max(finish[k-1] + hop, stage_free[k]) + service`): one event per pass, exact for FIFO
+stages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvflow.kv.manager import KVCacheManager
+from kvflow.sched.scheduler import Scheduler, SchedulerOutput
+from kvflow.simulator.config import PipelineSpec
+
+
+@dataclass
+class Pass:
+    """A batch in flight: its scheduler output, its stage time, and (prompt role) when the KV it
+    computed has left every stage."""
+
+    out: SchedulerOutput
+    stage_time: float
+    kv_done: float = 0.0
+
+
+class SimPipeline:
+    """`depth` machines in a line running one `Scheduler` with up to `depth` batches in flight."""
+
+    def __init__(self, role: str, index: int, spec: PipelineSpec, kv: KVCacheManager, sched: Scheduler,
+                 queue: deque) -> None:
+        self.role, self.index, self.spec, self.kv, self.sched = role, index, spec, kv, sched
+        self.depth = spec.depth
+        self.queue = queue  # requests waiting for this pipeline (shared with its group, or its own)
+        self.stage_free = [0.0] * spec.depth
+        self.link_free = [0.0] * spec.depth  # prompt role: when each stage's KV link is next free
+        self.in_flight: dict[int, Pass] = {}
+        self.busy = 0.0  # seconds each stage computed (the same on every stage); counted on completion
+        self.epoch = 0  # bumped by a failure: passes placed in an older epoch are void
+        self.down = False
+        self.ready: deque = deque()  # token role, microbatch policy: requests whose KV is in place
+        self.batch_log: list[list[tuple[str, int]]] = []  # [(request_id, num_new_tokens)] per batch
+
+    def place(self, now: float, stage_time: float, hop: float) -> list[tuple[float, float]]:
+        """Place one pass sent to stage 0 at `now`; return each stage's (start, end)."""
+        sf, spans, t = self.stage_free, [], now
+        for k in range(self.depth):
+            if k:
+                t += hop
+            start = t if t > sf[k] else sf[k]
+            t = sf[k] = start + stage_time
+            spans.append((start, t))
+        return spans
+
+    def stream(self, spans: list[tuple[float, float]], transfer: list[float]) -> float:
+        """Prompt role: each stage sends its layers' KV of the pass (`transfer[k]` seconds) over its
+        own link, starting when it starts computing them (layer by layer) and ending no earlier
+        than its last layer; returns when the last stage's share has left."""
+        done = 0.0
+        for k, (start, end) in enumerate(spans):
+            begin = start if start > self.link_free[k] else self.link_free[k]
+            self.link_free[k] = max(begin + transfer[k], end)
+            done = max(done, self.link_free[k])
+        return done
+
+    def fail(self, back_at: float) -> None:
+        """Void every pass in flight; stages and links are unavailable until `back_at`."""
+        self.epoch += 1
+        self.down = True
+        self.stage_free = [back_at] * self.depth
+        self.link_free = [max(x, back_at) for x in self.link_free]
