@@ -25,6 +25,7 @@ MODES = ("colocated", "disaggregated")
 ROLES = ("both", "prompt", "token")
 KV_SEND_MODES = ("naive", "buffered", "overlap")
 RECOVERY = ("recompute", "none")
+REPLICATION = ("ring", "none")
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,13 @@ class ClusterConfig:
     thread; "buffered"/"naive": sent on the compute thread — DéjàVu's Fig. 7 comparison).
     `host` is the interface the internal (ZeroMQ) sockets bind, independent of the HTTP server's.
     `recovery`: what a worker's death (exit, or no heartbeat for `heartbeat_timeout_s`) does —
-    "recompute": fence it, start a replacement through the launcher, and recompute every request
-    that lost KV from its prompt and the tokens it already produced (clients see only a delay);
+    "recompute": fence it, start a replacement through the launcher, and bring back every request
+    that lost KV (clients see only a delay): with `replication="ring"` each stage of a colocated or
+    token pipeline of depth >= 2 streams the KV it appends at every step to the next stage (x+1 mod
+    depth) in the background; the replacement gets its KV back from that replica and requests
+    resume from their replicated tokens, recomputing only the rest. Without a replica (depth 1,
+    prompt pipelines, `replication="none"`) requests are recomputed from their prompt and the tokens
+    they already produced;
     after `max_restarts` failed replacements in a row the controller gives up. "none": fail-stop,
     every request fails with the worker's name and the backend stays unhealthy.
     """
@@ -118,8 +124,15 @@ class ClusterConfig:
     start_timeout_s: float = 180.0
     recovery: str = "recompute"
     max_restarts: int = 3
+    replication: str = "ring"
+
+    def replicates(self, p: "PipelineSpec") -> bool:
+        """Whether `p`'s stages replicate their KV to the next stage (ring; depth >= 2, not prompt)."""
+        return self.replication == "ring" and self.recovery != "none" and p.depth >= 2 and p.role != "prompt"
 
     def __post_init__(self) -> None:
+        if self.replication not in REPLICATION:
+            raise ValueError(f"replication must be one of {REPLICATION}, got {self.replication!r}")
         if self.recovery not in RECOVERY:
             raise ValueError(f"recovery must be one of {RECOVERY}, got {self.recovery!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 1:
@@ -163,6 +176,8 @@ class WorkerSpec:
     threads: int = 1
     kv_send_mode: str = "overlap"
     heartbeat_s: float = 0.25
+    replica_layer_start: int = -1  # layers of the previous stage whose KV replica this stage holds
+    replica_layer_end: int = -1  # (-1: none)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

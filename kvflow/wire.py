@@ -115,10 +115,12 @@ class Setup:
 
 @dataclass
 class Ready:
-    """Worker -> controller once its layers are loaded: where it receives KV (token role)."""
+    """Worker -> controller once its layers are loaded: where it receives KV into its cache (token
+    role, or any role restoring after a failure), and into the replica it holds of the previous stage."""
 
     name: str
     kv_addr: str = ""
+    replica_addr: str = ""
 
 
 @dataclass
@@ -129,6 +131,7 @@ class Wire:
     next_addr: str
     kv_peers: list[list] = field(default_factory=list)
     token_bounds: list[int] = field(default_factory=list)
+    replica_to: str = ""  # the replica port of the stage holding this stage's replica ("": none)
 
 
 @dataclass
@@ -139,6 +142,7 @@ class Heartbeat:
     kv_bytes_sent: int
     kv_bytes_received: int
     dropped_messages: int = 0
+    replica_bytes_sent: int = 0
 
 
 @dataclass
@@ -147,6 +151,30 @@ class KVArrived:
 
     name: str
     rids: list[str]
+
+
+@dataclass
+class Replicated:
+    """Holder -> controller: the replica it keeps of the previous stage received tokens [start, end)
+    of these requests (the controller advances its replication watermark when start <= it)."""
+
+    name: str
+    rids: list[str]
+    starts: list[int]
+    ends: list[int]
+
+
+@dataclass
+class Restore:
+    """Controller -> worker during a recovery: send tokens [0, n) of these requests, as [request id,
+    n, block table], from its own cache ("main") or from the replica it holds ("replica"), to the KV
+    port `to_addr` of stage `dst_stage` (the same block ids there)."""
+
+    epoch: int
+    source: str
+    to_addr: str
+    dst_stage: int
+    items: list[list]
 
 
 @dataclass
@@ -171,7 +199,7 @@ class Shutdown:
     pass
 
 
-MESSAGES = (Step, StepResult, Hello, Setup, Ready, Wire, Heartbeat, KVArrived, WorkerError, Reset, Shutdown)
+MESSAGES = (Step, StepResult, Hello, Setup, Ready, Wire, Heartbeat, KVArrived, Replicated, Restore, WorkerError, Reset, Shutdown)
 _TYPES = {c.__name__: c for c in MESSAGES}
 _NESTED = {"seqs": SeqStep, "kv_out": KVOut}
 

@@ -145,3 +145,9 @@ def cfg() -> ModelConfig:
 @pytest.fixture(scope="session")
 def tiny_ckpt_dir(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), tiny_config(num_layers=2))
+
+
+@pytest.fixture(scope="session")
+def tiny4_ckpt_dir(tmp_path_factory) -> Path:
+    """A 4-layer tiny model (pipelines of depth 3 and 4); its engine is `tiny_engine(tiny_config(num_layers=4))`."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny4-ckpt"), tiny_config(num_layers=4))

@@ -14,7 +14,7 @@ from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.controller.controller import Controller
 from kvflow.sched.sampling import SamplingParams
 
-from conftest import run_to_completion, tiny_engine
+from conftest import run_to_completion, tiny_config, tiny_engine
 
 PROMPTS = [[5, 6, 7], list(range(10, 41)), [40] * 9, [3, 1, 4, 1, 5, 9, 2, 6], list(range(50, 70)), [11, 12]]
 LENGTHS = [40, 25, 60, 35, 50, 45]
@@ -27,15 +27,19 @@ def params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=LENGTHS[i], temperature=0, ignore_eos=True)
 
 
-def reference() -> list[list[int]]:
-    eng = tiny_engine(num_kv_blocks=256, block_size=4)
+def reference(num_layers: int = 2) -> list[list[int]]:
+    eng = tiny_engine(tiny_config(num_layers=num_layers), num_kv_blocks=256, block_size=4)
     reqs = [eng.add_request(p, params(i)) for i, p in enumerate(PROMPTS)]
     final = run_to_completion(eng)
     return [final[r.request_id].token_ids for r in reqs]
 
 
-def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, after_tokens: int):
-    """Stream all requests; once `after_tokens` tokens have been streamed in all, SIGKILL (or SIGSTOP
+counters: dict = {}
+
+
+def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, after_tokens: int, replicated: bool = False):
+    """Stream all requests; once `after_tokens` tokens have been streamed in all (and, if
+    `replicated`, the victim's replica holds some KV of every request it runs), SIGKILL (or SIGSTOP
     for longer than the heartbeat timeout) `victim_name` (None: a random worker). Returns each
     request's streamed token list, final output and the controller's counters."""
 
@@ -46,6 +50,7 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
         finals = [None] * len(PROMPTS)
         hit = asyncio.Event()
         count = 0
+        counters.clear()
 
         async def one(i):
             nonlocal count
@@ -61,6 +66,11 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
         try:
             await asyncio.wait_for(hit.wait(), 120)  # an event, not a timer: enough tokens are out
             name = victim_name or random.Random(len(cfg.pipelines())).choice(sorted(ctrl.stages))
+            if replicated:  # an event: the replication watermark of the victim's stage covers its requests
+                s = ctrl.stages[name]
+                p = next(p for p in ctrl.pipelines if s in p.stages)
+                while not (p.sched.running and all(p.watermark.get(s.stage, {}).get(r.request_id, 0) > 0 for r in p.sched.running)):
+                    await asyncio.sleep(0.005)
             proc = ctrl.stages[name].process
             if how == "kill":
                 os.kill(proc.pid, signal.SIGKILL)
@@ -68,6 +78,8 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
                 os.kill(proc.pid, signal.SIGSTOP)
                 stopped = proc
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            counters.update(failures=ctrl.failures, recoveries=ctrl.recoveries, resumed=ctrl.resumed,
+                            lost=ctrl.lost_tokens, recomputed=ctrl.recomputed_tokens)
             return streamed, finals, (ctrl.failures, ctrl.recoveries, ctrl.healthy())
         finally:
             if stopped is not None and stopped.poll() is None:
@@ -85,11 +97,11 @@ def _cfg(tiny_ckpt_dir, **kw) -> ClusterConfig:
 
 
 @pytest.mark.parametrize("kw, victim", [
-    (dict(mode="colocated", depth=2), "colocated-1"),
+    (dict(mode="colocated", depth=2, replication="none"), "colocated-1"),
     (dict(mode="disaggregated", prompt_depth=1, token_depth=1), "token-0"),
     (dict(mode="disaggregated", prompt_depth=1, token_depth=2), "prompt-0"),
     (dict(mode="disaggregated", prompt_depth=2, token_depth=2), None),
-], ids=["colocated-2:stage1", "disagg-1-1:token", "disagg-1-2:prompt", "disagg-2-2:random"])
+], ids=["colocated-2:stage1:no-replica", "disagg-1-1:token", "disagg-1-2:prompt", "disagg-2-2:random"])
 def test_a_killed_worker_is_replaced_and_every_request_completes_unchanged(tiny_ckpt_dir, kw, victim):
     expected = reference()
     streamed, finals, (failures, recoveries, healthy) = run_with_failure(_cfg(tiny_ckpt_dir, **kw), victim, "kill", 20)
@@ -97,6 +109,24 @@ def test_a_killed_worker_is_replaced_and_every_request_completes_unchanged(tiny_
     assert all(f.finished and f.finish_reason == "length" for f in finals)
     assert streamed == expected  # no token lost, none duplicated, greedy and seeded alike
     assert [f.token_ids for f in finals] == expected
+
+
+@pytest.mark.parametrize("kw, victim", [
+    (dict(mode="colocated", depth=2), "colocated-1"),
+    (dict(mode="colocated", depth=3), "colocated-1"),
+    (dict(mode="disaggregated", prompt_depth=1, token_depth=2), "token-0"),
+], ids=["colocated-2", "colocated-3", "disagg-1-2:token"])
+def test_a_killed_worker_resumes_from_its_replica(tiny_ckpt_dir, tiny4_ckpt_dir, kw, victim):
+    """Ring replication: the requests of the lost stage resume from the replica's watermark and
+    recompute only the tokens after it (not everything), with the same streamed tokens."""
+    deep = kw.get("depth", 0) > 2
+    expected = reference(4 if deep else 2)
+    cfg = _cfg(tiny4_ckpt_dir if deep else tiny_ckpt_dir, **kw)
+    streamed, finals, (failures, recoveries, healthy) = run_with_failure(cfg, victim, "kill", 20, replicated=True)
+    assert failures == 1 and recoveries == 1 and healthy
+    assert counters["resumed"] > 0
+    assert counters["recomputed"] < counters["lost"], counters
+    assert streamed == expected and [f.token_ids for f in finals] == expected
 
 
 def test_a_hung_worker_is_fenced_and_replaced(tiny_ckpt_dir):

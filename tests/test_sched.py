@@ -146,6 +146,29 @@ def test_abort_of_an_in_flight_request_frees_when_its_batch_returns():
     assert s.update(out, {"r": 1}) == [r] and kv.num_free_blocks == 16 and r.output_token_ids == []
 
 
+def test_rewind_resumes_from_the_replica_without_sampling_again():
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(SchedulerConfig(max_in_flight=2), kv, 256)
+    a, b, c = req("a", 9, max_tokens=8), req("b", 5, max_tokens=8), req("c", 3)
+    for r in (a, b):
+        s.add(r)
+    for _ in range(3):  # prefill + 2 decode steps: 11 and 7 tokens computed, 3 sampled each
+        out = s.schedule()
+        s.update(out, sampled_for(out))
+    s.add(c)
+    lost = s.schedule()  # in flight when the stage dies: its result never comes
+    s.abort(c)
+    tables = {r.request_id: list(r.block_ids) for r in (a, b)}
+    gone = s.rewind({"a": 6, "b": 50})  # the replica holds a's first 6 tokens; b's beyond its progress
+    assert gone == [c] and c.block_ids == [] and s.num_batches_in_flight == 0 and lost.seqs
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (6, 7)
+    out = s.schedule()  # the rest of a is recomputed as one chunk, whole tables re-sent; b decodes
+    got = {x.request.request_id: (x.start, x.num_new_tokens, x.reset, x.new_block_ids) for x in out.seqs}
+    assert got == {"a": (6, 6, True, tuple(tables["a"])), "b": (7, 1, True, tuple(tables["b"]))}
+    s.update(out, sampled_for(out, 9))
+    assert a.output_token_ids == [7, 7, 7, 9] and b.output_token_ids == [7, 7, 7, 9]  # one new token each
+
+
 @pytest.mark.parametrize("prompt, max_tokens, match", [
     ([], 4, "empty"), ([5, 999], 4, "out of range"), (list(range(1, 60)), 4, "context length"),
     (list(range(1, 40)), 30, "exceeds the context"), (list(range(1, 40)), 10, "KV blocks"),

@@ -139,6 +139,14 @@ def _backend_lines(s: BackendStats, metric) -> None:
     metric("kvflow_recoveries_total", "counter", "Recoveries completed (worker replaced, requests resumed)", [f"kvflow_recoveries_total {s.recoveries_total}"])
     metric("kvflow_recovery_seconds_total", "counter", "Seconds spent recovering", [f"kvflow_recovery_seconds_total {s.recovery_seconds_total:.6f}"])
     metric("kvflow_recovering", "gauge", "1 while a recovery is under way", [f"kvflow_recovering {int(s.recovering)}"])
+    metric("kvflow_replicated_bytes_total", "counter", "KV bytes streamed to replicas (ring replication)",
+           [f"kvflow_replicated_bytes_total {s.replicated_bytes_total}"])
+    metric("kvflow_replication_lag_tokens", "gauge", "Most KV tokens of one running request not yet in its stage's replica",
+           [f"kvflow_replication_lag_tokens {s.replication_lag_tokens}"])
+    metric("kvflow_resumed_requests_total", "counter", "Requests resumed from a replica after a failure",
+           [f"kvflow_resumed_requests_total {s.resumed_requests_total}"])
+    metric("kvflow_recomputed_tokens_total", "counter", "Tokens recomputed after failures (lost past the replica)",
+           [f"kvflow_recomputed_tokens_total {s.recomputed_tokens_total}"])
 
 
 def _esc(label: str) -> str:

@@ -35,6 +35,16 @@ def register(sub) -> None:
     s.add_argument("--internal-host", default=None,
                    help="pipeline modes: interface the controller and workers bind for their internal sockets "
                         "(default 127.0.0.1, whatever --host the HTTP server uses)")
+    s.add_argument("--recovery", default="recompute", choices=["recompute", "none"],
+                   help="pipeline modes: on a worker's death or hang, replace it and bring its requests back (default), "
+                        "or fail them (fail-stop)")
+    s.add_argument("--replication", default="ring", choices=["ring", "none"],
+                   help="pipeline modes: stages of a pipeline of depth >= 2 stream the KV each step appends to the next "
+                        "stage, so a replaced stage resumes from the replica instead of recomputing (default ring)")
+    s.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                   help="pipeline modes: seconds without a heartbeat after which a worker is fenced and replaced")
+    s.add_argument("--max-restarts", type=int, default=3,
+                   help="pipeline modes: failed replacements in a row after which the server exits with code 1")
     s.add_argument("--external-workers", action="store_true",
                    help="do not spawn workers: print the `kvflow worker` commands to start (e.g. on other hosts) and wait")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -100,7 +110,8 @@ def _controller(args):
                           num_kv_blocks=max(1, int(args.kv_cache_gb * 2**30 // per_block)),
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
     kw = dict(engine=engine, mode=args.mode, threads_per_worker=args.threads or 1, host=args.internal_host or "127.0.0.1",
-              policy=args.policy)
+              policy=args.policy, recovery=args.recovery, replication=args.replication,
+              heartbeat_timeout_s=args.heartbeat_timeout, max_restarts=args.max_restarts)
     if args.mode == "colocated":
         kw["depth"] = args.depth or 2
     else:

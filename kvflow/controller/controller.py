@@ -41,7 +41,7 @@ from kvflow.sched.scheduler import Limits, Scheduler, SchedulerOutput, validate
 from kvflow.serving.backend import BackendStats, BackendUnavailable, drain
 from kvflow.streaming.connector import plan_handoff
 from kvflow.wire import (
-    Heartbeat, Hello, KVArrived, KVOut, Ready, Reset, SeqStep, Setup, Shutdown, Step, StepResult, Wire, WireError, WorkerError,
+    Heartbeat, Hello, KVArrived, KVOut, Ready, Replicated, Reset, Restore, SeqStep, Setup, Shutdown, Step, StepResult, Wire, WireError, WorkerError,
     decode, encode, new_secret,
 )
 
@@ -100,6 +100,10 @@ class Controller:
         self.recoveries = 0
         self.recovery_seconds = 0.0
         self.recovering: str | None = None
+        self._restoring: tuple[str, set[str]] | None = None  # (replacement, requests whose KV it still awaits)
+        self.resumed = 0  # requests brought back from a replica (not recomputed from scratch)
+        self.lost_tokens = 0  # KV tokens the failed pipelines had computed (all recomputed without a replica)
+        self.recomputed_tokens = 0  # of those, the tokens that had to be computed again
         self._batch_ids = itertools.count()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -151,11 +155,14 @@ class Controller:
                 sock.connect(msg.step_addr)
                 self.to_stage[msg.name] = sock
                 hello.discard(msg.name)
+                p = self._pipeline_of(s)
+                rl = p.stages[(s.stage - 1) % p.depth].layers if self.cfg.replicates(p.spec) else (-1, -1)
                 spec = WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], roles[s.name], self.cfg.threads_per_worker,
-                                  self.cfg.kv_send_mode)
+                                  self.cfg.kv_send_mode, replica_layer_start=rl[0], replica_layer_end=rl[1])
                 self._send_to(s.name, Setup(to_dict(spec), to_dict(self.cfg.engine), self.epoch))
             elif isinstance(msg, Ready) and msg.name in ready and msg.name not in hello:
                 self.stages[msg.name].kv_addr = msg.kv_addr
+                self.stages[msg.name].replica_addr = msg.replica_addr
                 self.stages[msg.name].last_heartbeat = time.monotonic()
                 ready.discard(msg.name)
             elif isinstance(msg, WorkerError) and msg.name in ready:
@@ -169,7 +176,11 @@ class Controller:
             for i, s in enumerate(p.stages):
                 nxt = p.stages[i + 1].step_addr if i + 1 < p.depth else self.address
                 peers = [[t.stage, t.layers[0], t.layers[1], t.kv_addr] for t in self.token.stages] if p.role == "prompt" else []
-                self._send_to(s.name, Wire(nxt, peers, bounds))
+                replica_to = p.stages[(i + 1) % p.depth].replica_addr if self.cfg.replicates(p.spec) else ""
+                self._send_to(s.name, Wire(nxt, peers, bounds, replica_to))
+
+    def _pipeline_of(self, s: StageHandle) -> Pipeline:
+        return next(p for p in self.pipelines if s in p.stages)
 
     async def shutdown(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown_blocking)
@@ -222,7 +233,27 @@ class Controller:
             recoveries_total=self.recoveries,
             recovery_seconds_total=self.recovery_seconds,
             recovering=self.recovering is not None,
+            replicated_bytes_total=sum(s.replica_bytes_sent for s in self.stages.values()),
+            replication_lag_tokens=self._replication_lag(),
+            resumed_requests_total=self.resumed,
+            recomputed_tokens_total=self.recomputed_tokens,
         )
+
+    def _replication_lag(self) -> int:
+        """Max over replicating pipelines' stages and running requests of progress - watermark
+        (read from the event loop while the loop thread updates it: a best-effort gauge)."""
+        lag = 0
+        try:
+            for p in self.pipelines:
+                if not self.cfg.replicates(p.spec):
+                    continue
+                running = [(r.request_id, r.num_computed_tokens) for r in list(p.sched.running)]
+                for st in range(p.depth):
+                    wm = p.watermark.get(st, {})
+                    lag = max([lag] + [n - wm.get(rid, 0) for rid, n in running])
+        except RuntimeError:  # a dict changed size while read
+            pass
+        return lag
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         if self.failure is not None or self._stop.is_set():  # (during a recovery requests queue)
@@ -301,6 +332,9 @@ class Controller:
             else:
                 self.dropped_messages += 1  # a result from before a recovery
         elif isinstance(msg, KVArrived):
+            if self._restoring is not None and msg.name == self._restoring[0]:
+                self._restoring[1].difference_update(msg.rids)
+                return
             for rid in msg.rids:
                 pending = self.kv_pending.get(rid)
                 if pending is None:
@@ -318,6 +352,15 @@ class Controller:
             if s is not None:
                 s.last_heartbeat = time.monotonic()
                 s.busy_s, s.kv_bytes_sent, s.dropped_messages = msg.busy_s, msg.kv_bytes_sent, msg.dropped_messages
+                s.replica_bytes_sent = msg.replica_bytes_sent
+        elif isinstance(msg, Replicated):
+            s = self.stages.get(msg.name)
+            if s is not None:
+                p = self._pipeline_of(s)
+                wm = p.watermark.setdefault((s.stage - 1) % p.depth, {})
+                for rid, a, b in zip(msg.rids, msg.starts, msg.ends):
+                    if rid in self.reqs and a <= wm.get(rid, 0):  # contiguous from token 0
+                        wm[rid] = max(wm.get(rid, 0), b)
         elif isinstance(msg, WorkerError):
             if msg.epoch not in (-1, self.epoch):
                 return  # an error of a step from before a recovery is moot
@@ -354,6 +397,9 @@ class Controller:
         for s in out.seqs:
             r = s.request
             seqs.append(SeqStep(r.request_id, s.start, s.num_new_tokens, list(s.new_block_ids), s.reset))
+            if s.start == 0 and p.watermark:  # (re)computed from scratch, maybe in new blocks: no replica yet
+                for wm in p.watermark.values():
+                    wm.pop(r.request_id, None)
             ids.extend(r.token_ids[s.start:s.end])
         kv_out, kv_plan = [], []
         if p.role == "prompt":
@@ -365,6 +411,9 @@ class Controller:
                     self.kv_pending[rid] = set(token_names)
             kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(out.seqs))]
         free, p.pending_free = p.pending_free + out.freed, []
+        for rid in free:
+            for wm in p.watermark.values():
+                wm.pop(rid, None)
         wire_id = next(self._batch_ids)  # unique across pipelines (each scheduler numbers its own batches)
         p.in_flight[wire_id] = out
         p.batch_log.append((out.batch_id, [(s.request.request_id, s.num_new_tokens) for s in out.seqs]))
@@ -458,17 +507,29 @@ class Controller:
             self._recover(s, message)
 
     def _recover(self, lost: StageHandle, message: str) -> None:
-        """Fence the lost worker, start a replacement, and recompute every request that lost KV.
+        """Fence the lost worker, start a replacement, and bring every request back.
 
-        Every pipeline is reset (the new epoch voids whatever is still on the wire): the requests
-        keep the tokens they produced and are recomputed from prompt + output, so greedy and seeded
+        A new epoch voids whatever is still on the wire. If the lost stage's pipeline replicates and
+        the stage holding its replica (x+1 mod depth) is alive, its requests resume: the holder sends
+        the replica back into the replacement's cache, the previous stage (x-1) refills the replica
+        the replacement holds, and each request continues from min(its progress, the replication
+        watermark), recomputing only the tokens after it. Otherwise the pipeline's requests are
+        recomputed from prompt + produced tokens. Other pipelines only redo their in-flight batches
+        (prompt pipelines re-run their prompts: their KV is streamed, never kept). Greedy and seeded
         outputs are exactly those of a run without the failure. While this runs, new requests queue.
         """
         t0 = time.monotonic()
         log.warning("%s; recovering (epoch %d -> %d)", message, self.epoch, self.epoch + 1)
         self.recovering = message
         self.epoch += 1
-        self._reset_requests()
+        lp = self._pipeline_of(lost)
+        holder = lp.stages[(lost.stage + 1) % lp.depth]
+        prev = lp.stages[(lost.stage - 1) % lp.depth]
+        resume = None
+        if self.cfg.replicates(lp.spec) and holder.alive and prev.alive:
+            wm = lp.watermark.get(lost.stage, {})
+            resume = {r.request_id: min(r.num_computed_tokens, wm.get(r.request_id, 0)) for r in lp.sched.running
+                      if not r.is_finished}
         for attempt in range(1, self.cfg.max_restarts + 1):
             if lost.process is not None and lost.process.poll() is None:
                 lost.process.kill()  # fence: a worker that only hung must never write again
@@ -487,19 +548,66 @@ class Controller:
             return
         self._wire_all()
         lost.alive = True
+        if resume is not None and not self._restore(lp, lost, holder, prev, resume):
+            resume = None
+        computed = {r.request_id: r.num_computed_tokens for r in lp.sched.running if not r.is_finished}
+        self.lost_tokens += sum(computed.values())
+        self.recomputed_tokens += sum(n - (resume or {}).get(rid, 0) for rid, n in computed.items())
+        self._reset_requests(lp, resume)
         now = time.monotonic()
         for s in self.stages.values():
             s.last_heartbeat = now
         self.recovering = None
         self.recoveries += 1
         self.recovery_seconds += now - t0
-        log.warning("recovered from the loss of %s in %.2fs", lost.name, now - t0)
+        how = f"{len(resume)} request(s) resumed from the replica" if resume is not None else "requests recomputed"
+        log.warning("recovered from the loss of %s in %.2fs (%s)", lost.name, now - t0, how)
 
-    def _reset_requests(self) -> None:
-        """Every pipeline forgets its KV; unfinished requests are queued to be recomputed."""
+    def _restore(self, p: Pipeline, new: StageHandle, holder: StageHandle, prev: StageHandle, resume: dict[str, int]) -> bool:
+        """Replica -> the replacement's cache, and the previous stage's KV -> the replica the
+        replacement holds; waits until both are in. False (then the caller recomputes) on failure."""
+        tables = {r.request_id: list(r.block_ids) for r in p.sched.running}
+        back = [[rid, n, tables[rid]] for rid, n in resume.items() if n > 0]
+        refill = [[rid, n, tables[rid]] for rid, n in resume.items() if n > 0]
+        p.watermark[prev.stage] = {}  # the replica of prev was on the lost worker (the others are intact)
+        if not back:
+            return True
+        self._restoring = (new.name, {rid for rid, _, _ in back})
+        self._send_to(holder.name, Restore(self.epoch, "replica", new.kv_addr, new.stage, back))
+        self._send_to(prev.name, Restore(self.epoch, "main", new.replica_addr, prev.stage, refill))
+        want = {rid: n for rid, n, _ in refill}
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        try:
+            while self._restoring[1] or any(p.watermark[prev.stage].get(r, 0) < n for r, n in want.items()):
+                if time.monotonic() > deadline or not all(s.process is None or s.process.poll() is None for s in (holder, prev, new)):
+                    log.error("restoring %s from its replica failed; recomputing instead", new.name)
+                    return False
+                if self.inbox.poll(50):
+                    msg, tensor = self._decode(self.inbox.recv_multipart())
+                    if isinstance(msg, WorkerError) and msg.epoch == self.epoch:
+                        log.error("restoring %s failed: %s: %s; recomputing instead", new.name, msg.name, msg.message)
+                        return False
+                    if msg is not None and not isinstance(msg, (StepResult, WorkerError)):
+                        self._handle(msg, tensor)
+            self.resumed += len(resume)
+            return True
+        finally:
+            self._restoring = None
+
+    def _reset_requests(self, lost: Pipeline, resume: dict[str, int] | None) -> None:
+        """After a recovery: the pipeline that lost a stage resumes from the replica's watermark
+        (`resume`) or, without one, forgets its KV and queues its unfinished requests to be
+        recomputed, as every prompt pipeline does; every other pipeline keeps its KV and redoes its
+        in-flight batches (`rewind` to its progress)."""
         again: list[Request] = []
         for p in self.pipelines:
-            again += p.sched.reset()
+            if (p is lost and resume is None) or p.role == "prompt":
+                again += p.sched.reset()
+                p.watermark.clear()
+            else:
+                progress = resume if p is lost else {r.request_id: r.num_computed_tokens for r in p.sched.running}
+                for r in p.sched.rewind(progress):
+                    self._settle(r)
             p.in_flight.clear()
             p.pending_free.clear()
         if self.token is not None:
@@ -507,16 +615,17 @@ class Controller:
             self.handed_off.clear()
             self.ready.clear()
             self.kv_pending.clear()
-            for table in self.token_tables.values():
+            keep = {r.request_id for r in self.token.sched.running}
+            for rid in [rid for rid in self.token_tables if rid not in keep]:
+                table = self.token_tables.pop(rid)
                 if table:
                     self.token.kv.release(table)
-            self.token_tables.clear()
             first = self.pipelines[0].sched
             for r in sorted(again, key=lambda r: r.arrival_time, reverse=True):
                 if r not in first.waiting:
                     first.add_front(r)
         for rid, r in list(self.reqs.items()):  # finished requests that only waited for blocks to settle
-            if r.is_finished:
+            if r.is_finished and not any(r in p.sched.running for p in self.pipelines):
                 del self.reqs[rid]
 
     def _fail(self, message: str) -> None:

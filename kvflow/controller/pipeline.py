@@ -31,6 +31,8 @@ class StageHandle:
     process: WorkerHandle | None = None  # None for a worker started by hand on another host
     step_addr: str = ""
     kv_addr: str = ""
+    replica_addr: str = ""  # where the previous stage's replica is received ("" if none)
+    replica_bytes_sent: int = 0
     last_heartbeat: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0
     kv_bytes_sent: int = 0
@@ -52,6 +54,8 @@ class Pipeline:
     # and (tokens, last stage's busy seconds).
     batch_log: deque[tuple[int, list[tuple[str, int]]]] = field(default_factory=lambda: deque(maxlen=LOG_LEN))
     step_log: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=LOG_LEN))
+    # replication watermark: stage -> request -> tokens [0, n) of that stage's KV held by its replica
+    watermark: dict[int, dict[str, int]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

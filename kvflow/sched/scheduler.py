@@ -354,6 +354,22 @@ class Scheduler:
         self._batches = 0
         return lost
 
+    def rewind(self, resume: dict[str, int]) -> list[Request]:
+        """A stage lost its KV and got it back for tokens [0, resume[rid]) (from a replica): nothing
+        is in flight any more, every running request keeps its blocks and continues from
+        min(its progress, resume) (the rest is recomputed as a prefill chunk, no token is sampled
+        again), and its next step carries its whole block table. Requests aborted while in flight
+        are removed now; they are returned."""
+        gone = [r for r in self.running if r.is_finished]
+        for r in gone:
+            self._remove(r)
+        for r in self.running:
+            r.num_computed_tokens = min(r.num_computed_tokens, resume.get(r.request_id, 0))
+            self._reset.add(r.request_id)
+        self.in_flight.clear()
+        self._batches = 0
+        return gone
+
     def fail_all(self) -> list[Request]:
         """Forget every request (the pipeline failed); returns them. Blocks are released."""
         reqs = list(self.waiting) + self.running

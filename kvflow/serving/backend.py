@@ -49,6 +49,10 @@ class BackendStats:
     recoveries_total: int = 0
     recovery_seconds_total: float = 0.0
     recovering: bool = False
+    replicated_bytes_total: int = 0
+    replication_lag_tokens: int = 0
+    resumed_requests_total: int = 0
+    recomputed_tokens_total: int = 0
 
 
 class Backend(Protocol):

@@ -15,6 +15,11 @@ Split as in vLLM's KV connector, on DéjàVuLib's level-3 primitives:
   token count of each request in its metadata, so the sink expects exactly the planned region
   (this stage's layers, tokens [0, total)) and the receiver reports a request once all of it has
   arrived; anything unplanned or repeated is rejected.
+
+The same two classes carry the fault-tolerance traffic (`kvflow.worker`): replication (each stage of
+a pipeline sends the KV each step appended to the next stage's replica, `incremental=True`, so the
+receiver expects only the new tokens and reports the replicated total) and, in a recovery, the
+restore of a replica into a replacement's cache.
 """
 
 from __future__ import annotations
@@ -68,10 +73,13 @@ class KVSender:
     """
 
     def __init__(self, cache: KVCache, stage: int, outs: dict[int, OutStream], mode: SendMode = "overlap",
-                 pool_size: int = 4, timeout: float = 30.0) -> None:
+                 pool_size: int = 4, timeout: float = 30.0, incremental: bool = False) -> None:
         if mode not in SEND_MODES:
             raise ValueError(f"mode must be one of {SEND_MODES}, got {mode!r}")
         self.cache, self.stage, self.outs, self.mode, self.timeout = cache, stage, outs, mode, timeout
+        # incremental: the receiver expects only [token_start, total) of each request (replication's
+        # per-step appends), not the whole [0, total) (a hand-off, possibly in prefill chunks)
+        self.incremental = incremental
         self.pool_size = pool_size
         self.nbytes = 0
         self.chunks = 0
@@ -91,7 +99,8 @@ class KVSender:
         """`epoch` travels with the chunks: a receiver drops chunks from before its last reset."""
         self._raise_pending()
         self._requests = [SeqRegion(r.request_id, r.src_blocks, r.token_start, r.token_end) for r in requests]
-        self._metas = [{"total": r.total, "blocks": list(r.dest_blocks)} for r in requests]
+        self._metas = [{"total": r.total, "blocks": list(r.dest_blocks), **({"start": r.token_start} if self.incremental else {})}
+                       for r in requests]
         self._plan = [t for t in plan if t.src == self.stage]
         self._epoch = epoch
 
@@ -142,10 +151,13 @@ class KVSender:
         for out in self.outs.values():
             out.drain()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the background thread after what is queued (`wait=False`: without waiting for it,
+        e.g. when its peer is gone and the sends would only time out)."""
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join(timeout=self.timeout)
+            if wait:
+                self._thread.join(timeout=self.timeout)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -176,21 +188,23 @@ class KVSender:
 class KVReceiver:
     """Worker side of a destination stage: a background thread receiving chunks into `cache`.
 
-    `on_complete(request_ids)` is called (on that thread) when all the KV planned for a request in
-    this stage's layers, tokens [0, total), has arrived; `on_error(message)` when a chunk is
+    `on_complete(request_ids, spans)` is called (on that thread) when all the KV planned for a
+    request in this cache's layers, tokens [start, total) (start 0 unless the sender's meta says,
+    as replication's per-step increments do; `spans` holds the (start, total) pairs), has arrived; `on_error(message)` when a chunk is
     rejected and dropped (the sender is told through the acknowledgement). A completed request is
     forgotten, so the same request can be sent again later (recomputed after a preemption).
     `reset(epoch)` (after a failure) forgets every partly received request and from then on drops,
     unwritten, chunks sent in an older epoch.
     """
 
-    def __init__(self, cache: KVCache, inp: InStream, on_complete: Callable[[list[str]], None],
+    def __init__(self, cache: KVCache, inp: InStream, on_complete: Callable[[list[str], list[tuple[int, int]]], None],
                  on_error: Callable[[str], None]) -> None:
         self.cache = cache
         self.inp = inp
         self.on_complete = on_complete
         self.on_error = on_error
         self.tables: dict[str, list[int]] = {}
+        self.spans: dict[str, tuple[int, int]] = {}
         self.sink = KVSink(cache, self._resolve)
         self.nbytes = 0
         self.stale = 0  # chunks dropped because they were sent before the last reset
@@ -211,13 +225,15 @@ class KVReceiver:
             for rid in list(self.sink.expected):
                 self.sink.forget(rid)
             self.tables.clear()
+            self.spans.clear()
 
     def _expect_from(self, meta: dict) -> None:
         lay = self.cache.layout
         for rid, m in meta.get("kv", {}).items():
             if rid not in self.sink.expected:
                 self.tables[rid] = [int(b) for b in m["blocks"]]
-                self.sink.expect(rid, lay.layer_start, lay.layer_end, 0, int(m["total"]))
+                self.spans[rid] = (int(m.get("start", 0)), int(m["total"]))
+                self.sink.expect(rid, lay.layer_start, lay.layer_end, *self.spans[rid])
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -240,14 +256,14 @@ class KVReceiver:
                     for seg in chunk.header.desc.segments:
                         rid = seg.request_id
                         if rid in self.sink.expected and self.sink.complete_for([rid]):
-                            done.append(rid)
+                            done.append((rid, self.spans.pop(rid)))
                             self.sink.forget(rid)
                             self.tables.pop(rid, None)
             except Exception as e:
                 self.on_error(f"KV chunk rejected: {type(e).__name__}: {e}")
                 continue
             if done:
-                self.on_complete(done)
+                self.on_complete([r for r, _ in done], [n for _, n in done])
 
     def close(self) -> None:
         self._stop.set()

@@ -13,6 +13,13 @@ KV connector (`kvflow.streaming.connector`): a prompt worker sends each layer's 
 layer has written it (background thread), a token worker receives it into its cache and reports
 `KVArrived`. A heartbeat thread reports liveness. Messages that are not authentic or do not decode
 are dropped and counted, never raised in a loop.
+
+Replication (a colocated or token pipeline of depth >= 2, `ClusterConfig.replication="ring"`): every
+step, each stage also sends the KV the step appended to the next stage (x+1 mod depth), through a
+second, incremental `KVSender` on its own background thread; the next stage keeps it in a replica
+cache (the previous stage's layers, the same block ids) and reports the replicated token counts
+(`Replicated`). In a recovery the controller has the replica's holder send it back into the
+replacement's cache and the previous stage refill the replica the replacement holds (`Restore`).
 """
 
 from __future__ import annotations
@@ -34,8 +41,8 @@ from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender
 from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.streaming.topology import Transfer
 from kvflow.wire import (
-    SECRET_ENV, Heartbeat, Hello, KVArrived, Ready, Reset, Setup, Shutdown, Step, StepResult, Wire, WireError, WorkerError,
-    decode, encode,
+    SECRET_ENV, Heartbeat, Hello, KVArrived, Ready, Replicated, Reset, Restore, Setup, Shutdown, Step, StepResult, Wire,
+    WireError, WorkerError, decode, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -53,6 +60,9 @@ class Worker:
         self.tables: dict[str, list[int]] = {}  # request -> this stage's block ids (mirrored from steps)
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
+        self.replica: KVCache | None = None  # the previous stage's KV, replicated
+        self.replica_rx: KVReceiver | None = None
+        self.replicator: KVSender | None = None  # this stage's appended KV -> the next stage's replica
         self._send_lock = threading.Lock()  # the controller socket is shared by compute and KV threads
 
     # ------------------------------------------------------------------ set-up
@@ -87,6 +97,10 @@ class Worker:
         self.device = torch.device(ecfg.device)
         layout = KVLayout.for_model(ck.config, ecfg.num_kv_blocks, ecfg.block_size, layers, dtype=ecfg.torch_dtype)
         self.cache = KVCache(layout, ecfg.device)
+        if spec.replica_layer_start >= 0:  # a host-memory replica of the previous stage's KV
+            rl = KVLayout.for_model(ck.config, ecfg.num_kv_blocks, ecfg.block_size,
+                                    (spec.replica_layer_start, spec.replica_layer_end), dtype=ecfg.torch_dtype)
+            self.replica = KVCache(rl, "cpu")
 
     def run(self) -> None:
         self.step_in = self.ctx.socket(zmq.PULL)
@@ -101,15 +115,20 @@ class Worker:
         except Exception as e:
             self._to_controller(WorkerError(self.name, f"start-up failed: {type(e).__name__}: {e}"))
             raise
-        kv_addr = ""
-        if self.spec.role == "token":
-            from kvflow.streaming.transports.tcp import TcpReceiver
+        kv_addr = replica_addr = ""
+        from kvflow.streaming.transports.tcp import TcpReceiver
 
+        if self.spec.role == "token" or self.replica is not None:  # hand-offs, or a restore after a failure
             rx = TcpReceiver(self.host)
             kv_addr = rx.address
             self.receiver = KVReceiver(self.cache, InStream(rx, secret=self.secret), self._kv_complete, self._kv_dropped)
             self.receiver.start()
-        self._to_controller(Ready(self.name, kv_addr))
+        if self.replica is not None:
+            rx = TcpReceiver(self.host)
+            replica_addr = rx.address
+            self.replica_rx = KVReceiver(self.replica, InStream(rx, secret=self.secret), self._replicated, self._kv_dropped)
+            self.replica_rx.start()
+        self._to_controller(Ready(self.name, kv_addr, replica_addr))
         self.out = None
         self._wire(self._expect(Wire))
         hb = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
@@ -119,10 +138,9 @@ class Worker:
         finally:
             self.stop.set()
             hb.join(2.0)
-            if self.sender is not None:
-                self.sender.close()
-            if self.receiver is not None:
-                self.receiver.close()
+            for t in (self.sender, self.replicator, self.receiver, self.replica_rx):
+                if t is not None:
+                    t.close()
             self.ctx.destroy(linger=0)
 
     def _wire(self, wire: Wire) -> None:
@@ -142,6 +160,14 @@ class Worker:
                     o.sender.close()
             outs = {int(d): OutStream(TcpSender(addr), f"{self.name}->{d}@{self.epoch}", self.secret) for d, _, _, addr in wire.kv_peers}
             self.sender = KVSender(self.cache, self.spec.stage, outs, mode=self.spec.kv_send_mode)
+        if self.replicator is not None:  # rewired after a failure: the old peer may be gone, do not wait
+            self.replicator.close(wait=False)
+            self.replicator = None
+        if wire.replica_to:
+            from kvflow.streaming.transports.tcp import TcpSender
+
+            out = OutStream(TcpSender(wire.replica_to), f"{self.name}->replica@{self.epoch}", self.secret)
+            self.replicator = KVSender(self.cache, self.spec.stage, {self.spec.stage + 1: out}, mode="overlap", incremental=True)
 
     def _expect(self, cls):
         parent = os.getppid()
@@ -179,8 +205,16 @@ class Worker:
                     self.tables.clear()
                 if msg.kv and self.receiver is not None:
                     self.receiver.reset(msg.epoch)
+                if self.replica_rx is not None:  # the replica keeps its blocks; partial increments are void
+                    self.replica_rx.reset(msg.epoch)
             elif isinstance(msg, Wire):
                 self._wire(msg)
+            elif isinstance(msg, Restore):
+                try:
+                    self._restore(msg)
+                except Exception as e:
+                    log.exception("restore failed")
+                    self._to_controller(WorkerError(self.name, f"restore failed: {type(e).__name__}: {e}", msg.epoch))
             elif isinstance(msg, Shutdown):
                 return
             else:
@@ -208,12 +242,23 @@ class Worker:
             hidden = self.model.embed(torch.tensor(msg.token_ids, dtype=torch.long, device=self.device))
         else:
             hidden = hidden.to(self.device, self.engine_cfg.torch_dtype)
-        hook = None
+        hooks = []
         if self.sender is not None and msg.kv_plan:
             reqs = [HandoffRequest(k.rid, k.token_start, k.token_end, k.total, tuple(self.tables[k.rid]), tuple(k.dest_blocks))
                     for k in msg.kv_out]
             self.sender.begin(reqs, [Transfer(*t) for t in msg.kv_plan], msg.epoch)
-            hook = self.sender.on_layer if self.sender.active else None
+            if self.sender.active:
+                hooks.append(self.sender.on_layer)
+        if self.replicator is not None and msg.seqs:  # what this step appends, to the next stage's replica
+            # (from token 0 when the step carries the whole table: a request new to this pipeline, e.g.
+            # handed off with KV the replica has never seen, or re-sent after a recovery)
+            lay = self.cache.layout
+            reqs = [HandoffRequest(s.rid, 0 if s.reset else s.start, s.context_len, s.context_len, tuple(self.tables[s.rid]),
+                                   tuple(self.tables[s.rid])) for s in msg.seqs]
+            st = self.spec.stage
+            self.replicator.begin(reqs, [Transfer(st, st + 1, lay.layer_start, lay.layer_end, 0, len(reqs), 0, 0)], msg.epoch)
+            hooks.append(self.replicator.on_layer)
+        hook = hooks[0] if len(hooks) == 1 else (lambda layer, b=None: [h(layer, b) for h in hooks]) if hooks else None
         hidden = self.model.run_layers(hidden, batch, self.cache, hook)
         if self.model.is_last:
             logits = self.model.logits(hidden, batch).float()
@@ -226,8 +271,35 @@ class Worker:
         self.steps += 1
 
     # ------------------------------------------------------------------ token role: KV arrivals
-    def _kv_complete(self, rids: list[str]) -> None:
+    def _kv_complete(self, rids: list[str], spans: list[tuple[int, int]]) -> None:
         self._to_controller(KVArrived(self.name, rids))
+
+    def _replicated(self, rids: list[str], spans: list[tuple[int, int]]) -> None:
+        self._to_controller(Replicated(self.name, rids, [a for a, _ in spans], [b for _, b in spans]))
+
+    def _restore(self, msg: Restore) -> None:
+        """Send tokens [0, n) of the listed requests from the cache or the replica to `to_addr` (a
+        replacement's cache or replica), synchronously: the pipeline is paused for the recovery."""
+        from kvflow.streaming.transports.tcp import TcpSender
+
+        cache = self.cache if msg.source == "main" else self.replica
+        if cache is None or msg.source not in ("main", "replica"):
+            raise ValueError(f"{self.name} has no {msg.source!r} KV to restore from")
+        reqs = [HandoffRequest(str(rid), 0, int(n), int(n), tuple(int(b) for b in table), tuple(int(b) for b in table))
+                for rid, n, table in msg.items if int(n) > 0]
+        if not reqs:
+            return
+        lay = cache.layout
+        out = OutStream(TcpSender(msg.to_addr), f"{self.name}-restore@{msg.epoch}", self.secret)
+        sender = KVSender(cache, 0, {msg.dst_stage: out}, mode="buffered")
+        try:
+            sender.begin(reqs, [Transfer(0, msg.dst_stage, lay.layer_start, lay.layer_end, 0, len(reqs), 0, 0)], msg.epoch)
+            for layer in range(lay.layer_start, lay.layer_end):
+                sender.on_layer(layer)
+            sender.finish()
+        finally:
+            sender.close()
+            out.sender.close()
 
     def _kv_dropped(self, message: str) -> None:
         """A chunk that did not verify (not authentic, corrupted) or was not planned: dropped and
@@ -242,7 +314,8 @@ class Worker:
         while not self.stop.wait(self.spec.heartbeat_s):
             sent = self.sender.nbytes if self.sender is not None else 0
             got = self.receiver.nbytes if self.receiver is not None else 0
-            self._to_controller(Heartbeat(self.name, self.busy_s, self.steps, sent, got, self.dropped))
+            replicated = self.replicator.nbytes if self.replicator is not None else 0
+            self._to_controller(Heartbeat(self.name, self.busy_s, self.steps, sent, got, self.dropped, replicated))
 
 
 def run_worker(controller_addr: str, name: str, host: str, secret: bytes | None = None) -> None:

@@ -81,7 +81,7 @@ def test_connector_receiver_reports_each_request_once_its_planned_kv_is_in():
     dst = KVCache(engine.kv_cache.layout)
     rx = TcpReceiver()
     done, errors = [], []
-    receiver = KVReceiver(dst, InStream(rx), done.extend, errors.append)
+    receiver = KVReceiver(dst, InStream(rx), lambda rids, spans: done.extend(rids), errors.append)
     receiver.start()
     sender = KVSender(engine.kv_cache, 0, {0: OutStream(TcpSender(rx.address))}, mode="overlap")
     src_tables = stream_engine(engine, sender)
