@@ -12,6 +12,7 @@ import pytest
 
 from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.controller.controller import Controller
+from kvflow.controller.launcher import SubprocessLauncher
 from kvflow.sched.sampling import SamplingParams
 
 from conftest import run_to_completion, tiny_config, tiny_engine
@@ -170,3 +171,51 @@ def test_two_failures_in_a_row(tiny_ckpt_dir):
 
     streamed, failures, recoveries = asyncio.run(main())
     assert streamed == expected and failures == 2 and recoveries == 2
+
+
+class KillFirstReplacement(SubprocessLauncher):
+    """Starts the cluster normally; the first replacement dies as soon as it is started (a failure
+    during recovery), the next one is healthy."""
+
+    def __init__(self, initial: int) -> None:
+        self.initial, self.starts = initial, 0
+
+    def start(self, name, controller_addr, host, secret):
+        self.starts += 1
+        proc = super().start(name, controller_addr, host, secret)
+        if self.starts == self.initial + 1:
+            proc.kill()
+        return proc
+
+
+def test_a_failure_during_recovery_is_retried(tiny_ckpt_dir):
+    expected = reference()
+    cfg = _cfg(tiny_ckpt_dir, mode="colocated", depth=2)
+
+    async def main():
+        launcher = KillFirstReplacement(initial=2)
+        ctrl = Controller(cfg, launcher=launcher)
+        await ctrl.start()
+        streamed = [[] for _ in PROMPTS]
+        hit = asyncio.Event()
+        count = 0
+
+        async def one(i):
+            nonlocal count
+            async for out in ctrl.generate(PROMPTS[i], params(i), f"r{i}"):
+                streamed[i] += out.new_token_ids
+                count += len(out.new_token_ids)
+                if count >= 20:
+                    hit.set()
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
+        try:
+            await asyncio.wait_for(hit.wait(), 120)
+            os.kill(ctrl.stages["colocated-0"].process.pid, signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            return streamed, ctrl.failures, ctrl.recoveries, launcher.starts
+        finally:
+            await ctrl.shutdown()
+
+    streamed, failures, recoveries, starts = asyncio.run(main())
+    assert streamed == expected and failures == 1 and recoveries == 1 and starts == 4
