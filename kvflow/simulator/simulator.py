@@ -39,10 +39,12 @@ SAMPLED = 0  # the token every simulated step "samples" (requests ignore EOS: le
 class Simulator:
     """One simulation run. `Simulator(config, perf, workload).run()` returns a `SimResult`."""
 
-    def __init__(self, config: SimConfig, perf: PerfModel, workload: Workload) -> None:
+    def __init__(self, config: SimConfig, perf: PerfModel, workload: Workload, log_batches: bool = False) -> None:
+        """`log_batches`: keep every pipeline's `batch_log` (what each batch ran), as the controller does."""
         if workload.n == 0:
             raise ValueError("workload has no requests")
         self.config, self.perf, self.workload = config, perf, workload
+        self.log_batches = log_batches
         layout = config.layout
         self.arrival = workload.arrival.tolist()
         self.prompt_len = workload.prompt_len.tolist()
@@ -60,9 +62,11 @@ class Simulator:
         self.token_tables: dict[str, tuple[SimPipeline, list[int]]] = {}  # blocks reserved on the token side
         self.kv_pending: dict[str, float] = {}  # rid -> when its prompt KV is complete on the token side
         self.handed_off: dict[str, Request] = {}  # first token sampled, KV still on its way
+        self._token_target: tuple[SimPipeline | None, int] = (None, 0)
         self._wire_ids = itertools.count()
         self._times: dict[tuple, float] = {}
         self._dirty: set[SimPipeline] = set()
+        self._idle: set[SimPipeline] = set(self.prompt)  # prompt-side pipelines with a free slot
         self._version = 0  # bumped when the prompt queue grows or token blocks are freed
         self._tried: dict[SimPipeline, int] = {}
 
@@ -107,11 +111,12 @@ class Simulator:
     def _schedule_all(self, now: float) -> list[Event]:
         """Give every pipeline that may have something to do a chance to fill its free slots, prompt
         pipelines first (their admission reserves token-side blocks), as the controller does."""
-        todo = set(self._dirty)
-        self._dirty.clear()
-        for p in self.prompt:
-            if not p.down and len(p.in_flight) < p.depth and p.queue and self._tried.get(p) != self._version:
-                todo.add(p)
+        todo = self._dirty
+        self._dirty = set()
+        if self.queue or self.config.dispatch == "round_robin":
+            for p in self._idle:
+                if p.queue and self._tried.get(p) != self._version:
+                    todo.add(p)
         events: list[Event] = []
         for p in sorted(todo, key=lambda p: (p.role == "token", p.index)):
             events += self._schedule(p, now)
@@ -138,6 +143,11 @@ class Simulator:
             if out.is_empty:
                 break
             events.append(self._send(p, out, now))
+        if p.role != "token":
+            if len(p.in_flight) < p.depth:
+                self._idle.add(p)
+            else:
+                self._idle.discard(p)
         return events
 
     def _offer(self, p: SimPipeline) -> list[Request]:
@@ -178,7 +188,8 @@ class Simulator:
             pas.kv_done = p.stream(spans, [self.perf.kv_transfer_time(tokens, p.depth, k) for k in range(p.depth)])
         wire_id = next(self._wire_ids)
         p.in_flight[wire_id] = pas
-        p.batch_log.append([(s.request.request_id, s.num_new_tokens) for s in out.seqs])
+        if self.log_batches:
+            p.batch_log.append([(s.request.request_id, s.num_new_tokens) for s in out.seqs])
         return PassDone(spans[-1][1], p, wire_id)
 
     def _step_time(self, shape: BatchShape, p: SimPipeline) -> float:
@@ -202,11 +213,15 @@ class Simulator:
     # --- disaggregation: the controller's hand-off ---------------------------------------------
 
     def _reserve_token_blocks(self, req: Request) -> bool:
-        """Prompt admission: the token-side blocks this request's KV will land in (on the token
-        pipeline with the most free blocks, chosen once)."""
+        """Prompt admission: the token-side blocks this request's KV will land in. Consecutive
+        admissions go to one token pipeline, a token microbatch's worth at a time, then to the one
+        with the most free blocks (with one token pipeline: the controller's rule)."""
         entry = self.token_tables.get(req.request_id)
         if entry is None:
-            tp = max(self.token, key=lambda t: (t.kv.num_free_blocks, -t.index))
+            tp, count = self._token_target
+            if tp is None or count >= tp.spec.microbatch or not tp.kv.can_ensure([], req.num_tokens):
+                tp, count = max(self.token, key=lambda t: (t.kv.num_free_blocks, -t.index)), 0
+            self._token_target = (tp, count + 1)
             entry = self.token_tables[req.request_id] = (tp, [])
         return entry[0].kv.ensure(entry[1], req.num_tokens)
 
@@ -312,6 +327,7 @@ class Simulator:
             restore = self.perf.kv_transfer_time(tokens, p.depth)
         back = max(now, p.stage_free[0] if p.down else now) + rec.detect_s + rec.restart_s + restore
         p.fail(back)
+        self._idle.discard(p)
         return [Recovered(back, p)]
 
     def on_recovered(self, now: float, p: SimPipeline) -> list[Event]:

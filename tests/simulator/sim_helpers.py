@@ -6,7 +6,7 @@ import numpy as np
 
 from kvflow.perf.hardware import machine
 from kvflow.perf.model_shape import ModelShape
-from kvflow.perf.perf_model import PerfModel
+from kvflow.perf.perf_model import BatchShape, PerfModel
 from kvflow.simulator.workload import Workload
 
 TINY = ModelShape("tiny", layers=8, hidden=64, heads=4, kv_heads=4, head_dim=16, intermediate=128, vocab=100)
@@ -32,3 +32,33 @@ class ConstantPerf(PerfModel):
 def workload(arrival, out, prompt: int = 10) -> Workload:
     arrival = np.asarray(arrival, dtype=float)
     return Workload(arrival, np.full(len(arrival), prompt, dtype=np.int64), np.asarray(out, dtype=np.int64))
+
+
+def paced_seconds(shape: BatchShape) -> float:
+    """The step-time function of the same-decisions test: what every stage of a pipeline takes for
+    one batch, in the simulator and (slept before computing) in the paced worker processes."""
+    t = 0.0
+    if shape.prefill_seqs:
+        t += 0.060 + 0.001 * shape.prefill_tokens
+    if shape.decode_seqs:
+        t += 0.170 + 0.017 * shape.decode_seqs
+    return t
+
+
+class PacedPerf(PerfModel):
+    """`paced_seconds` per stage, free activation hops, a link fast enough that KV arrives at once."""
+
+    def __init__(self) -> None:
+        super().__init__(TINY, machine("1xA100-80GB", link_gbps=1e6))
+
+    def step_time(self, batch: BatchShape, depth: int) -> float:
+        return paced_seconds(batch)
+
+    def prompt_stage_time(self, batch: int, prompt_len: int, depth: int) -> float:
+        return paced_seconds(BatchShape(batch, batch * prompt_len, batch * prompt_len * prompt_len))
+
+    def token_stage_time(self, batch: int, context_len: int, depth: int) -> float:
+        return paced_seconds(BatchShape(decode_seqs=batch, decode_context=batch * context_len))
+
+    def hop_time(self, batch: int, tokens: int) -> float:
+        return 0.0

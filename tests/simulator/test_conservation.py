@@ -39,7 +39,7 @@ def test_conservation_with_failures(layout_i, seed, mode, rate, fail_times):
     group = lay.token if lay.disaggregated else lay.prompt
     failures = tuple(Failure(ft, role, i % group.count, i % group.depth) for i, ft in enumerate(fail_times))
     cfg = SimConfig(lay, failures=failures, recovery=Recovery(mode, 0.2, 1.0), swapping=bool(seed % 2))
-    sim = Simulator(cfg, ConstantPerf(0.5, 0.05), w)
+    sim = Simulator(cfg, ConstantPerf(0.5, 0.05), w, log_batches=True)
     res = sim.run()
     _check(res, 60)
     # Every prompt pass (more than one new token: prompts are 50 tokens, decodes 1) is a request's
