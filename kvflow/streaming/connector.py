@@ -115,7 +115,7 @@ class KVSender:
             if not t.layer_start <= layer < t.layer_end:
                 continue
             if self.mode == "overlap":
-                self._enqueue(t, layer)
+                self._enqueue(t, layer, layer + 1)
                 continue
             meta = self._meta(t)
             st = stream_out(self.stage, self.cache, self._requests, [t], self.outs, self.mode, (layer, layer + 1), meta)
@@ -127,8 +127,19 @@ class KVSender:
         metas = self._metas[t.request_start:t.request_end]
         return {"epoch": self._epoch, "kv": {r.request_id: m for r, m in zip(reqs, metas)}}
 
-    def _enqueue(self, t: Transfer, layer: int) -> None:
-        region = KVRegion(tuple(self._requests[t.request_start:t.request_end]), layer, layer + 1)
+    def send_all(self) -> None:
+        """After the step (overlap mode): all planned layers of every transfer, as one chunk each,
+        flushed by the background thread while the next step computes. Replication uses this
+        rather than the layer hook: a decode step appends little KV per layer, and one chunk per
+        step costs one header, checksum and acknowledgement instead of one per layer."""
+        self._raise_pending()
+        if self.mode != "overlap":
+            raise ValueError("send_all needs the overlap mode (a background thread)")
+        for t in self._plan:
+            self._enqueue(t, t.layer_start, t.layer_end)
+
+    def _enqueue(self, t: Transfer, layer_start: int, layer_end: int) -> None:
+        region = KVRegion(tuple(self._requests[t.request_start:t.request_end]), layer_start, layer_end)
         try:
             staging = self._pool.acquire(timeout=self.timeout)
         except TimeoutError:

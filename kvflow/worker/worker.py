@@ -242,13 +242,12 @@ class Worker:
             hidden = self.model.embed(torch.tensor(msg.token_ids, dtype=torch.long, device=self.device))
         else:
             hidden = hidden.to(self.device, self.engine_cfg.torch_dtype)
-        hooks = []
+        hook = None
         if self.sender is not None and msg.kv_plan:
             reqs = [HandoffRequest(k.rid, k.token_start, k.token_end, k.total, tuple(self.tables[k.rid]), tuple(k.dest_blocks))
                     for k in msg.kv_out]
             self.sender.begin(reqs, [Transfer(*t) for t in msg.kv_plan], msg.epoch)
-            if self.sender.active:
-                hooks.append(self.sender.on_layer)
+            hook = self.sender.on_layer if self.sender.active else None
         if self.replicator is not None and msg.seqs:  # what this step appends, to the next stage's replica
             # (from token 0 when the step carries the whole table: a request new to this pipeline, e.g.
             # handed off with KV the replica has never seen, or re-sent after a recovery)
@@ -257,8 +256,6 @@ class Worker:
                                    tuple(self.tables[s.rid])) for s in msg.seqs]
             st = self.spec.stage
             self.replicator.begin(reqs, [Transfer(st, st + 1, lay.layer_start, lay.layer_end, 0, len(reqs), 0, 0)], msg.epoch)
-            hooks.append(self.replicator.on_layer)
-        hook = hooks[0] if len(hooks) == 1 else (lambda layer, b=None: [h(layer, b) for h in hooks]) if hooks else None
         hidden = self.model.run_layers(hidden, batch, self.cache, hook)
         if self.model.is_last:
             logits = self.model.logits(hidden, batch).float()
@@ -267,6 +264,8 @@ class Worker:
         else:
             msg.token_ids = []
             self.out.send_multipart(encode(msg, self.secret, hidden))
+        if self.replicator is not None and msg.seqs:
+            self.replicator.send_all()  # one chunk, after the output left: sent while the next step computes
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
 
