@@ -25,7 +25,7 @@ MODES = ("colocated", "disaggregated")
 ROLES = ("both", "prompt", "token")
 KV_SEND_MODES = ("naive", "buffered", "overlap")
 RECOVERY = ("recompute", "none")
-REPLICATION = ("ring", "none")
+REPLICATION = ("ring", "store", "none")
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,11 @@ class ClusterConfig:
     "recompute": fence it, start a replacement through the launcher, and bring back every request
     that lost KV (clients see only a delay): with `replication="ring"` each stage of a colocated or
     token pipeline of depth >= 2 streams the KV it appends at every step to the next stage (x+1 mod
-    depth) in the background; the replacement gets its KV back from that replica and requests
-    resume from their replicated tokens, recomputing only the rest. Without a replica (depth 1,
-    prompt pipelines, `replication="none"`) requests are recomputed from their prompt and the tokens
-    they already produced;
+    depth) in the background (depth 1, or `replication="store"`: to a host store in the controller
+    process); the replacement gets its KV back from that replica and requests resume from their
+    replicated tokens, recomputing only the rest. Without a replica (prompt pipelines,
+    `replication="none"`) requests are recomputed from their prompt and the tokens they already
+    produced;
     after `max_restarts` failed replacements in a row the controller gives up. "none": fail-stop,
     every request fails with the worker's name and the backend stays unhealthy.
     """
@@ -126,9 +127,13 @@ class ClusterConfig:
     max_restarts: int = 3
     replication: str = "ring"
 
-    def replicates(self, p: "PipelineSpec") -> bool:
-        """Whether `p`'s stages replicate their KV to the next stage (ring; depth >= 2, not prompt)."""
-        return self.replication == "ring" and self.recovery != "none" and p.depth >= 2 and p.role != "prompt"
+    def replicates(self, p: "PipelineSpec") -> str | None:
+        """Where `p`'s stages replicate the KV they append: "ring" (to the next stage; depth >= 2),
+        "store" (to the controller's host store: `replication="store"`, or "ring" with depth 1,
+        where there is no other stage), None (prompt pipelines, `replication="none"`, fail-stop)."""
+        if self.replication == "none" or self.recovery == "none" or p.role == "prompt":
+            return None
+        return "ring" if self.replication == "ring" and p.depth >= 2 else "store"
 
     def __post_init__(self) -> None:
         if self.replication not in REPLICATION:
@@ -178,6 +183,7 @@ class WorkerSpec:
     heartbeat_s: float = 0.25
     replica_layer_start: int = -1  # layers of the previous stage whose KV replica this stage holds
     replica_layer_end: int = -1  # (-1: none)
+    replicated: bool = False  # this stage's KV is replicated: it can have it restored after a failure
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -116,10 +116,13 @@ def test_a_killed_worker_is_replaced_and_every_request_completes_unchanged(tiny_
     (dict(mode="colocated", depth=2), "colocated-1"),
     (dict(mode="colocated", depth=3), "colocated-1"),
     (dict(mode="disaggregated", prompt_depth=1, token_depth=2), "token-0"),
-], ids=["colocated-2", "colocated-3", "disagg-1-2:token"])
+    (dict(mode="disaggregated", prompt_depth=1, token_depth=1), "token-0"),
+    (dict(mode="colocated", depth=2, replication="store"), "colocated-0"),
+], ids=["colocated-2", "colocated-3", "disagg-1-2:token", "disagg-1-1:token:store", "colocated-2:store"])
 def test_a_killed_worker_resumes_from_its_replica(tiny_ckpt_dir, tiny4_ckpt_dir, kw, victim):
-    """Ring replication: the requests of the lost stage resume from the replica's watermark and
-    recompute only the tokens after it (not everything), with the same streamed tokens."""
+    """Ring replication (or, depth 1 or when asked, the controller's host store): the requests of the
+    lost stage resume from the replica's watermark and recompute only the tokens after it (not
+    everything), with the same streamed tokens."""
     deep = kw.get("depth", 0) > 2
     expected = reference(4 if deep else 2)
     cfg = _cfg(tiny4_ckpt_dir if deep else tiny_ckpt_dir, **kw)

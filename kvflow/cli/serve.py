@@ -38,9 +38,10 @@ def register(sub) -> None:
     s.add_argument("--recovery", default="recompute", choices=["recompute", "none"],
                    help="pipeline modes: on a worker's death or hang, replace it and bring its requests back (default), "
                         "or fail them (fail-stop)")
-    s.add_argument("--replication", default="ring", choices=["ring", "none"],
-                   help="pipeline modes: stages of a pipeline of depth >= 2 stream the KV each step appends to the next "
-                        "stage, so a replaced stage resumes from the replica instead of recomputing (default ring)")
+    s.add_argument("--replication", default="ring", choices=["ring", "store", "none"],
+                   help="pipeline modes: colocated and token stages stream the KV each step appends to a replica, so a "
+                        "replaced stage resumes from it instead of recomputing: ring = the next stage of the pipeline "
+                        "(depth 1: the controller's host store), store = the controller's host store (default ring)")
     s.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="pipeline modes: seconds without a heartbeat after which a worker is fenced and replaced")
     s.add_argument("--max-restarts", type=int, default=3,

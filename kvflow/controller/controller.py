@@ -32,6 +32,8 @@ import zmq
 from kvflow.config import ClusterConfig, WorkerSpec, to_dict
 from kvflow.controller.launcher import Launcher, SubprocessLauncher
 from kvflow.controller.pipeline import Pipeline, StageHandle, even_split
+from kvflow.controller.replica_store import ReplicaStore
+from kvflow.kv.cache import KVLayout
 from kvflow.kv.manager import KVCacheManager
 from kvflow.model.loader import load_config
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -77,6 +79,13 @@ class Controller:
             sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role, hook)
             self.pipelines.append(Pipeline(spec, stages, kv, sched))
         self.stages = {s.name: s for p in self.pipelines for s in p.stages}
+        self.store: ReplicaStore | None = None  # host replicas of stages with no stage to replicate to
+        for p in self.pipelines:
+            if cfg.replicates(p.spec) == "store":
+                self.store = self.store or ReplicaStore(cfg.host, self.secret)
+                for s in p.stages:
+                    self.store.add(p.name, s.stage, KVLayout.for_model(mc, ecfg.num_kv_blocks, ecfg.block_size, s.layers,
+                                                                       dtype=ecfg.torch_dtype))
         self.token = self.pipelines[-1] if cfg.mode == "disaggregated" else None
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -156,9 +165,10 @@ class Controller:
                 self.to_stage[msg.name] = sock
                 hello.discard(msg.name)
                 p = self._pipeline_of(s)
-                rl = p.stages[(s.stage - 1) % p.depth].layers if self.cfg.replicates(p.spec) else (-1, -1)
+                rl = p.stages[(s.stage - 1) % p.depth].layers if self.cfg.replicates(p.spec) == "ring" else (-1, -1)
                 spec = WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], roles[s.name], self.cfg.threads_per_worker,
-                                  self.cfg.kv_send_mode, replica_layer_start=rl[0], replica_layer_end=rl[1])
+                                  self.cfg.kv_send_mode, replica_layer_start=rl[0], replica_layer_end=rl[1],
+                                  replicated=self.cfg.replicates(p.spec) is not None)
                 self._send_to(s.name, Setup(to_dict(spec), to_dict(self.cfg.engine), self.epoch))
             elif isinstance(msg, Ready) and msg.name in ready and msg.name not in hello:
                 self.stages[msg.name].kv_addr = msg.kv_addr
@@ -176,8 +186,22 @@ class Controller:
             for i, s in enumerate(p.stages):
                 nxt = p.stages[i + 1].step_addr if i + 1 < p.depth else self.address
                 peers = [[t.stage, t.layers[0], t.layers[1], t.kv_addr] for t in self.token.stages] if p.role == "prompt" else []
-                replica_to = p.stages[(i + 1) % p.depth].replica_addr if self.cfg.replicates(p.spec) else ""
+                mode = self.cfg.replicates(p.spec)
+                replica_to = (p.stages[(i + 1) % p.depth].replica_addr if mode == "ring" else
+                              self.store.addresses[(p.name, i)] if mode == "store" else "")
                 self._send_to(s.name, Wire(nxt, peers, bounds, replica_to))
+
+    def _advance_watermark(self, p: Pipeline, stage: int, rids: list[str], spans: list[tuple[int, int]]) -> None:
+        """Stage `stage`'s replica received tokens [a, b) of these requests."""
+        wm = p.watermark.setdefault(stage, {})
+        for rid, (a, b) in zip(rids, spans):
+            if rid in self.reqs and a <= wm.get(rid, 0):  # contiguous from token 0
+                wm[rid] = max(wm.get(rid, 0), b)
+
+    def _store_events(self) -> None:
+        while self.store is not None and self.store.events:
+            name, stage, rids, spans = self.store.events.popleft()
+            self._advance_watermark(next(p for p in self.pipelines if p.name == name), stage, rids, spans)
 
     def _pipeline_of(self, s: StageHandle) -> Pipeline:
         return next(p for p in self.pipelines if s in p.stages)
@@ -202,6 +226,8 @@ class Controller:
                 except Exception:
                     s.process.kill()
                     s.process.wait()
+        if self.store is not None:
+            self.store.close()
         self.ctx.destroy(linger=0)
 
     def _kill_all(self) -> None:
@@ -297,6 +323,7 @@ class Controller:
                     msg, tensor = self._decode(frames)
                     if msg is not None:
                         self._handle(msg, tensor)
+            self._store_events()
             self._take_submissions()
             self._check_liveness()
             if self.failure is None:
@@ -357,10 +384,7 @@ class Controller:
             s = self.stages.get(msg.name)
             if s is not None:
                 p = self._pipeline_of(s)
-                wm = p.watermark.setdefault((s.stage - 1) % p.depth, {})
-                for rid, a, b in zip(msg.rids, msg.starts, msg.ends):
-                    if rid in self.reqs and a <= wm.get(rid, 0):  # contiguous from token 0
-                        wm[rid] = max(wm.get(rid, 0), b)
+                self._advance_watermark(p, (s.stage - 1) % p.depth, msg.rids, list(zip(msg.starts, msg.ends)))
         elif isinstance(msg, WorkerError):
             if msg.epoch not in (-1, self.epoch):
                 return  # an error of a step from before a recovery is moot
@@ -526,7 +550,8 @@ class Controller:
         holder = lp.stages[(lost.stage + 1) % lp.depth]
         prev = lp.stages[(lost.stage - 1) % lp.depth]
         resume = None
-        if self.cfg.replicates(lp.spec) and holder.alive and prev.alive:
+        mode = self.cfg.replicates(lp.spec)
+        if mode == "store" or (mode == "ring" and holder.alive and prev.alive):
             wm = lp.watermark.get(lost.stage, {})
             resume = {r.request_id: min(r.num_computed_tokens, wm.get(r.request_id, 0)) for r in lp.sched.running
                       if not r.is_finished}
@@ -537,6 +562,8 @@ class Controller:
             for s in self.stages.values():
                 if s is not lost and s.name in self.to_stage:
                     self._send_to(s.name, Reset(self.epoch))
+            if self.store is not None:
+                self.store.reset(self.epoch)
             lost.process = self.launcher.start(lost.name, self.address, self.cfg.host, self.secret)
             try:
                 self._handshake({lost.name})
@@ -564,17 +591,27 @@ class Controller:
         log.warning("recovered from the loss of %s in %.2fs (%s)", lost.name, now - t0, how)
 
     def _restore(self, p: Pipeline, new: StageHandle, holder: StageHandle, prev: StageHandle, resume: dict[str, int]) -> bool:
-        """Replica -> the replacement's cache, and the previous stage's KV -> the replica the
+        """Replica -> the replacement's cache, and (ring) the previous stage's KV -> the replica the
         replacement holds; waits until both are in. False (then the caller recomputes) on failure."""
         tables = {r.request_id: list(r.block_ids) for r in p.sched.running}
         back = [[rid, n, tables[rid]] for rid, n in resume.items() if n > 0]
-        refill = [[rid, n, tables[rid]] for rid, n in resume.items() if n > 0]
-        p.watermark[prev.stage] = {}  # the replica of prev was on the lost worker (the others are intact)
+        ring = self.cfg.replicates(p.spec) == "ring"
+        refill = [[rid, n, tables[rid]] for rid, n in resume.items() if n > 0] if ring else []
+        if ring:
+            p.watermark[prev.stage] = {}  # the replica of prev was on the lost worker (the others are intact)
         if not back:
             return True
         self._restoring = (new.name, {rid for rid, _, _ in back})
-        self._send_to(holder.name, Restore(self.epoch, "replica", new.kv_addr, new.stage, back))
-        self._send_to(prev.name, Restore(self.epoch, "main", new.replica_addr, prev.stage, refill))
+        if ring:
+            self._send_to(holder.name, Restore(self.epoch, "replica", new.kv_addr, new.stage, back))
+            self._send_to(prev.name, Restore(self.epoch, "main", new.replica_addr, prev.stage, refill))
+        else:
+            try:
+                self.store.restore(p.name, new.stage, back, new.kv_addr, self.epoch)
+            except Exception as e:
+                log.error("restoring %s from the host store failed: %s; recomputing instead", new.name, e)
+                self._restoring = None
+                return False
         want = {rid: n for rid, n, _ in refill}
         deadline = time.monotonic() + self.cfg.start_timeout_s
         try:
@@ -589,6 +626,7 @@ class Controller:
                         return False
                     if msg is not None and not isinstance(msg, (StepResult, WorkerError)):
                         self._handle(msg, tensor)
+                self._store_events()
             self.resumed += len(resume)
             return True
         finally:

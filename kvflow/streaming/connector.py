@@ -196,6 +196,26 @@ class KVSender:
                 self._pool.release(staging)
 
 
+def send_restore(cache: KVCache, items: Sequence[tuple[str, int, Sequence[int]]], out: OutStream, dst_stage: int,
+                 epoch: int) -> None:
+    """Send tokens [0, n) of each (request, n, block table) in `items`, all of `cache`'s layers, to
+    `out` (a `KVReceiver` that lands them in the same block ids), and wait until acknowledged: a
+    replica brought back into a replacement worker's cache after a failure."""
+    reqs = [HandoffRequest(str(rid), 0, int(n), int(n), tuple(int(b) for b in table), tuple(int(b) for b in table))
+            for rid, n, table in items if int(n) > 0]
+    if not reqs:
+        return
+    lay = cache.layout
+    sender = KVSender(cache, 0, {dst_stage: out}, mode="buffered")
+    try:
+        sender.begin(reqs, [Transfer(0, dst_stage, lay.layer_start, lay.layer_end, 0, len(reqs), 0, 0)], epoch)
+        for layer in range(lay.layer_start, lay.layer_end):
+            sender.on_layer(layer)
+        sender.finish()
+    finally:
+        sender.close()
+
+
 class KVReceiver:
     """Worker side of a destination stage: a background thread receiving chunks into `cache`.
 

@@ -37,7 +37,7 @@ from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.model.batch import ForwardBatch, SeqSlice
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
-from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender
+from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender, send_restore
 from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.streaming.topology import Transfer
 from kvflow.wire import (
@@ -118,7 +118,7 @@ class Worker:
         kv_addr = replica_addr = ""
         from kvflow.streaming.transports.tcp import TcpReceiver
 
-        if self.spec.role == "token" or self.replica is not None:  # hand-offs, or a restore after a failure
+        if self.spec.role == "token" or self.spec.replicated:  # hand-offs, or a restore after a failure
             rx = TcpReceiver(self.host)
             kv_addr = rx.address
             self.receiver = KVReceiver(self.cache, InStream(rx, secret=self.secret), self._kv_complete, self._kv_dropped)
@@ -284,20 +284,10 @@ class Worker:
         cache = self.cache if msg.source == "main" else self.replica
         if cache is None or msg.source not in ("main", "replica"):
             raise ValueError(f"{self.name} has no {msg.source!r} KV to restore from")
-        reqs = [HandoffRequest(str(rid), 0, int(n), int(n), tuple(int(b) for b in table), tuple(int(b) for b in table))
-                for rid, n, table in msg.items if int(n) > 0]
-        if not reqs:
-            return
-        lay = cache.layout
         out = OutStream(TcpSender(msg.to_addr), f"{self.name}-restore@{msg.epoch}", self.secret)
-        sender = KVSender(cache, 0, {msg.dst_stage: out}, mode="buffered")
         try:
-            sender.begin(reqs, [Transfer(0, msg.dst_stage, lay.layer_start, lay.layer_end, 0, len(reqs), 0, 0)], msg.epoch)
-            for layer in range(lay.layer_start, lay.layer_end):
-                sender.on_layer(layer)
-            sender.finish()
+            send_restore(cache, msg.items, out, msg.dst_stage, msg.epoch)
         finally:
-            sender.close()
             out.sender.close()
 
     def _kv_dropped(self, message: str) -> None:
