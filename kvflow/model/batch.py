@@ -30,7 +30,8 @@ class SeqSlice:
 class ForwardBatch:
     """Flattened tokens of several sequences plus the indices attention needs (built by `build`).
 
-    Decode-shaped sequences (query_len == 1) are attended in one padded batch; longer queries
+    Decode-shaped sequences (query_len == 1) are attended in one batch straight from the paged cache
+    (block table + context lengths; the padded key mask serves the gather fallback); longer queries
     (prompt chunks) one sequence at a time.
     """
 
@@ -42,6 +43,7 @@ class ForwardBatch:
     decode_rows: torch.Tensor  # [Bd] token rows of decode-shaped sequences
     decode_block_table: torch.Tensor  # [Bd, max_blocks] long (padded with the sequence's first block)
     decode_key_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_context_lens: torch.Tensor  # [Bd] long: tokens each decode sequence attends to
     prefill: list[SeqSlice]
 
     @property
@@ -82,5 +84,6 @@ class ForwardBatch:
             decode_rows=torch.tensor([s.query_start for s in decode], **long),
             decode_block_table=torch.tensor(table, **long).reshape(len(decode), max_blocks),
             decode_key_mask=mask.to(dev),
+            decode_context_lens=ctx.to(dev),
             prefill=prefill,
         )

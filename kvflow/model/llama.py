@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.kv.cache import KVCache
+from kvflow.model import paged_attention
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.config import ModelConfig
 
@@ -69,6 +70,9 @@ class LlamaModel:
         self.lm_head = lm_head
         self.scale = cfg.head_dim**-0.5
         device = layers[0].qkv.device
+        # Decode attention reads K/V in place with the paged kernel where it runs (CPU, a C++ compiler),
+        # otherwise it gathers each sequence's blocks (see `_decode_attention`).
+        self.paged_kernel = paged_attention.available(device, cfg.head_dim)
         if cfg.rope_scaling.kind == "default":  # the same float32 arithmetic as transformers
             exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float().to(device) / cfg.head_dim
             self.inv_freq = 1.0 / (cfg.rope_theta**exponent)
@@ -207,23 +211,32 @@ class LlamaModel:
         gate, up = (h @ lw.gate_up).chunk(2, dim=-1)
         return x + (F.silu(gate) * up) @ lw.down
 
+    def _decode_attention(self, layer: int, qd: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """One query token per decode sequence [Bd, H, hd] over its cached context -> [Bd, H, hd]."""
+        if self.paged_kernel:
+            return paged_attention.paged_decode_attention(
+                qd, kv.layer_kv(layer), batch.decode_block_table, batch.decode_context_lens, self.scale
+            )
+        # Fallback (non-CPU devices, no compiler): K and V of every decode sequence in one gather,
+        # [2, Bd, S, kvh, hd] -> [2, Bd, kvh, S, hd]; queries grouped per KV head: [Bd, kvh, g, hd].
+        cfg = self.cfg
+        bd = qd.shape[0]
+        both = kv.layer_kv(layer).index_select(1, batch.decode_block_table.flatten())
+        both = both.view(2, bd, -1, cfg.num_kv_heads, cfg.head_dim).transpose(2, 3)
+        keys, vals = both[0], both[1]
+        qd = qd.reshape(bd, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+        scores = torch.matmul(qd, keys.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~batch.decode_key_mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(qd.dtype)
+        return torch.matmul(probs, vals).reshape(bd, cfg.num_heads, cfg.head_dim)
+
     def _attention(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
         out = torch.empty_like(q)
         group = cfg.num_heads // cfg.num_kv_heads
         if batch.decode_rows.numel():
-            bd = batch.decode_rows.numel()
-            # K and V of every decode sequence in one gather: [2, Bd, S, kvh, hd] -> [2, Bd, kvh, S, hd];
-            # queries grouped per KV head: [Bd, kvh, g, hd].
-            both = kv.layer_kv(layer).index_select(1, batch.decode_block_table.flatten())
-            both = both.view(2, bd, -1, cfg.num_kv_heads, cfg.head_dim).transpose(2, 3)
-            keys, vals = both[0], both[1]
-            qd = q.index_select(0, batch.decode_rows).view(bd, cfg.num_kv_heads, group, cfg.head_dim)
-            scores = torch.matmul(qd, keys.transpose(-1, -2)) * self.scale
-            scores = scores.masked_fill(~batch.decode_key_mask, float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-            od = torch.matmul(probs, vals).reshape(bd, cfg.num_heads, cfg.head_dim)
-            out.index_copy_(0, batch.decode_rows, od)
+            qd = q.index_select(0, batch.decode_rows)
+            out.index_copy_(0, batch.decode_rows, self._decode_attention(layer, qd, batch, kv))
         for s in batch.prefill:
             rows = slice(s.query_start, s.query_start + s.query_len)
             qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, ql, hd]
