@@ -1,78 +1,239 @@
-"""Fidelity: predict real engine batch runs with the simulator + profiled PerfModel.
+"""Fidelity out of sample: does the simulator, calibrated by `kvflow profile`, predict the server?
 
-Loads a profile written by `kvflow profile` (default results/profile.json), runs the real
-single-process engine on a few offline batches (B requests of S prompt tokens, G output tokens
-each, all submitted at once), and simulates the same workload as a depth-1 colocated pipeline
-with microbatch B. Reports the throughput and median normalized-latency prediction errors.
-    python benchmarks/fidelity.py [--profile results/profile.json]
+1. Calibrate: `kvflow profile` (the real single-process engine, one torch thread) on its own grid of
+   shapes — whole prompts of PROFILE_PROMPTS tokens in batches of PROFILE_BATCHES, decode steps at
+   PROFILE_CONTEXTS — never the replay's requests or its mixed, chunked batches — plus the
+   per-stage overhead of worker processes (`calibrate.executor_overhead`: decode steps of 1 and 4
+   requests through a one-stage worker pipeline, minus the engine's fit).
+2. Replay one open-loop Poisson workload (prompt and output lengths from the Azure conversation
+   trace in ../shared/traces, scaled to a 135M model on a shared 2-core CPU: prompts / 16 clipped
+   to [8, 160] tokens, outputs / 8 clipped to [4, 40]; Poisson arrivals at --rate) through the real
+   server: engine mode (`EngineBackend`, in-process), colocated depth 2 and disaggregated (1, 1)
+   (`Controller` with real worker processes, one torch thread each). Greedy, `ignore_eos`, so every
+   request produces exactly its trace output length.
+3. Simulate the same workload and configuration (`SimConfig.from_cluster`: policy, scheduler
+   settings, block pool) with the profiled model, and report the error of throughput (output
+   tokens/s over the makespan), median TTFT and median TPOT per layout.
+
+    python benchmarks/fidelity.py [--profile results/profile.json] [--requests 48] [--rate 0.8]
+
+Prints a table; writes results/fidelity.json and results/fidelity.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from kvflow.perf import ProfiledPerfModel
+from kvflow.perf import Profile, ProfiledPerfModel
 from kvflow.simulator import Layout, PipelineSpec, SimConfig, Workload, simulate
+from kvflow.simulator.workload import azure_trace, poisson_arrivals
 
-CASES = [(4, 64, 32), (8, 128, 24), (2, 256, 48), (8, 32, 64)]  # (batch, prompt, output)
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+PROFILE_BATCHES, PROFILE_PROMPTS, PROFILE_CONTEXTS = (1, 2, 4), (16, 48, 112), (24, 96, 224)
+LAYOUTS = ("engine", "colocated-2", "disaggregated-1-1")
 
 
-def run_engine(engine, b: int, s: int, g: int, rng) -> tuple[float, np.ndarray]:
-    """Wall seconds of the whole batch and each request's end-to-end latency."""
+def scheduler_config():
+    from kvflow.sched.scheduler import SchedulerConfig
+
+    return SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=128)
+
+
+def workload(n: int, rate: float, seed: int) -> Workload:
+    """`n` requests of the conversation trace (lengths scaled, see module docstring), Poisson arrivals."""
+    t = azure_trace(TRACE, limit=n)
+    prompt = np.clip(t.prompt_len // 16, 8, 160)
+    out = np.clip(t.output_len // 8, 4, 40)
+    return Workload(poisson_arrivals(np.random.default_rng(seed), n, rate), prompt.astype(np.int64), out.astype(np.int64))
+
+
+# --------------------------------------------------------------------------------------------- real
+@dataclass
+class Measured:
+    arrival: np.ndarray
+    first_token: np.ndarray
+    finish: np.ndarray
+    output_len: np.ndarray
+
+
+def backend_for(layout: str):
+    from kvflow.config import ClusterConfig, EngineConfig
+
+    eng = EngineConfig(scheduler=scheduler_config(), num_threads=1, num_kv_blocks=1024, block_size=16)
+    if layout == "engine":
+        from kvflow.engine.engine import LLMEngine
+        from kvflow.serving.backend import EngineBackend
+
+        engine = LLMEngine.from_config(eng)
+        return EngineBackend(engine, "smollm2"), None
+    from kvflow.controller.controller import Controller
+
+    if layout == "colocated-2":
+        cluster = ClusterConfig(engine=eng, mode="colocated", depth=2, microbatch_size=8)
+    else:
+        cluster = ClusterConfig(engine=eng, mode="disaggregated", prompt_depth=1, token_depth=1, microbatch_size=8,
+                                prompt_microbatch_size=8)
+    return Controller(cluster), cluster
+
+
+async def replay(backend, w: Workload, vocab: int, seed: int) -> Measured:
     from kvflow.sched.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=g, ignore_eos=True, temperature=0.0)
-    vocab = engine.model.cfg.vocab_size
-    t0 = time.perf_counter()
-    ids = [engine.add_request([int(x) for x in rng.integers(10, vocab - 10, s)], params).request_id
-           for _ in range(b)]
-    done: dict[str, float] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
+    rng = np.random.default_rng(seed)
+    prompts = [[int(x) for x in rng.integers(10, vocab - 10, int(s))] for s in w.prompt_len]
+    n = w.n
+    first, finish = np.full(n, np.nan), np.full(n, np.nan)
+
+    async def one(i: int, t0: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + w.arrival[i] - time.perf_counter()))
+        params = SamplingParams(max_tokens=int(w.output_len[i]), temperature=0.0, ignore_eos=True)
+        async for out in backend.generate(prompts[i], params, f"req-{i}"):
+            if out.new_token_ids and np.isnan(first[i]):
+                first[i] = time.perf_counter() - t0
             if out.finished:
-                done[out.request_id] = time.perf_counter() - t0
-    return time.perf_counter() - t0, np.array([done[i] for i in ids])
+                finish[i] = time.perf_counter() - t0
+                assert len(out.token_ids) == w.output_len[i]
+
+    # warm-up (not timed): one short request
+    async for _ in backend.generate([11, 12, 13, 14], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), "warm"):
+        pass
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(i, t0) for i in range(n)])
+    return Measured(w.arrival.copy(), first, finish, w.output_len.copy())
+
+
+def run_real(layout: str, w: Workload, seed: int):
+    async def main():
+        backend, cluster = backend_for(layout)
+        await backend.start()
+        try:
+            vocab = backend.vocab_size if hasattr(backend, "vocab_size") else backend.engine.model.cfg.vocab_size
+            return await replay(backend, w, vocab, seed), cluster, backend
+        finally:
+            await backend.shutdown()
+
+    return asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------- simulated
+def sim_config(layout: str, cluster, backend) -> SimConfig:
+    from kvflow.config import EngineConfig
+
+    if layout == "engine":
+        eng = backend.engine
+        sched = eng.config.scheduler
+        return SimConfig(Layout(PipelineSpec(1, sched.max_num_seqs)), policy=sched.policy, scheduler=sched,
+                         kv_blocks=eng.kv_manager.num_blocks, block_size=eng.config.block_size,
+                         max_model_len=eng.max_model_len)
+    assert isinstance(cluster.engine, EngineConfig)
+    return SimConfig.from_cluster(cluster, max_model_len=backend.max_model_len)
+
+
+# ------------------------------------------------------------------------------------------ metrics
+def metrics(arrival, first, finish, out_len) -> dict:
+    span = float(np.max(finish) - np.min(arrival))
+    tpot = (finish - first) / np.maximum(out_len - 1, 1)
+    return {"throughput_tok_s": float(out_len.sum()) / span, "ttft_p50_s": float(np.median(first - arrival)),
+            "tpot_p50_s": float(np.median(tpot[out_len > 1])), "makespan_s": span}
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", type=Path, default=ROOT / "results" / "profile.json",
+                    help="profile to use; written by `kvflow profile` on the calibration grid if missing")
+    ap.add_argument("--reprofile", action="store_true", help="profile again even if the file exists")
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--rate", type=float, default=0.8, help="Poisson requests/s")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    args = ap.parse_args()
     import torch
 
-    from kvflow.perf.calibrate import _engine
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    if args.reprofile or not args.profile.exists():
+        from kvflow.perf.calibrate import executor_overhead, profile_engine
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", type=Path, default=Path("results/profile.json"))
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    perf = ProfiledPerfModel.from_json(args.profile)
-    engine = _engine(None, 8, 8 * 256, args.threads)
-    rng = np.random.default_rng(1)
-    run_engine(engine, 2, 16, 4, rng)  # warm-up
-    rows = []
-    print(f"{'B':>3} {'S':>5} {'G':>4} | {'real tok/s':>10} {'sim tok/s':>10} {'err':>7} | "
-          f"{'real nlat':>9} {'sim nlat':>9} {'err':>7}")
-    for b, s, g in CASES:
-        wall, lat = run_engine(engine, b, s, g, rng)
-        w = Workload(np.zeros(b), np.full(b, s, dtype=np.int64), np.full(b, g, dtype=np.int64))
-        res = simulate(SimConfig(Layout(PipelineSpec(1, b))), perf, w)
-        real_tp, sim_tp = b * g / wall, b * g / res.makespan
-        real_nl, sim_nl = float(np.median(lat / g)), float(np.median(res.normalized_latency))
-        row = {"batch": b, "prompt": s, "output": g, "real_tokens_per_s": real_tp, "sim_tokens_per_s": sim_tp,
-               "throughput_error": sim_tp / real_tp - 1, "real_norm_latency": real_nl, "sim_norm_latency": sim_nl,
-               "norm_latency_error": sim_nl / real_nl - 1}
-        rows.append(row)
-        print(f"{b:>3} {s:>5} {g:>4} | {real_tp:10.1f} {sim_tp:10.1f} {row['throughput_error']:+7.1%} | "
-              f"{real_nl:9.4f} {sim_nl:9.4f} {row['norm_latency_error']:+7.1%}")
-    mean_abs = {k: float(np.mean([abs(r[k]) for r in rows])) for k in ("throughput_error", "norm_latency_error")}
-    print(f"mean |error|: throughput {mean_abs['throughput_error']:.1%}, "
-          f"median normalized latency {mean_abs['norm_latency_error']:.1%}")
-    Path("results").mkdir(exist_ok=True)
-    Path("results/fidelity.json").write_text(json.dumps({"rows": rows, "mean_abs": mean_abs}, indent=1))
+        t0 = time.perf_counter()
+        prof = profile_engine(None, PROFILE_BATCHES, PROFILE_PROMPTS, PROFILE_CONTEXTS, repeats=3, threads=1)
+        prof = replace(prof, stage_overhead_s=executor_overhead(prof, None))
+        args.profile.parent.mkdir(parents=True, exist_ok=True)
+        prof.save(args.profile)
+        print(f"profiled the engine and a one-stage worker pipeline in {time.perf_counter() - t0:.0f} s -> {args.profile}")
+    profile = Profile.load(args.profile)
+    perf = ProfiledPerfModel(profile)
+    perf_workers = ProfiledPerfModel(profile, executor=True)
+    print(f"profile: prompt fit {perf.prompt_fit.coef} (max rel. error {perf.prompt_fit.max_rel_error:.0%}), "
+          f"token fit {perf.token_fit.coef} (max rel. error {perf.token_fit.max_rel_error:.0%}), "
+          f"worker overhead per stage {profile.stage_overhead_s * 1e3:.1f} ms")
+    w = workload(args.requests, args.rate, args.seed)
+    print(f"workload: {w.n} requests, Poisson {args.rate}/s, prompts {int(w.prompt_len.min())}-{int(w.prompt_len.max())} "
+          f"(median {int(np.median(w.prompt_len))}), outputs {int(w.output_len.min())}-{int(w.output_len.max())} "
+          f"(median {int(np.median(w.output_len))})")
+    rows = {}
+    for layout in args.layouts.split(","):
+        t0 = time.perf_counter()
+        measured, cluster, backend = run_real(layout, w, args.seed)
+        wall = time.perf_counter() - t0
+        res = simulate(sim_config(layout, cluster, backend), perf if layout == "engine" else perf_workers, w)
+        real = metrics(measured.arrival, measured.first_token, measured.finish, measured.output_len)
+        sim = metrics(res.arrival, res.first_token, res.finish, res.output_len)
+        err = {k: sim[k] / real[k] - 1 for k in ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s")}
+        rows[layout] = {"real": real, "sim": sim, "error": err, "wall_s": wall,
+                        "real_ttft": (measured.first_token - measured.arrival).tolist(), "sim_ttft": res.ttft.tolist()}
+        print(f"  {layout:<18} replayed in {wall:5.0f} s: real {real['throughput_tok_s']:.2f} tok/s, "
+              f"ttft {real['ttft_p50_s']:.2f} s, tpot {real['tpot_p50_s'] * 1e3:.0f} ms")
+    print(f"\n{'layout':<18} | {'throughput tok/s':^24} | {'median TTFT s':^24} | {'median TPOT ms':^24}")
+    print(f"{'':<18} | {'real':>6} {'sim':>6} {'err':>8} | {'real':>6} {'sim':>6} {'err':>8} | {'real':>6} {'sim':>6} {'err':>8}")
+    for layout, r in rows.items():
+        cells = []
+        for k, scale in (("throughput_tok_s", 1), ("ttft_p50_s", 1), ("tpot_p50_s", 1e3)):
+            cells.append(f"{r['real'][k] * scale:6.2f} {r['sim'][k] * scale:6.2f} {r['error'][k]:+8.1%}")
+        print(f"{layout:<18} | " + " | ".join(cells))
+    worst = max(abs(e) for r in rows.values() for e in r["error"].values())
+    print(f"worst |error| {worst:.1%} (target < 10%); total {time.perf_counter() - t_start:.0f} s")
+    out = ROOT / "results"
+    out.mkdir(exist_ok=True)
+    doc = {"profile": str(args.profile), "profile_grid": {"batches": PROFILE_BATCHES, "prompts": PROFILE_PROMPTS,
+                                                          "contexts": PROFILE_CONTEXTS},
+           "workload": {"requests": w.n, "rate": args.rate, "seed": args.seed, "trace": TRACE.name,
+                        "scaling": "prompt // 16 clipped [8, 160]; output // 8 clipped [4, 40]"},
+           "layouts": rows, "worst_abs_error": worst}
+    (out / "fidelity.json").write_text(json.dumps(doc, indent=1))
+    plot(rows, out / "fidelity.png")
+    print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}")
+
+
+def plot(rows: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    keys = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s")
+    x = np.arange(len(keys))
+    for i, (layout, r) in enumerate(rows.items()):
+        axes[0].bar(x + i * 0.25, [100 * r["error"][k] for k in keys], 0.25, label=layout)
+        axes[1].plot(sorted(r["real_ttft"]), np.linspace(0, 1, len(r["real_ttft"])), label=f"{layout} real")
+        axes[1].plot(sorted(r["sim_ttft"]), np.linspace(0, 1, len(r["sim_ttft"])), "--", label=f"{layout} sim")
+    axes[0].axhspan(-10, 10, color="green", alpha=0.1)
+    axes[0].set(xticks=x + 0.25, xticklabels=["throughput", "median TTFT", "median TPOT"], ylabel="sim / real - 1 (%)",
+                title="simulator error (target band ±10%)")
+    axes[0].legend(fontsize=8)
+    axes[1].set(xlabel="TTFT (s)", ylabel="CDF", title="TTFT: real vs simulated")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -87,3 +87,52 @@ def profile_engine(model: str | None, batches: tuple[int, ...], prompt_lens: tup
     meta = {"threads": threads, "torch": torch.__version__, "platform": platform.platform(),
             "processor": platform.processor(), "model": model or "embedded SmolLM2-135M", "repeats": repeats}
     return Profile(shape_of(engine), "1xCPU", prompt, token, meta)
+
+
+def executor_overhead(profile: Profile, model: str | None, batches: tuple[int, ...] = (1, 4), prompt_len: int = 16,
+                      steps: int = 8, threads: int = 1) -> float:
+    """Seconds a pipeline of worker processes adds per stage and pass to the engine's step time
+    (messages and their codec, the controller's round trip): decode steps of `batches` requests
+    timed at the client through a one-stage colocated `Controller`, minus the engine's fitted
+    decode time at the same batch and context; the median over steps and batches."""
+    import asyncio
+
+    import numpy as np
+
+    from kvflow.config import ClusterConfig, EngineConfig
+    from kvflow.controller.controller import Controller
+    from kvflow.perf.profiled import ProfiledPerfModel
+    from kvflow.sched.sampling import SamplingParams
+    from kvflow.sched.scheduler import SchedulerConfig
+
+    fit = ProfiledPerfModel(profile).token_fit
+    sched = SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
+                            prefill_chunk_size=prompt_len)
+    cfg = ClusterConfig(engine=EngineConfig(model=model, num_kv_blocks=256, num_threads=threads, scheduler=sched),
+                        mode="colocated", depth=1, microbatch_size=max(batches), threads_per_worker=threads)
+    rng = np.random.default_rng(1)
+
+    async def run() -> list[float]:
+        ctrl = Controller(cfg)
+        await ctrl.start()
+        extra = []
+        try:
+            for b in (batches[0],) + tuple(batches):  # the first round warms up
+                stamps: list[float] = []
+                params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+
+                async def one(i: int) -> None:
+                    prompt = [int(x) for x in rng.integers(10, ctrl.vocab_size - 10, prompt_len)]
+                    async for out in ctrl.generate(prompt, params, f"calib-{b}-{i}-{len(extra)}"):
+                        if i == 0:
+                            stamps.extend([time.perf_counter()] * len(out.new_token_ids))
+
+                await asyncio.gather(*[one(i) for i in range(b)])
+                gaps = np.diff(stamps)[1:]  # decode steps after the first one
+                extra.append([g - fit(b, b * (prompt_len + 2 + k)) for k, g in enumerate(gaps)])
+        finally:
+            await ctrl.shutdown()
+        return [x for row in extra[1:] for x in row]
+
+    values = asyncio.run(run())
+    return max(0.0, statistics.median(values))

@@ -3,7 +3,11 @@
 Fitted forms (whole model on one machine; Aladdin and Vidur report these shapes hold closely):
     prompt(b, s) = p0 + p1 * b*s + p2 * b*s^2        (weights GEMMs + causal attention)
     token(b, c)  = q0 + q1 * b   + q2 * b*c          (per-step overhead, weights, KV reads)
-A stage of a depth-D pipeline pays the intercept once and the rest in proportion to its layers.
+A stage of a depth-D pipeline pays the intercept once, the weight terms (p1, q1) in proportion to
+the parameters it holds (the last stage holds the LM head) and the attention terms (p2, q2) in
+proportion to its layers. A pipeline of worker processes also pays `stage_overhead_s` per stage and
+pass (messages, codec, the controller's share), measured by `calibrate.executor_overhead` through
+a one-stage worker pipeline; 0 for a profile without it.
 """
 
 from __future__ import annotations
@@ -80,9 +84,11 @@ class Profile:
     prompt: tuple[Sample, ...]
     token: tuple[Sample, ...]
     meta: dict
+    stage_overhead_s: float = 0.0
 
     def save(self, path: str | Path) -> None:
         doc = {"shape": asdict(self.shape), "machine": self.machine, "meta": self.meta,
+               "stage_overhead_s": self.stage_overhead_s,
                "prompt": [asdict(s) for s in self.prompt], "token": [asdict(s) for s in self.token]}
         Path(path).write_text(json.dumps(doc, indent=1))
 
@@ -90,15 +96,17 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         doc = json.loads(Path(path).read_text())
         return cls(ModelShape(**doc["shape"]), doc["machine"], tuple(Sample(**s) for s in doc["prompt"]),
-                   tuple(Sample(**s) for s in doc["token"]), doc.get("meta", {}))
+                   tuple(Sample(**s) for s in doc["token"]), doc.get("meta", {}), doc.get("stage_overhead_s", 0.0))
 
 
 class ProfiledPerfModel(PerfModel):
     """PerfModel whose prompt and token times come from fits of a measured `Profile`."""
 
-    def __init__(self, profile: Profile, machine_spec: MachineSpec | None = None) -> None:
+    def __init__(self, profile: Profile, machine_spec: MachineSpec | None = None, executor: bool = False) -> None:
+        """`executor`: the batches run in worker processes even at depth 1 (pay `stage_overhead_s`)."""
         super().__init__(profile.shape, machine_spec or machine(profile.machine))
         self.profile = profile
+        self.executor = executor
         self.prompt_fit = _fit(list(profile.prompt), prompt_features)
         self.token_fit = _fit(list(profile.token), token_features)
 
@@ -106,26 +114,37 @@ class ProfiledPerfModel(PerfModel):
     def from_json(cls, path: str | Path) -> "ProfiledPerfModel":
         return cls(Profile.load(path))
 
-    def _stage(self, fit: LinearFit, f1: float, f2: float, depth: int) -> float:
-        share = self.shape.layers_per_stage(depth) / self.shape.layers
-        return fit.coef[0] + share * (fit(f1, f2) - fit.coef[0])
+    def _shares(self, depth: int) -> tuple[float, float]:
+        """(weight share, layer share) of the most loaded stage of a `depth`-stage pipeline."""
+        sh = self.shape
+        hi, lo = sh.layers_per_stage(depth), sh.layers // depth
+        per_layer, head = sh.params_per_layer, sh.vocab * sh.hidden
+        if depth == 1:
+            return 1.0, 1.0
+        weights = max(hi * per_layer, lo * per_layer + head) / (sh.layers * per_layer + head)
+        return weights, hi / sh.layers
+
+    def _overhead(self, depth: int) -> float:
+        return self.profile.stage_overhead_s if depth > 1 or self.executor else 0.0
 
     def prompt_stage_time(self, batch: int, prompt_len: int, depth: int) -> float:
         _check(batch, prompt_len)
-        return self._stage(self.prompt_fit, *prompt_features(batch, prompt_len), depth)
+        return self.step_time(BatchShape(batch, batch * prompt_len, batch * prompt_len * prompt_len), depth)
 
     def token_stage_time(self, batch: int, context_len: int, depth: int) -> float:
         _check(batch, context_len)
-        return self._stage(self.token_fit, *token_features(batch, context_len), depth)
+        return self.step_time(BatchShape(decode_seqs=batch, decode_context=batch * context_len), depth)
 
     def step_time(self, batch: BatchShape, depth: int) -> float:
         """Exact features of a mixed or chunked batch: one step overhead (the larger intercept),
         p1 * prefill tokens + p2 * sum(new x context) for the prefill chunks, q1 * b + q2 * sum of
-        contexts for the decodes."""
+        contexts for the decodes, each scaled to the stage's share; plus the executor's overhead."""
         if not batch.seqs:
             raise ValueError("an empty batch has no step time")
         p0, p1, p2 = self.prompt_fit.coef
         q0, q1, q2 = self.token_fit.coef
         c0 = max(p0 if batch.prefill_seqs else 0.0, q0 if batch.decode_seqs else 0.0)
-        var = p1 * batch.prefill_tokens + p2 * batch.prefill_attention + q1 * batch.decode_seqs + q2 * batch.decode_context
-        return c0 + self.shape.layers_per_stage(depth) / self.shape.layers * var
+        w, a = self._shares(depth)
+        var = w * (p1 * batch.prefill_tokens + q1 * batch.decode_seqs) + a * (p2 * batch.prefill_attention +
+                                                                             q2 * batch.decode_context)
+        return c0 + var + self._overhead(depth)

@@ -16,14 +16,26 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SLO:
-    """Latency targets: time to first token and time per output token, in seconds."""
+    """Latency targets, the one SLO type of planner and simulator: time to first token and time per
+    output token, in seconds; None means no target on that metric."""
 
-    ttft: float
-    tpot: float
+    ttft: float | None = None
+    tpot: float | None = None
 
     def __post_init__(self) -> None:
-        if self.ttft <= 0 or self.tpot <= 0:
-            raise ValueError("SLO targets must be positive")
+        for name in ("ttft", "tpot"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} SLO must be positive, got {v}")
+
+    def met(self, ttft: np.ndarray, tpot: np.ndarray) -> np.ndarray:
+        """Which requests meet both targets (one-token answers have no TPOT: 0 here, always met)."""
+        ok = np.ones(np.shape(ttft), dtype=bool)
+        if self.ttft is not None:
+            ok &= ttft <= self.ttft
+        if self.tpot is not None:
+            ok &= tpot <= self.tpot
+        return ok
 
 
 @dataclass(frozen=True)
@@ -99,7 +111,7 @@ class SimResult:
         return (self.finish - self.arrival) / self.output_len
 
     def slo_attainment(self, slo: SLO) -> float:
-        return float(np.mean((self.ttft <= slo.ttft) & (self.tpot <= slo.tpot)))
+        return float(np.mean(slo.met(self.ttft, self.tpot)))
 
     def summary(self, slo: SLO | None = None) -> Summary:
         span = self.makespan
