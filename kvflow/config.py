@@ -20,7 +20,7 @@ from typing import Any
 
 from kvflow.sched.scheduler import POLICIES, SchedulerConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODES = ("colocated", "disaggregated")
 ROLES = ("both", "prompt", "token")
 KV_SEND_MODES = ("naive", "buffered", "overlap")
@@ -28,12 +28,40 @@ RECOVERY = ("recompute", "none")
 REPLICATION = ("ring", "store", "none")
 
 
+def native_bf16(device: str = "cpu") -> str | None:
+    """Why `device` computes bfloat16 natively (a short reason), or None: on CPU the AVX512-BF16 or AMX-BF16
+    instructions (/proc/cpuinfo flags), on CUDA `torch.cuda.is_bf16_supported()`."""
+    import torch
+
+    if device.startswith("cuda"):
+        return "CUDA bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else None
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        pass
+    found = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    return f"CPU has {'+'.join(found)} ({torch.backends.cpu.get_cpu_capability()})" if found else None
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> tuple[str, str]:
+    """(concrete dtype, why): "auto" is bfloat16 where the device has native bf16, float32 elsewhere."""
+    if dtype != "auto":
+        return dtype, "requested"
+    why = native_bf16(device)
+    return ("bfloat16", f"auto: {why}") if why else ("float32", "auto: no native bf16 on this device")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to build a model and its KV cache. `model` None means the embedded default
     (SmolLM2-135M-Instruct); `max_model_len` None means the checkpoint's context length. The KV cache
     gets `num_kv_blocks` blocks of `block_size` tokens, or, when that is None, as many as fit in
-    `kv_cache_memory_gb`."""
+    `kv_cache_memory_gb`. `dtype="auto"` is resolved here, once, to bfloat16 where the device has
+    native bf16 and float32 elsewhere (`resolve_dtype`), so every process of a cluster gets the same
+    concrete dtype; the user-facing entry points (`kvflow serve/generate/chat`, `LLM`) default to it.
+    The field's default stays float32 for code that builds a model by hand and passes its config."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -48,6 +76,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", resolve_dtype("auto", self.device)[0])
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks <= 0):

@@ -179,3 +179,15 @@ def test_engine_rejects_bad_requests():
     eng.add_request([3, 4], GREEDY, request_id="dup")
     with pytest.raises(ValueError, match="already in use"):
         eng.add_request([3, 4], GREEDY, request_id="dup")
+
+
+def test_dtype_auto_resolves_once_to_bf16_only_with_native_bf16():
+    from kvflow.config import EngineConfig, native_bf16, resolve_dtype
+
+    assert resolve_dtype("float32") == ("float32", "requested")
+    dtype, why = resolve_dtype("auto")
+    assert dtype == ("bfloat16" if native_bf16("cpu") else "float32") and why.startswith("auto")
+    flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
+    assert (native_bf16("cpu") is not None) == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    assert EngineConfig(dtype="auto").dtype == dtype  # concrete from then on: what workers receive
+    assert EngineConfig().dtype == "float32"  # hand-built engines keep the reference dtype

@@ -9,7 +9,8 @@ import time
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF-style checkpoint dir (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
@@ -61,8 +62,12 @@ def _load(args):
     from kvflow.engine.llm import LLM
 
     params = _params(args)  # validate flags before the (slow) model load
+    from kvflow.config import resolve_dtype
+
+    dtype, why = resolve_dtype(args.dtype, args.device)
+    print(f"[kvflow] dtype {dtype} ({why})", file=sys.stderr)
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    llm = LLM(args.model, dtype=dtype, device=args.device, num_threads=args.threads)
     return llm, params, time.perf_counter() - t0
 
 

@@ -16,7 +16,8 @@ def register(sub) -> None:
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32")
     s.add_argument("--device", default="cpu")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
@@ -143,6 +144,10 @@ def run_serve(args) -> int:
     from kvflow.api.server import serve
 
     api_config = _api_config(args)  # checked before the model loads
+    from kvflow.config import resolve_dtype
+
+    args.dtype, why = resolve_dtype(args.dtype, args.device)  # once, here: every worker gets the same
+    print(f"[kvflow] dtype {args.dtype} ({why})", file=sys.stderr)
 
     if args.mode == "engine":
         from kvflow.config import EngineConfig

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvflow.config import EngineConfig
+from kvflow.config import EngineConfig, resolve_dtype
 
 from kvflow.engine.engine import LLMEngine
 from kvflow.sched.request import RequestOutput
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import SchedulerConfig
 from kvflow.model.tokenizer import Message
+
+log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -22,7 +25,8 @@ class LLM:
 
     Keyword arguments are `EngineConfig` fields (dtype, device, block_size, kv_cache_memory_gb,
     num_kv_blocks, max_model_len, num_threads) or `SchedulerConfig` fields (max_num_seqs,
-    max_num_batched_tokens, prefill_chunk_size).
+    max_num_batched_tokens, prefill_chunk_size). dtype defaults to "auto": bfloat16 where the CPU
+    (or GPU) has native bf16, float32 elsewhere; `float32` is the reference mode.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -31,6 +35,10 @@ class LLM:
         unknown = set(kwargs) - sched_fields - eng_fields
         if unknown:
             raise ValueError(f"unknown LLM argument(s): {sorted(unknown)}")
+        kwargs.setdefault("dtype", "auto")
+        dtype, why = resolve_dtype(kwargs["dtype"], kwargs.get("device", "cpu"))
+        log.info("dtype %s (%s)", dtype, why)
+        kwargs["dtype"] = dtype
         sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_fields})
         config = EngineConfig(model=model, scheduler=sched, **{k: v for k, v in kwargs.items() if k in eng_fields})
         self.engine = LLMEngine.from_config(config)

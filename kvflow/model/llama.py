@@ -17,18 +17,40 @@ from kvflow.model.config import ModelConfig
 LayerHook = Callable[[int, ForwardBatch], None]
 
 
+class Linear:
+    """`y = x @ weight.T` with the weight ([out, in], Hugging Face layout) prepared once at load.
+
+    On CPU with oneDNN (fp32, bf16) the weight is reordered into oneDNN's blocked layout and applied
+    with its prepacked linear (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's freezing
+    pass emits): in a side-by-side micro-benchmark (SmolLM2 shapes, 1 thread) it took 0.5-0.8x the
+    time of `F.linear` / `x @ w.T` from 1 to 512 rows, in both dtypes. Elsewhere: `F.linear`.
+    `self.weight` keeps the unpacked tensor's shape and dtype (its contents are opaque when packed).
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and _mkldnn_ok()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if self.packed else weight.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
+def _mkldnn_ok() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 @dataclass
 class LayerWeights:
-    """One decoder layer. Projections are stored transposed ([in, out], contiguous) and applied as
-    `x @ w`: on this machine's CPU BLAS that is as fast as `F.linear` on prompt chunks and took
-    about a third less time on decode-sized batches (4-16 rows) in a side-by-side micro-benchmark."""
+    """One decoder layer: norms as tensors, projections as prepared `Linear`s."""
 
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [D, q + 2 kv]
-    o: torch.Tensor  # [q, D]
+    qkv: Linear  # [q + 2 kv, D]
+    o: Linear  # [D, q]
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [D, 2 I]
-    down: torch.Tensor  # [I, D]
+    gate_up: Linear  # [2 I, D]
+    down: Linear  # [D, I]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,8 +90,9 @@ class LlamaModel:
         self.embed_tokens = embed
         self.norm = norm
         self.lm_head = lm_head
+        self._lm_head = Linear(lm_head) if lm_head is not None else None
         self.scale = cfg.head_dim**-0.5
-        device = layers[0].qkv.device
+        device = layers[0].input_norm.device
         # Decode attention reads K/V in place with the paged kernel where it runs (CPU, a C++ compiler),
         # otherwise it gathers each sequence's blocks (see `_decode_attention`).
         self.paged_kernel = paged_attention.available(device, cfg.head_dim)
@@ -100,8 +123,8 @@ class LlamaModel:
                 raise KeyError(f"checkpoint lacks tensor {name!r}")
             return sd[name].to(device=device, dtype=dtype)
 
-        def proj(*names: str) -> torch.Tensor:  # HF [out, in] matrices, stacked on out, stored [in, out]
-            return torch.cat([get(n) for n in names]).t().contiguous()
+        def proj(*names: str) -> Linear:  # HF [out, in] matrices, stacked on out
+            return Linear(torch.cat([get(n) for n in names]))
 
         layers = []
         for i in range(start, end):
@@ -150,8 +173,8 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         seen: dict[int, int] = {}
-        tensors = [t for lw in self.layers for t in vars(lw).values()] + [self.embed_tokens, self.norm, self.lm_head]
-        for t in tensors:
+        tensors = [t.weight if isinstance(t, Linear) else t for lw in self.layers for t in vars(lw).values()]
+        for t in tensors + [self.embed_tokens, self.norm, self.lm_head]:
             if t is not None:
                 seen[t.data_ptr()] = t.numel() * t.element_size()
         return sum(seen.values())
@@ -168,7 +191,7 @@ class LlamaModel:
         if self.lm_head is None or self.norm is None:
             raise RuntimeError("this stage does not hold the LM head (it is not the last stage)")
         h = rms_norm(hidden.index_select(0, batch.logits_idx), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self._lm_head(h).float()
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:
@@ -188,13 +211,13 @@ class LlamaModel:
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.layers[0].qkv.dtype
+        dtype = self.layers[0].input_norm.dtype
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
     def _layer(self, layer, lw: LayerWeights, x, batch: ForwardBatch, kv: KVCache, cos, sin, hook) -> torch.Tensor:
         cfg = self.cfg
         h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
-        qkv = h @ lw.qkv
+        qkv = lw.qkv(h)
         T = x.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(T, cfg.num_heads, cfg.head_dim)
@@ -206,10 +229,10 @@ class LlamaModel:
         if hook is not None:
             hook(layer, batch)
         attn = self._attention(layer, q, k, v, batch, kv)
-        x = x + attn.reshape(T, cfg.q_size) @ lw.o
+        x = x + lw.o(attn.reshape(T, cfg.q_size))
         h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
-        gate, up = (h @ lw.gate_up).chunk(2, dim=-1)
-        return x + (F.silu(gate) * up) @ lw.down
+        gate, up = lw.gate_up(h).chunk(2, dim=-1)
+        return x + lw.down(F.silu(gate) * up)
 
     def _decode_attention(self, layer: int, qd: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """One query token per decode sequence [Bd, H, hd] over its cached context -> [Bd, H, hd]."""
