@@ -136,7 +136,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         raise ValueError("chunk payloads must be host tensors (stage device KV through a pinned buffer)")
     if not t.is_contiguous():
         raise ValueError("chunk payloads must be contiguous (pack non-contiguous regions first)")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def checksum(payload: memoryview | bytes) -> int:
@@ -145,11 +147,12 @@ def checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def make_header(stream: str, seq: int, desc: ChunkDesc, data: torch.Tensor, meta: dict[str, Any] | None = None) -> ChunkHeader:
+def make_header(stream: str, seq: int, desc: ChunkDesc, data: torch.Tensor, meta: dict[str, Any] | None = None, payload: memoryview | None = None) -> ChunkHeader:
+    """The header of `data` (whose byte view `payload` is, when the caller already has it)."""
     if data.dtype not in DTYPE_NAMES:
         raise ValueError(f"unsupported KV dtype {data.dtype}")
     shape = tuple(data.shape)
-    return ChunkHeader(stream, seq, desc, DTYPE_NAMES[data.dtype], shape, data.numel() * data.element_size(), checksum(tensor_bytes(data)), meta or {})
+    return ChunkHeader(stream, seq, desc, DTYPE_NAMES[data.dtype], shape, data.numel() * data.element_size(), checksum(tensor_bytes(data) if payload is None else payload), meta or {})
 
 
 def verify_payload(h: ChunkHeader, payload: memoryview | bytes, max_bytes: int) -> None:
@@ -166,9 +169,12 @@ def verify_payload(h: ChunkHeader, payload: memoryview | bytes, max_bytes: int) 
         raise ChunkCorrupted(f"chunk {h.stream}#{h.seq}: checksum {got:#010x} != header {h.checksum:#010x}")
 
 
+# torch.frombuffer warns about read-only buffers (ZeroMQ frames, read-only maps); chunk views are read-only by contract.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 def payload_tensor(h: ChunkHeader, payload: memoryview | bytes) -> torch.Tensor:
     """A zero-copy tensor view of a verified payload (read-only memory: copy it out, never write)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # frombuffer warns about read-only buffers
-        flat = torch.frombuffer(payload, dtype=torch.uint8, count=h.nbytes)
-    return flat.view(h.torch_dtype).view(h.shape)
+    if h.nbytes == 0:
+        return torch.empty(h.shape, dtype=h.torch_dtype)
+    return torch.frombuffer(payload, dtype=torch.uint8, count=h.nbytes).view(h.torch_dtype).view(h.shape)

@@ -102,9 +102,10 @@ def flush(out: OutStream, desc: ChunkDesc, data: torch.Tensor, meta: dict[str, A
     """
     if data.dim() != 5 or tuple(data.shape[:3]) != (desc.num_layers, len(desc.kinds), desc.num_tokens):
         raise ValueError(f"tensor of shape {tuple(data.shape)} does not match {desc}")
-    header = make_header(out.stream_id, out.next_seq, desc, data, meta)
+    payload = tensor_bytes(data)
+    header = make_header(out.stream_id, out.next_seq, desc, data, meta, payload)
     head = encode_header(header)
-    out.sender.send(authenticate(head, out.secret) if out.secret else head, tensor_bytes(data))
+    out.sender.send(authenticate(head, out.secret) if out.secret else head, payload)
     out.next_seq += 1
     out.chunks_sent += 1
     out.bytes_sent += header.nbytes

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -65,7 +66,6 @@ class ChunkSender(_Endpoint):
         return None
 
 
-
 class ChunkReceiver(_Endpoint):
     """The receiving end of one channel (possibly fed by several senders).
 
@@ -77,3 +77,7 @@ class ChunkReceiver(_Endpoint):
     @abstractmethod
     def recv(self, timeout: float | None = None) -> RawChunk: ...
 
+
+def buffer_address(buf) -> int:
+    """The address of a buffer's first byte (to tell whether a payload already sits in transport memory)."""
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data

@@ -32,21 +32,24 @@ class FileSender(ChunkSender):
     def __init__(self, root: str | os.PathLike, fsync: bool = False) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._dir = str(self.root)
         self.fsync = fsync
         existing = _existing(self.root)
         self.next_index = existing[-1] + 1 if existing else 0
         self.timeout = 0.0
-        self._unsynced: list[Path] = []
+        self._unsynced: list[str] = []
 
     def send(self, header: bytes, payload: memoryview) -> None:
-        final = chunk_path(self.root, self.next_index)
-        tmp = final.with_suffix(".tmp")
-        with open(tmp, "wb", buffering=0) as f:
-            f.write(_PREFIX.pack(MAGIC, len(header)))
-            f.write(header)
-            f.write(payload)
+        final = os.path.join(self._dir, f"{self.next_index:012d}{SUFFIX}")
+        tmp = final[: -len(SUFFIX)] + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, [_PREFIX.pack(MAGIC, len(header)) + header, payload])
+        finally:
+            os.close(fd)
         os.replace(tmp, final)
-        self._unsynced.append(final)
+        if self.fsync:
+            self._unsynced.append(final)
         self.next_index += 1
 
     def drain(self) -> None:
@@ -66,6 +69,18 @@ class FileSender(ChunkSender):
 
     def close(self) -> None:
         self.drain()
+
+
+def _write_all(fd: int, parts: list) -> None:
+    """One writev for the whole chunk file (a write may stop short: carry on from where it did)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        done = os.writev(fd, views)
+        while views and done >= views[0].nbytes:
+            done -= views[0].nbytes
+            views.pop(0)
+        if views:
+            views[0] = views[0][done:]
 
 
 class FileReceiver(ChunkReceiver):

@@ -1,67 +1,112 @@
 """Shared-memory transport (same host): payloads sit in slots of a per-sender segment, only
-(header, slot) crosses the ZeroMQ control link, and the receiver reads the slot in place."""
+(slot, header) crosses the ZeroMQ control link as one small frame, and the receiver reads the
+slot in place."""
 
 from __future__ import annotations
 
-import os
-import uuid
 import mmap
+import os
+import struct
+import uuid
+from collections import deque
 from multiprocessing import shared_memory
 
 import _posixshmem
-
-import msgpack
 import numpy as np
 import torch
 
 from kvflow.streaming.errors import ChunkOversized
-from kvflow.streaming.transport import ChunkReceiver, ChunkSender, RawChunk
+from kvflow.streaming.transport import ChunkReceiver, ChunkSender, RawChunk, buffer_address
 from kvflow.streaming.transports.zmq_link import LinkReceiver, LinkSender
+
+ALIGN = 64
+_WHERE = struct.Struct("<QQB")  # offset, nbytes, length of the segment name that follows; then the chunk header
+
+
+class _Ring:
+    """First-in first-out allocation of byte ranges in a segment of `size` bytes. A range is
+    [offset, end, done]; space comes back once it and every range allocated before it are done.
+    An empty ring starts again at offset 0, so a stream of small chunks keeps reusing warm memory."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.head = 0
+        self.live: deque[list] = deque()
+
+    def alloc(self, n: int) -> list | None:
+        n = -(-n // ALIGN) * ALIGN  # ranges start on cache lines
+        if not self.live:
+            self.head = 0
+        tail = self.live[0][0] if self.live else self.size
+        if self.live and self.head <= tail:  # the free space is [head, tail)
+            off = self.head if tail - self.head >= n else None
+        elif self.size - self.head >= n:  # free: [head, size) then [0, tail)
+            off = self.head
+        else:
+            off = 0 if tail >= n else None
+        if off is None:
+            return None
+        r = [off, off + n, False]
+        self.live.append(r)
+        self.head = off + n
+        return r
+
+    def free(self, r: list) -> None:
+        r[2] = True
+        while self.live and self.live[0][2]:
+            self.live.popleft()
 
 
 class ShmSender(ChunkSender):
-    """Owns a segment of `slots` x `slot_bytes` (named uniquely per instance, unlinked on close).
-    A slot is free again once the receiver acknowledges the chunk in it. `reserve(n)` hands out the
-    next free slot so callers can pack straight into shared memory (no copy on send)."""
+    """Owns a segment of `slots` x `slot_bytes` (named uniquely per instance, unlinked on close);
+    a chunk is at most `slot_bytes`. Chunks take consecutive ranges of the segment (a ring: many
+    small chunks or a few large ones in flight, at most `window`), each free again once the
+    receiver acknowledged it. `reserve(n)` hands out the next range so callers can pack straight
+    into shared memory (no copy on send)."""
 
-    def __init__(self, address: str, slots: int = 4, slot_bytes: int = 64 << 20, timeout: float = 10.0) -> None:
+    def __init__(self, address: str, slots: int = 4, slot_bytes: int = 64 << 20, timeout: float = 10.0, window: int = 64) -> None:
         if slots <= 0 or slot_bytes <= 0:
             raise ValueError(f"slots and slot_bytes must be positive ({slots}, {slot_bytes})")
         self.slot_bytes = slot_bytes
         self.timeout = timeout
         self.shm = shared_memory.SharedMemory(name=f"kvflow-{uuid.uuid4().hex[:16]}", create=True, size=slots * slot_bytes)
-        self.free = list(range(slots))
-        self.link = LinkSender(address, slots, timeout, on_ack=self.free.append)
-        self._reserved: int | None = None
+        self.ring = _Ring(slots * slot_bytes)
+        self.link = LinkSender(address, max(window, slots), timeout, on_ack=self.ring.free)
+        self._reserved: list | None = None
+        self._name = self.shm.name.encode()
+        self._base = buffer_address(self.shm.buf)
 
-    def _slot_view(self, slot: int, nbytes: int) -> memoryview:
-        return self.shm.buf[slot * self.slot_bytes : slot * self.slot_bytes + nbytes]
-
-    def _take_slot(self) -> int:
-        while not self.free:
+    def _take(self, nbytes: int) -> list:
+        while (r := self.ring.alloc(nbytes)) is None:
             self.link._wait_one_ack()
-        return self.free.pop(0)
+        return r
 
     def reserve(self, nbytes: int) -> torch.Tensor | None:
         if nbytes > self.slot_bytes:
             return None
+        if self._reserved is not None and self._reserved[1] - self._reserved[0] < nbytes:
+            self.ring.free(self._reserved)
+            self._reserved = None
         if self._reserved is None:
-            self._reserved = self._take_slot()
-        return torch.frombuffer(self._slot_view(self._reserved, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+            self._reserved = self._take(max(nbytes, 1))
+        return torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes, offset=self._reserved[0]) if nbytes else torch.empty(0, dtype=torch.uint8)
 
     def send(self, header: bytes, payload: memoryview) -> None:
         n = payload.nbytes
         if n > self.slot_bytes:
             raise ChunkOversized(f"payload of {n} bytes exceeds the shared-memory slot size {self.slot_bytes}")
-        slot = self._reserved if self._reserved is not None else self._take_slot()
-        self._reserved = None
-        view = self._slot_view(slot, n)
-        if n and _address(view) != _address(payload):
-            view[:] = payload
+        r, self._reserved = self._reserved, None
+        if r is not None and r[1] - r[0] < n:
+            self.ring.free(r)
+            r = None
+        if r is None:
+            r = self._take(max(n, 1))
+        if n and buffer_address(payload) != self._base + r[0]:
+            np.frombuffer(self.shm.buf, dtype=np.uint8, count=n, offset=r[0])[:] = np.frombuffer(payload, dtype=np.uint8)
         try:
-            self.link.send([header, msgpack.packb([self.shm.name, slot * self.slot_bytes, n])], token=slot)
-        except Exception:
-            self.free.append(slot)
+            self.link.send(_WHERE.pack(r[0], n, len(self._name)) + self._name + header, token=r)
+        except BaseException:
+            self.ring.free(r)
             raise
 
     def drain(self) -> None:
@@ -74,10 +119,6 @@ class ShmSender(ChunkSender):
             self.shm.close()
         except BufferError:  # a reserved view is still referenced; the mapping goes with the process
             pass
-
-
-def _address(buf: memoryview) -> int:
-    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
 
 
 class ShmReceiver(ChunkReceiver):
@@ -104,10 +145,13 @@ class ShmReceiver(ChunkReceiver):
         return self.segments[name]
 
     def recv(self, timeout: float | None = None) -> RawChunk:
-        ident, tag, frames = self.link.recv(timeout)
+        ident, tag, head, frames = self.link.recv(timeout)
         try:
-            header, where = frames
-            name, offset, n = msgpack.unpackb(where.bytes)
+            if frames:
+                raise ValueError(f"{len(frames)} unexpected payload frame(s)")
+            offset, n, name_len = _WHERE.unpack_from(head)
+            name = bytes(head[_WHERE.size : _WHERE.size + name_len]).decode()
+            header = bytes(head[_WHERE.size + name_len :])
             seg = self._segment(name)
             if offset < 0 or offset + n > len(seg):
                 raise ValueError(f"slot [{offset}, {offset + n}) outside segment of {len(seg)} bytes")
@@ -123,7 +167,7 @@ class ShmReceiver(ChunkReceiver):
             except BufferError:  # the caller still holds a tensor over the slot
                 pass
 
-        return RawChunk(header.bytes, view, release)
+        return RawChunk(header, view, release)
 
     def close(self) -> None:
         self.link.close()

@@ -1,30 +1,85 @@
-"""TCP transport over ZeroMQ: header and payload travel as two raw frames, acknowledged by the receiver."""
+"""TCP transport over ZeroMQ: header and payload travel as two frames, acknowledged by the receiver.
+
+Small payloads are copied into the ZeroMQ message. Large ones are sent in place from one of the
+sender's own buffers (a ring of at most window + 1, reused once the receiver acknowledged what
+they held): `reserve` hands one out so a caller packs straight into it, and any other payload is
+copied into one first, so `send` never waits for the wire and the caller may reuse its tensor.
+"""
 
 from __future__ import annotations
 
-from kvflow.streaming.transport import ChunkReceiver, ChunkSender, RawChunk
+import numpy as np
+import torch
+
+from kvflow.streaming.transport import ChunkReceiver, ChunkSender, RawChunk, buffer_address
 from kvflow.streaming.transports.zmq_link import LinkReceiver, LinkSender
+
+ZERO_COPY_BYTES = 128 << 10  # below this a copy into ZeroMQ's message is cheaper than tracking a buffer
 
 
 class TcpSender(ChunkSender):
     """Connects to a `TcpReceiver`'s address ("tcp://host:port"); `window` chunks may be unacknowledged."""
 
     def __init__(self, address: str, window: int = 8, timeout: float = 10.0) -> None:
-        self.link = LinkSender(address, window, timeout)
+        self.link = LinkSender(address, window, timeout, on_ack=self._returned)
         self.timeout = timeout
+        self._free: list[torch.Tensor] = []  # send buffers ZeroMQ no longer reads
+        self._buffers = 0
+        self._reserved: torch.Tensor | None = None
+
+    def _returned(self, buf: torch.Tensor | None) -> None:
+        if buf is not None:
+            self._free.append(buf)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A send buffer of at least nbytes that is not in flight (waits for an ack when all are)."""
+        while not self._free and self._buffers > self.link.window:
+            self.link._wait_one_ack()
+        if not self._free:
+            self._buffers += 1
+            return torch.empty(nbytes, dtype=torch.uint8)
+        buf = self._free.pop()  # the most recently acknowledged: likeliest still in cache
+        return buf if buf.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
+
+    def reserve(self, nbytes: int) -> torch.Tensor | None:
+        if nbytes < ZERO_COPY_BYTES:
+            return None
+        if self._reserved is None or self._reserved.numel() < nbytes:
+            if self._reserved is not None:
+                self._free.append(self._reserved)
+            self._reserved = self._buffer(nbytes)
+        return self._reserved[:nbytes]
 
     def send(self, header: bytes, payload: memoryview) -> None:
-        self.link.send([header, payload])
+        n = payload.nbytes
+        buf, self._reserved = self._reserved, None
+        if n < ZERO_COPY_BYTES:
+            if buf is not None:
+                self._free.append(buf)
+            self.link.send(header, payload)
+            return
+        if buf is None or buffer_address(payload) != buf.data_ptr():
+            if buf is not None:
+                self._free.append(buf)
+            buf = self._buffer(n)
+            buf[:n].numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+        try:
+            self.link.send(header, buf[:n].numpy(), token=buf, copy=False)
+        except BaseException:
+            self._free.append(buf)
+            raise
 
     def drain(self) -> None:
         self.link.drain()
 
     def close(self) -> None:
         self.link.close()
+        self._free.clear()
 
 
 class TcpReceiver(ChunkReceiver):
-    """Binds host on a free port; `address` is what senders connect to."""
+    """Binds host on a free port; `address` is what senders connect to. A payload is a view of the
+    received ZeroMQ frame (no copy), valid until the chunk is released."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
         self.link = LinkReceiver(host, port)
@@ -34,11 +89,12 @@ class TcpReceiver(ChunkReceiver):
         return self.link.address
 
     def recv(self, timeout: float | None = None) -> RawChunk:
-        ident, tag, frames = self.link.recv(timeout)
-        if len(frames) != 2:
-            self.link.ack(ident, tag, f"expected 2 frames (header, payload), got {len(frames)}")
+        ident, tag, head, frames = self.link.recv(timeout)
+        if len(frames) != 1:
+            self.link.ack(ident, tag, f"expected a header and one payload frame, got {len(frames)} payload frames")
             return RawChunk(b"", memoryview(b""))
-        return RawChunk(frames[0].bytes, frames[1].buffer, lambda err: self.link.ack(ident, tag, err))
+        link = self.link
+        return RawChunk(bytes(head), frames[0].buffer, lambda err: link.ack(ident, tag, err))
 
     def close(self) -> None:
         self.link.close()

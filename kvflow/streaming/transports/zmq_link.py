@@ -1,4 +1,11 @@
-"""The ZeroMQ plumbing TCP and shared memory share: tagged frames, windowed acks, disconnect detection."""
+"""The ZeroMQ plumbing TCP and shared memory share: tagged messages, windowed (coalesced) acks,
+disconnect detection.
+
+A message is [tag (8 bytes) + head] followed by at most one payload frame. The receiver answers
+with [ident, msgpack [[tag, error], ...]]: acknowledgements are coalesced while more messages are
+already waiting (every ACK_BATCH at the latest, at once when the receiver runs dry or rejects
+one), since on a busy host each message that wakes a peer costs tens of microseconds.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +20,14 @@ from zmq.utils.monitor import recv_monitor_message
 from kvflow.streaming.errors import PeerGone, PeerRejected, PeerTimeout
 
 _TAG = struct.Struct("<Q")
+ACK_BATCH = 4  # the most acknowledgements a receiver holds back while it has messages queued
 
 
 class LinkSender:
-    """A DEALER connected to one receiver. At most `window` frames are unacknowledged at a time;
-    `on_ack(token)` runs for each acknowledged frame. Fails with PeerGone on a disconnect (seen via
-    a socket monitor, so a killed receiver is noticed at once) and PeerTimeout when acks stop."""
+    """A DEALER connected to one receiver. At most `window` messages are unacknowledged at a time;
+    `on_ack(token)` runs for each acknowledged one. Fails with PeerGone on a disconnect (seen via
+    a socket monitor whenever it waits, so a killed receiver is noticed at once) and PeerTimeout
+    when acks stop."""
 
     def __init__(self, address: str, window: int, timeout: float, on_ack=None) -> None:
         if window <= 0 or timeout <= 0:
@@ -36,6 +45,9 @@ class LinkSender:
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 2000)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self.inflight: dict[int, Any] = {}
         self._next_tag = 0
         self._connected = False
@@ -54,50 +66,54 @@ class LinkSender:
         if self._gone:
             raise PeerGone(self._gone + f" with {len(self.inflight)} chunk(s) unacknowledged")
 
+    def _take_acks(self, flags: int = 0) -> bool:
+        """Apply one ack message (waiting for it unless flags is NOBLOCK); False when none was there."""
+        try:
+            body = self.sock.recv(flags)
+        except zmq.Again:
+            return False
+        error = None
+        for tag, err in msgpack.unpackb(body):
+            if tag not in self.inflight:
+                continue  # not ours (a confused receiver): nothing to free
+            token = self.inflight.pop(tag)
+            if self.on_ack is not None:
+                self.on_ack(token)
+            error = error or err
+        if error is not None:
+            raise PeerRejected(f"receiver at {self.address} rejected a chunk: {error}")
+        return True
+
     def _wait_one_ack(self) -> None:
         deadline = time.monotonic() + self.timeout
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
         while True:
             self.check()
+            if self._take_acks(zmq.NOBLOCK):
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PeerTimeout(f"receiver at {self.address} acknowledged nothing for {self.timeout}s")
-            if self.sock in dict(poller.poll(left * 1000)):
-                tag_frame, status = self.sock.recv_multipart()
-                token = self.inflight.pop(_TAG.unpack(tag_frame)[0])
-                if self.on_ack is not None:
-                    self.on_ack(token)
-                error = msgpack.unpackb(status)
-                if error is not None:
-                    raise PeerRejected(f"receiver at {self.address} rejected a chunk: {error}")
-                return
+            self.poller.poll(left * 1000)
 
-    def send(self, frames: list, token: Any = None) -> None:
-        """Send frames (bytes or buffers); they are copied or fully handed to the kernel on return."""
-        self.check()
+    def send(self, head: bytes, payload=None, token: Any = None, copy: bool = True) -> None:
+        """Send head (and payload, a buffer). With copy=False ZeroMQ reads the payload in place
+        after this returns: the caller must not reuse it before `token` comes back through on_ack."""
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # acks already here: free their slots / buffers first
+            self._take_acks()
         while len(self.inflight) >= self.window:
             self._wait_one_ack()
         tag = self._next_tag
         self._next_tag += 1
-        big = any(memoryview(f).nbytes >= 1 << 16 for f in frames)
         try:
-            tracker = self.sock.send_multipart([_TAG.pack(tag), *frames], copy=not big, track=big)
+            if payload is None:
+                self.sock.send(_TAG.pack(tag) + head)
+            else:
+                self.sock.send(_TAG.pack(tag) + head, zmq.SNDMORE)
+                self.sock.send(payload, copy=copy)
         except zmq.Again:
             self.check()
             raise PeerGone(f"no receiver connected at {self.address} within {self.timeout}s") from None
         self.inflight[tag] = token
-        if big:  # zero-copy send: the caller's buffer is in use until ZeroMQ lets go of it
-            deadline = time.monotonic() + self.timeout
-            while not tracker.done:
-                self.check()
-                if time.monotonic() > deadline:
-                    raise PeerTimeout(f"a {self.address} send did not complete within {self.timeout}s")
-                try:
-                    tracker.wait(0.05)
-                except zmq.NotDone:
-                    pass
 
     def drain(self) -> None:
         while self.inflight:
@@ -122,16 +138,44 @@ class LinkReceiver:
         else:
             self.sock.bind(f"tcp://{host}:{port}")
         self.address = f"tcp://{host}:{port}"
+        self._acks: dict[bytes, list] = {}
 
-    def recv(self, timeout: float | None) -> tuple[bytes, bytes, list[zmq.Frame]]:
-        """(sender identity, tag, remaining frames) of the next message; TimeoutError when none comes."""
-        if not self.sock.poll(None if timeout is None else timeout * 1000):
-            raise TimeoutError(f"no chunk at {self.address} within {timeout}s")
-        ident, tag, *frames = self.sock.recv_multipart(copy=False)
-        return ident.bytes, tag.bytes, frames
+    def recv(self, timeout: float | None) -> tuple[bytes, int, memoryview, list[zmq.Frame]]:
+        """(sender identity, tag, head, remaining frames) of the next message; TimeoutError when
+        none comes. A message too short to carry a tag gets tag -1 and an empty head."""
+        try:
+            ident, first, *frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.flush_acks()  # about to wait: nothing may hold a sender up
+            if not self.sock.poll(None if timeout is None else timeout * 1000):
+                raise TimeoutError(f"no chunk at {self.address} within {timeout}s") from None
+            ident, first, *frames = self.sock.recv_multipart(copy=False)
+        head = first.buffer
+        if len(head) < _TAG.size:
+            return ident.bytes, -1, memoryview(b""), frames
+        return ident.bytes, _TAG.unpack_from(head)[0], head[_TAG.size :], frames
 
-    def ack(self, ident: bytes, tag: bytes, error: str | None) -> None:
-        self.sock.send_multipart([ident, tag, msgpack.packb(error)])
+    def ack(self, ident: bytes, tag: int, error: str | None) -> None:
+        """Acknowledge (error None) or reject a message; sent at once unless more messages wait."""
+        if tag < 0:
+            return
+        pending = self._acks.setdefault(ident, [])
+        pending.append((tag, error))
+        if error is not None or len(pending) >= ACK_BATCH or not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._send_acks(ident)
+
+    def _send_acks(self, ident: bytes) -> None:
+        pending = self._acks.pop(ident, None)
+        if pending:
+            try:
+                self.sock.send_multipart([ident, msgpack.packb(pending)], zmq.NOBLOCK)
+            except zmq.ZMQError:  # that sender is gone (ROUTER drops unroutable messages)
+                pass
+
+    def flush_acks(self) -> None:
+        for ident in list(self._acks):
+            self._send_acks(ident)
 
     def close(self) -> None:
+        self.flush_acks()
         self.sock.close(0)

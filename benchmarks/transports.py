@@ -1,0 +1,279 @@
+"""Transport bandwidth against the raw wire each one is built on, at 64 KB, 1 MB and 16 MB chunks.
+
+  tcp        flush() through TcpSender to a TcpReceiver in another process that fetch()es
+             (MAC, header and checksum verified) and releases every chunk
+  raw zmq    the same bytes through a plain ZeroMQ PUSH -> PULL pair (no header, no check, no
+             acknowledgement), the faster of copy=False and copy=True sends
+  shm        flush() through ShmSender (payload copied into a slot of the mapped segment) to a
+             ShmReceiver in another process that fetch()es and releases every chunk
+  shm rsv    the zero-copy staging path scatter() uses: pack into `reserve()`d slot memory, then flush
+  memcpy     the same bytes copied into one slot of a mapped shared-memory segment, nothing else
+  file       flush() through FileSender (one file per chunk, temp name + rename)
+  raw write  os.open / os.write / os.close of one file per chunk
+  xxh3       the payload checksum alone (what checking costs: it runs once on each side)
+
+All variants of a round run in one process, in a shuffled order, for each chunk size; the table
+shows medians over rounds of GB/s and of each transport's ratio to its raw counterpart in the same
+round. Timed from the first send to the receiver's last release (network and shm) or the last
+close (files). One thread everywhere.
+
+    python benchmarks/transports.py [--mbytes 128 --rounds 7]
+
+Writes results/transports.json and results/transports.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import torch
+import xxhash
+
+from kvflow.streaming.chunk import ChunkDesc, Segment, tensor_bytes
+from kvflow.streaming.primitives import InStream, OutStream, fetch, flush
+from kvflow.streaming.transports import FileSender, ShmReceiver, ShmSender, TcpReceiver, TcpSender
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+SECRET = b"transport-benchmark-secret"
+SIZES = [64 << 10, 1 << 20, 16 << 20]
+SLOTS = 4
+PAIRS = [("tcp", "raw_zmq"), ("shm", "memcpy"), ("shm_rsv", "memcpy"), ("file", "raw_write")]
+
+
+# ---------------------------------------------------------------- receiving processes
+def peer(kind: str, conn) -> None:
+    """Receive `n` chunks each time the parent sends n (None: exit), then answer "done"."""
+    torch.set_num_threads(1)
+    import zmq
+
+    if kind == "raw_zmq":
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        conn.send(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+        while (n := conn.recv()) is not None:
+            for _ in range(n):
+                sock.recv(copy=False)
+            conn.send("done")
+        return
+    rx = TcpReceiver() if kind == "tcp" else ShmReceiver()
+    conn.send(rx.address)
+    inp = InStream(rx, secret=SECRET)
+    while (n := conn.recv()) is not None:
+        for _ in range(n):
+            fetch(inp, 60).release()
+        conn.send("done")
+    rx.close()
+
+
+def start_peer(kind: str):
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=peer, args=(kind, child), daemon=True)
+    proc.start()
+    return proc, conn, conn.recv()
+
+
+# ---------------------------------------------------------------- one round at one chunk size
+class Bench:
+    def __init__(self, tmp: Path) -> None:
+        import zmq
+
+        self.tmp = tmp
+        self.peers = {k: start_peer(k) for k in ("raw_zmq", "tcp", "shm")}
+        self.raw = zmq.Context.instance().socket(zmq.PUSH)
+        self.raw.connect(self.peers["raw_zmq"][2])
+        self.tcp = OutStream(TcpSender(self.peers["tcp"][2], timeout=60), "bench-tcp", SECRET)
+        self.shm = OutStream(ShmSender(self.peers["shm"][2], slots=SLOTS, slot_bytes=max(SIZES), timeout=60), "bench-shm", SECRET)
+        self.seg = shared_memory.SharedMemory(create=True, size=SLOTS * max(SIZES))
+        self.file_index = 0
+
+    def close(self) -> None:
+        self.tcp.sender.close()
+        self.shm.sender.close()
+        self.raw.close(0)
+        self.seg.close()
+        self.seg.unlink()
+        for proc, conn, _ in self.peers.values():
+            conn.send(None)
+            proc.join(10)
+
+    def _remote(self, kind: str, n: int, send) -> float:
+        conn = self.peers[kind][1]
+        t = time.perf_counter()
+        conn.send(n)
+        for _ in range(n):
+            send()
+        assert conn.recv() == "done"
+        return time.perf_counter() - t
+
+    def _local(self, n: int, op) -> float:
+        t = time.perf_counter()
+        for i in range(n):
+            op(i)
+        return time.perf_counter() - t
+
+    def _dir(self, name: str) -> Path:
+        self.file_index += 1
+        d = self.tmp / f"{name}-{self.file_index}"
+        d.mkdir()
+        return d
+
+    def run(self, variant: str, x: torch.Tensor, desc: ChunkDesc, n: int) -> float:
+        """Seconds to move n chunks of x with `variant`."""
+        view = tensor_bytes(x)
+        size = view.nbytes
+        if variant == "raw_zmq":
+            copy = self._remote("raw_zmq", n, lambda: self.raw.send(view, copy=True))
+            nocopy = self._remote("raw_zmq", n, lambda: self.raw.send(view, copy=False))
+            return min(copy, nocopy)
+        if variant == "tcp":
+            return self._remote("tcp", n, lambda: flush(self.tcp, desc, x))
+        if variant == "shm":
+            return self._remote("shm", n, lambda: flush(self.shm, desc, x))
+        if variant == "shm_rsv":
+            flat = view.cast("B")
+
+            def packed():
+                room = self.shm.sender.reserve(size)
+                room.copy_(torch.frombuffer(flat, dtype=torch.uint8))
+                flush(self.shm, desc, room.view(x.dtype).view(x.shape))
+
+            return self._remote("shm", n, packed)
+        if variant == "memcpy":
+            slot = self.seg.buf[:size]
+            t = self._local(n, lambda i: slot.__setitem__(slice(None), view))
+            slot.release()
+            return t
+        if variant == "xxh3":
+            return self._local(n, lambda i: xxhash.xxh3_64_intdigest(view))
+        if variant == "file":
+            d = self._dir("ours")
+            out = OutStream(FileSender(d), "bench-file", SECRET)
+            t = self._local(n, lambda i: flush(out, desc, x))
+            shutil.rmtree(d)
+            return t
+        if variant == "raw_write":
+            d = self._dir("raw")
+
+            def write(i):
+                fd = os.open(os.path.join(d, f"{i:012d}.raw"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.write(fd, view)
+                os.close(fd)
+
+            t = self._local(n, write)
+            shutil.rmtree(d)
+            return t
+        raise ValueError(variant)
+
+
+VARIANTS = ["raw_zmq", "tcp", "memcpy", "shm", "shm_rsv", "raw_write", "file", "xxh3"]
+
+
+def measure(args) -> list[dict]:
+    rounds: list[dict] = []
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        bench = Bench(Path(tmp))
+        try:
+            for r in range(args.rounds + 1):  # round 0 warms up (connections, page cache, allocators)
+                for size in SIZES:
+                    tokens = size // (2 * 192 * 4)
+                    x = torch.randn(1, 2, tokens, 3, 64)
+                    desc = ChunkDesc((Segment("r", 0, tokens),), 0, 1)
+                    n = max(8, (args.mbytes << 20) // size)
+                    order = VARIANTS[:]
+                    rng.shuffle(order)
+                    row = {"round": r, "chunk_bytes": size, "count": n}
+                    for v in order:
+                        row[v] = n * size / bench.run(v, x, desc, n) / 1e9
+                    if r:
+                        rounds.append(row)
+                        print(f"  round {r} {size >> 10:>6} KB: " + " ".join(f"{v} {row[v]:.2f}" for v in VARIANTS), flush=True)
+        finally:
+            bench.close()
+    return rounds
+
+
+def summarize(rounds: list[dict]) -> list[dict]:
+    rows = []
+    for size in SIZES:
+        rs = [r for r in rounds if r["chunk_bytes"] == size]
+        row = {"chunk_bytes": size, **{f"{v}_GBps": statistics.median(r[v] for r in rs) for v in VARIANTS}}
+        for ours, raw in PAIRS:
+            row[f"{ours}_pct_of_{raw}"] = 100 * statistics.median(r[ours] / r[raw] for r in rs)
+        row["xxh3_share_of_tcp_pct"] = 100 * statistics.median(r["tcp"] / r["xxh3"] for r in rs)
+        row["xxh3_share_of_shm_pct"] = 100 * statistics.median(r["shm"] / r["xxh3"] for r in rs)
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\nGB/s (median over rounds); % = median of per-round ratios to the raw counterpart")
+    print(f"{'chunk':>7} | {'raw zmq':>7} {'tcp':>12} | {'memcpy':>6} {'shm':>12} {'shm rsv':>12} | {'raw write':>9} {'file':>12} | {'xxh3':>6}")
+    for r in rows:
+        kb = r["chunk_bytes"] >> 10
+        cell = lambda v, raw: f"{r[v + '_GBps']:5.2f} ({r[f'{v}_pct_of_{raw}']:3.0f}%)"
+        print(
+            f"{f'{kb} KB' if kb < 1024 else f'{kb >> 10} MB':>7} | {r['raw_zmq_GBps']:7.2f} {cell('tcp', 'raw_zmq'):>12} | {r['memcpy_GBps']:6.2f} {cell('shm', 'memcpy'):>12} {cell('shm_rsv', 'memcpy'):>12} | "
+            f"{r['raw_write_GBps']:9.2f} {cell('file', 'raw_write'):>12} | {r['xxh3_GBps']:6.1f}"
+        )
+    print("checking (xxh3 once per side) as a share of the transport's time: " + ", ".join(f"{r['chunk_bytes'] >> 10} KB tcp {r['xxh3_share_of_tcp_pct']:.0f}% shm {r['xxh3_share_of_shm_pct']:.0f}%" for r in rows))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = ["64 KB", "1 MB", "16 MB"]
+    fig, ax = plt.subplots(1, 2, figsize=(13, 4.5))
+    pairs = [("tcp", "raw_zmq", "#48c"), ("shm", "memcpy", "#c84"), ("shm_rsv", "memcpy", "#a62"), ("file", "raw_write", "#4a4")]
+    w = 0.2
+    for i, (ours, raw, c) in enumerate(pairs):
+        xs = [j + (i - 1.5) * w for j in range(len(rows))]
+        ax[0].bar(xs, [r[f"{ours}_pct_of_{raw}"] for r in rows], w, color=c, label=f"{ours} / {raw}")
+    ax[0].axhline(80, color="k", ls="--", lw=0.8)
+    ax[0].axhline(60, color="k", ls=":", lw=0.8)
+    ax[0].set_xticks(range(len(rows)), labels)
+    ax[0].set_ylabel("% of raw (median of per-round ratios)")
+    ax[0].set_title("transport vs its raw counterpart")
+    ax[0].legend(fontsize=8)
+    for v, c, ls in [("raw_zmq", "#48c", "--"), ("tcp", "#48c", "-"), ("memcpy", "#c84", "--"), ("shm", "#c84", "-"), ("raw_write", "#4a4", "--"), ("file", "#4a4", "-"), ("xxh3", "#888", ":")]:
+        ax[1].plot(labels, [r[f"{v}_GBps"] for r in rows], ls, color=c, marker="o", label=v)
+    ax[1].set_yscale("log")
+    ax[1].set_ylabel("GB/s (log)")
+    ax[1].set_title("bandwidth by chunk size")
+    ax[1].legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mbytes", type=int, default=128, help="bytes moved per variant, chunk size and round (MB)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--tmp", default=None, help="directory for the file variants (default: the system temp dir)")
+    ap.add_argument("--out", default=str(RESULTS / "transports.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rounds = measure(args)
+    rows = summarize(rounds)
+    print_table(rows)
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "cpu_count": os.cpu_count(), "summary": rows, "rounds": rounds}, indent=2))
+    plot(rows, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
