@@ -2,12 +2,14 @@
 
   tcp        flush() through TcpSender to a TcpReceiver in another process that fetch()es
              (MAC, header and checksum verified) and releases every chunk
+  tcp rsv    the zero-copy staging path: pack into `reserve()`d sender memory, then flush
   raw zmq    the same bytes through a plain ZeroMQ PUSH -> PULL pair (no header, no check, no
              acknowledgement), the faster of copy=False and copy=True sends
   shm        flush() through ShmSender (payload copied into a slot of the mapped segment) to a
              ShmReceiver in another process that fetch()es and releases every chunk
   shm rsv    the zero-copy staging path scatter() uses: pack into `reserve()`d slot memory, then flush
   memcpy     the same bytes copied into one slot of a mapped shared-memory segment, nothing else
+  memcpy+xxh3  that copy plus the checksum of the slot: what a checked shm send cannot go below
   file       flush() through FileSender (one file per chunk, temp name + rename)
   raw write  os.open / os.write / os.close of one file per chunk
   xxh3       the payload checksum alone (what checking costs: it runs once on each side)
@@ -45,9 +47,9 @@ from kvflow.streaming.transports import FileSender, ShmReceiver, ShmSender, TcpR
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 SECRET = b"transport-benchmark-secret"
-SIZES = [64 << 10, 1 << 20, 16 << 20]
+SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]
 SLOTS = 4
-PAIRS = [("tcp", "raw_zmq"), ("shm", "memcpy"), ("shm_rsv", "memcpy"), ("file", "raw_write")]
+PAIRS = [("tcp", "raw_zmq"), ("tcp_rsv", "raw_zmq"), ("shm", "memcpy"), ("shm_rsv", "memcpy"), ("shm", "memcpy_xxh3"), ("file", "raw_write")]
 
 
 # ---------------------------------------------------------------- receiving processes
@@ -139,18 +141,24 @@ class Bench:
             return self._remote("tcp", n, lambda: flush(self.tcp, desc, x))
         if variant == "shm":
             return self._remote("shm", n, lambda: flush(self.shm, desc, x))
-        if variant == "shm_rsv":
-            flat = view.cast("B")
+        if variant in ("shm_rsv", "tcp_rsv"):
+            kind, out = ("shm", self.shm) if variant == "shm_rsv" else ("tcp", self.tcp)
+            src = x.view(-1).view(torch.uint8)
 
             def packed():
-                room = self.shm.sender.reserve(size)
-                room.copy_(torch.frombuffer(flat, dtype=torch.uint8))
-                flush(self.shm, desc, room.view(x.dtype).view(x.shape))
+                room = out.sender.reserve(size)
+                room.copy_(src)
+                flush(out, desc, room.view(x.dtype).view(x.shape))
 
-            return self._remote("shm", n, packed)
+            return self._remote(kind, n, packed)
         if variant == "memcpy":
             slot = self.seg.buf[:size]
             t = self._local(n, lambda i: slot.__setitem__(slice(None), view))
+            slot.release()
+            return t
+        if variant == "memcpy_xxh3":
+            slot = self.seg.buf[:size]
+            t = self._local(n, lambda i: (slot.__setitem__(slice(None), view), xxhash.xxh3_64_intdigest(slot)))
             slot.release()
             return t
         if variant == "xxh3":
@@ -175,7 +183,7 @@ class Bench:
         raise ValueError(variant)
 
 
-VARIANTS = ["raw_zmq", "tcp", "memcpy", "shm", "shm_rsv", "raw_write", "file", "xxh3"]
+VARIANTS = ["raw_zmq", "tcp", "tcp_rsv", "memcpy", "memcpy_xxh3", "shm", "shm_rsv", "raw_write", "file", "xxh3"]
 
 
 def measure(args) -> list[dict]:
@@ -197,7 +205,7 @@ def measure(args) -> list[dict]:
                         row[v] = n * size / bench.run(v, x, desc, n) / 1e9
                     if r:
                         rounds.append(row)
-                        print(f"  round {r} {size >> 10:>6} KB: " + " ".join(f"{v} {row[v]:.2f}" for v in VARIANTS), flush=True)
+                        print(f"  round {r} {_kb(size):>6}: " + " ".join(f"{v} {row[v]:.2f}" for v in VARIANTS), flush=True)
         finally:
             bench.close()
     return rounds
@@ -216,17 +224,23 @@ def summarize(rounds: list[dict]) -> list[dict]:
     return rows
 
 
+def _kb(size: int) -> str:
+    return f"{size >> 10} KB" if size < 1 << 20 else f"{size >> 20} MB"
+
+
 def print_table(rows: list[dict]) -> None:
-    print("\nGB/s (median over rounds); % = median of per-round ratios to the raw counterpart")
-    print(f"{'chunk':>7} | {'raw zmq':>7} {'tcp':>12} | {'memcpy':>6} {'shm':>12} {'shm rsv':>12} | {'raw write':>9} {'file':>12} | {'xxh3':>6}")
+    print("\nGB/s (median over rounds); (%) = median of the per-round ratios to the raw counterpart")
+    print(f"{'chunk':>6} | {'raw zmq':>7} {'tcp':>12} {'tcp rsv':>12} | {'memcpy':>6} {'shm':>12} {'shm rsv':>12} {'cp+xxh3':>12} | {'raw write':>9} {'file':>12} | {'xxh3':>5}")
     for r in rows:
-        kb = r["chunk_bytes"] >> 10
         cell = lambda v, raw: f"{r[v + '_GBps']:5.2f} ({r[f'{v}_pct_of_{raw}']:3.0f}%)"
+        ck = f"{r['memcpy_xxh3_GBps']:5.2f} ({100 * r['memcpy_xxh3_GBps'] / r['memcpy_GBps']:3.0f}%)"
         print(
-            f"{f'{kb} KB' if kb < 1024 else f'{kb >> 10} MB':>7} | {r['raw_zmq_GBps']:7.2f} {cell('tcp', 'raw_zmq'):>12} | {r['memcpy_GBps']:6.2f} {cell('shm', 'memcpy'):>12} {cell('shm_rsv', 'memcpy'):>12} | "
-            f"{r['raw_write_GBps']:9.2f} {cell('file', 'raw_write'):>12} | {r['xxh3_GBps']:6.1f}"
+            f"{_kb(r['chunk_bytes']):>6} | {r['raw_zmq_GBps']:7.2f} {cell('tcp', 'raw_zmq'):>12} {cell('tcp_rsv', 'raw_zmq'):>12} | {r['memcpy_GBps']:6.2f} {cell('shm', 'memcpy'):>12} "
+            f"{cell('shm_rsv', 'memcpy'):>12} {ck:>12} | {r['raw_write_GBps']:9.2f} {cell('file', 'raw_write'):>12} | {r['xxh3_GBps']:5.1f}"
         )
-    print("checking (xxh3 once per side) as a share of the transport's time: " + ", ".join(f"{r['chunk_bytes'] >> 10} KB tcp {r['xxh3_share_of_tcp_pct']:.0f}% shm {r['xxh3_share_of_shm_pct']:.0f}%" for r in rows))
+    print("checking: one xxh3 pass, as a share of each transport's time per chunk (it runs once on each side, in parallel):")
+    for r in rows:
+        print(f"  {_kb(r['chunk_bytes']):>6}: tcp {r['xxh3_share_of_tcp_pct']:4.1f}%  shm {r['xxh3_share_of_shm_pct']:4.1f}%  shm vs checked memcpy {r['shm_pct_of_memcpy_xxh3']:3.0f}%")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -235,12 +249,12 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = ["64 KB", "1 MB", "16 MB"]
+    labels = [_kb(r["chunk_bytes"]) for r in rows]
     fig, ax = plt.subplots(1, 2, figsize=(13, 4.5))
-    pairs = [("tcp", "raw_zmq", "#48c"), ("shm", "memcpy", "#c84"), ("shm_rsv", "memcpy", "#a62"), ("file", "raw_write", "#4a4")]
-    w = 0.2
+    pairs = [("tcp", "raw_zmq", "#48c"), ("tcp_rsv", "raw_zmq", "#26a"), ("shm", "memcpy", "#c84"), ("shm_rsv", "memcpy", "#a62"), ("file", "raw_write", "#4a4")]
+    w = 0.16
     for i, (ours, raw, c) in enumerate(pairs):
-        xs = [j + (i - 1.5) * w for j in range(len(rows))]
+        xs = [j + (i - 2) * w for j in range(len(rows))]
         ax[0].bar(xs, [r[f"{ours}_pct_of_{raw}"] for r in rows], w, color=c, label=f"{ours} / {raw}")
     ax[0].axhline(80, color="k", ls="--", lw=0.8)
     ax[0].axhline(60, color="k", ls=":", lw=0.8)
@@ -248,7 +262,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax[0].set_ylabel("% of raw (median of per-round ratios)")
     ax[0].set_title("transport vs its raw counterpart")
     ax[0].legend(fontsize=8)
-    for v, c, ls in [("raw_zmq", "#48c", "--"), ("tcp", "#48c", "-"), ("memcpy", "#c84", "--"), ("shm", "#c84", "-"), ("raw_write", "#4a4", "--"), ("file", "#4a4", "-"), ("xxh3", "#888", ":")]:
+    for v, c, ls in [("raw_zmq", "#48c", "--"), ("tcp", "#48c", "-"), ("memcpy", "#c84", "--"), ("memcpy_xxh3", "#c84", ":"), ("shm", "#c84", "-"), ("raw_write", "#4a4", "--"), ("file", "#4a4", "-"), ("xxh3", "#888", ":")]:
         ax[1].plot(labels, [r[f"{v}_GBps"] for r in rows], ls, color=c, marker="o", label=v)
     ax[1].set_yscale("log")
     ax[1].set_ylabel("GB/s (log)")

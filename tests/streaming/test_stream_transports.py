@@ -3,20 +3,24 @@ memory, through the file store after reopening it; a dead peer fails the sender 
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 import os
 import random
 import signal
 import socket
+import threading
 import time
 
 import pytest
 import torch
+import zmq
 
 from kvflow.kv.cache import KVLayout
-from kvflow.streaming.chunk import ChunkDesc, Segment
-from kvflow.streaming.errors import PeerError, PeerGone
-from kvflow.streaming.primitives import InStream, OutStream, fetch, flush
+from kvflow.streaming.chunk import ChunkDesc, Segment, decode_header, encode_header, make_header, payload_tensor, tensor_bytes
+from kvflow.streaming.errors import ChunkCorrupted, ChunkTruncated, PeerError, PeerGone, PeerRejected
+from kvflow.streaming.primitives import Chunk, InStream, OutStream, authenticate, fetch, flush
+from kvflow.streaming.transport import buffer_address
 from kvflow.streaming.region import KVRegion
 from kvflow.streaming.scatter import gather, scatter
 from kvflow.streaming.transports import FileReceiver, FileSender, InprocChannel, ShmReceiver, ShmSender, TcpReceiver, TcpSender
@@ -152,3 +156,144 @@ def test_unreachable_peer_fails_within_timeout():
         flush(OutStream(tx), desc, x)
     assert time.monotonic() - start < 10
     tx.close()
+
+
+# ---------------------------------------------------------------- speed paths keep integrity
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+@pytest.mark.parametrize("tokens", [3, 5000])  # a copied frame / a payload sent in place from transport memory
+def test_corrupted_and_truncated_payloads_are_rejected_through_real_transports(kind, tokens, tmp_path):
+    tx, rx = pairs(kind, tmp_path)
+    out, inp = OutStream(tx, "s", b"k" * 32), InStream(rx, secret=b"k" * 32)
+    desc = ChunkDesc((Segment("r", 0, tokens),), 0, 1)
+    x = torch.randn(1, 2, tokens, 2, 8)
+    flush(out, desc, x)
+    with fetch(inp, 5) as c:
+        assert torch.equal(c.data, x)
+    head = authenticate(encode_header(make_header("s", 1, desc, x)), b"k" * 32)
+    payload = bytearray(tensor_bytes(x))
+    payload[len(payload) // 2] ^= 0x10
+    for bad, error in ((memoryview(payload), ChunkCorrupted), (tensor_bytes(x)[:-4], ChunkTruncated)):
+        tx.send(head, bad)
+        with pytest.raises(error):
+            fetch(inp, 5)
+        with pytest.raises(PeerRejected, match=error.__name__):  # the rejection reaches the sender
+            tx.drain()
+    flush(out, desc, x)  # still in step afterwards
+    with fetch(inp, 5) as c:
+        assert c.header.seq == 1 and torch.equal(c.data, x)
+    tx.close()
+    rx.close()
+
+
+def test_shm_payload_changed_in_the_segment_after_send_is_rejected():
+    """The receiver checks the bytes it reads in place, so a stray write to a slot is caught."""
+    rx = ShmReceiver()
+    tx = ShmSender(rx.address, slots=2, slot_bytes=1 << 20)
+    out, inp = OutStream(tx), InStream(rx)
+    desc = ChunkDesc((Segment("r", 0, 100),), 0, 1)
+    room = tx.reserve(100 * 2 * 2 * 8 * 4)
+    x = room.view(torch.float32).view(1, 2, 100, 2, 8)
+    x.copy_(torch.randn(1, 2, 100, 2, 8))
+    flush(out, desc, x)
+    x[0, 1, 50, 1, 3] += 1.0  # the sender's memory is the receiver's: scribble on it after sending
+    with pytest.raises(ChunkCorrupted, match="checksum"):
+        fetch(inp, 5)
+    tx.close()
+    rx.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm", "file"])
+def test_received_payload_is_a_view_of_transport_memory(kind, tmp_path):
+    """Zero-copy receive: the chunk's tensor points into the ZeroMQ frame / mapped segment / mapped
+    file the transport received into; no intermediate bytes object."""
+    tx, rx = pairs(kind, tmp_path)
+    out, inp = OutStream(tx), InStream(rx)
+    desc = ChunkDesc((Segment("r", 0, 5000),), 0, 1)
+    x = torch.randn(1, 2, 5000, 2, 8)
+    flush(out, desc, x)
+    raw = rx.recv(5)
+    c = Chunk(decode_header(raw.header), payload_tensor(decode_header(raw.header), raw.payload), raw)
+    assert c.data.data_ptr() == buffer_address(raw.payload) and torch.equal(c.data, x)
+    if kind == "tcp":
+        assert isinstance(raw.payload.obj, zmq.Frame)  # the received message itself, not a copy of it
+    if kind == "file":
+        assert isinstance(raw.payload.obj, mmap.mmap)
+    if kind == "shm":
+        seg = next(iter(rx.segments.values()))
+        base = buffer_address(memoryview(seg))
+        assert base <= c.data.data_ptr() < base + len(seg)
+    c.release()
+    out.drain()
+    tx.close()
+    rx.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_reserved_buffer_is_sent_in_place(kind, tmp_path):
+    """Zero-copy send: a payload packed into `reserve()`d memory is what the transport sends (TCP:
+    the ZeroMQ frame is that buffer; shm: the chunk lands at the reserved offset)."""
+    tx, rx = pairs(kind, tmp_path)
+    out, inp = OutStream(tx), InStream(rx)
+    nbytes = 5000 * 2 * 2 * 8 * 4
+    room = tx.reserve(nbytes)
+    assert room is not None and room.numel() == nbytes
+    x = room.view(torch.float32).view(1, 2, 5000, 2, 8)
+    x.copy_(torch.randn(1, 2, 5000, 2, 8))
+    expect = x.clone()
+    flush(out, ChunkDesc((Segment("r", 0, 5000),), 0, 1), x)
+    (token, _), = tx.link.inflight.values()
+    if kind == "tcp":
+        assert token.data_ptr() == room.data_ptr()
+    else:
+        assert token[0] == room.data_ptr() - buffer_address(tx.shm.buf)
+    with fetch(inp, 5) as c:
+        assert torch.equal(c.data, expect)
+    out.drain()
+    tx.close()
+    rx.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_coalesced_acks_never_hold_up_a_drain(kind, tmp_path):
+    """Many chunks in flight, a receiver thread that fetches them all and then stops reading:
+    its held-back acknowledgements still go out, so the sender's drain returns."""
+    tx, rx = pairs(kind, tmp_path)
+    tx.link.window = 1000
+    out, inp = OutStream(tx), InStream(rx)
+    desc = ChunkDesc((Segment("r", 0, 3),), 0, 1)
+    x = torch.randn(1, 2, 3, 2, 8)
+    n = 300
+    got = []
+    t = threading.Thread(target=lambda: [got.append(fetch(inp, 10).release()) for _ in range(n)])
+    t.start()
+    for _ in range(n):
+        flush(out, desc, x)
+    t.join(30)
+    assert len(got) == n
+    start = time.monotonic()
+    out.drain()
+    assert not tx.link.inflight and time.monotonic() - start < 5
+    tx.close()
+    rx.close()
+
+
+def test_shm_ring_hands_out_disjoint_ranges_and_reuses_the_low_end():
+    from kvflow.streaming.transports.shm import ALIGN, _Ring
+
+    ring, live, rng = _Ring(64 * ALIGN), [], random.Random(0)
+    for _ in range(20000):
+        if live and rng.random() < 0.5:
+            ring.free(live.pop(0 if rng.random() < 0.7 else rng.randrange(len(live))))  # acks mostly in order
+            continue
+        r = ring.alloc(rng.randint(1, 20 * ALIGN))
+        if r is None:
+            assert live  # only a ring with something in flight can be full
+            continue
+        assert 0 <= r[0] < r[1] <= 64 * ALIGN and r[0] % ALIGN == 0
+        assert all(r[1] <= o[0] or o[1] <= r[0] for o in live)
+        live.append(r)
+    for r in live:
+        ring.free(r)
+    a = ring.alloc(ALIGN)
+    ring.free(a)
+    assert ring.alloc(ALIGN)[0] == 0  # an idle ring starts over where memory is warm

@@ -1,6 +1,6 @@
-"""Shared-memory transport (same host): payloads sit in slots of a per-sender segment, only
-(slot, header) crosses the ZeroMQ control link as one small frame, and the receiver reads the
-slot in place."""
+"""Shared-memory transport (same host): payloads sit in a per-sender segment, only (where, header)
+crosses the control link (a Unix socket, see `unix_link`) as one small message, and the receiver
+reads the payload in place."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from kvflow.streaming.errors import ChunkOversized
 from kvflow.streaming.transport import ChunkReceiver, ChunkSender, RawChunk, buffer_address
-from kvflow.streaming.transports.zmq_link import LinkReceiver, LinkSender
+from kvflow.streaming.transports.unix_link import UnixLinkReceiver, UnixLinkSender
 
 ALIGN = 64
 _WHERE = struct.Struct("<QQB")  # offset, nbytes, length of the segment name that follows; then the chunk header
@@ -26,7 +26,8 @@ _WHERE = struct.Struct("<QQB")  # offset, nbytes, length of the segment name tha
 class _Ring:
     """First-in first-out allocation of byte ranges in a segment of `size` bytes. A range is
     [offset, end, done]; space comes back once it and every range allocated before it are done.
-    An empty ring starts again at offset 0, so a stream of small chunks keeps reusing warm memory."""
+    Allocation goes back to offset 0 as soon as there is room there, so a receiver that keeps up
+    keeps the sender writing the same few (cached) ranges rather than walking the whole segment."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -38,12 +39,12 @@ class _Ring:
         if not self.live:
             self.head = 0
         tail = self.live[0][0] if self.live else self.size
-        if self.live and self.head <= tail:  # the free space is [head, tail)
+        if self.live and self.head <= tail:  # wrapped: the free space is [head, tail)
             off = self.head if tail - self.head >= n else None
-        elif self.size - self.head >= n:  # free: [head, size) then [0, tail)
-            off = self.head
+        elif tail >= n:  # free: [0, tail) and [head, size); the low end first, likelier in cache
+            off = 0
         else:
-            off = 0 if tail >= n else None
+            off = self.head if self.size - self.head >= n else None
         if off is None:
             return None
         r = [off, off + n, False]
@@ -71,7 +72,7 @@ class ShmSender(ChunkSender):
         self.timeout = timeout
         self.shm = shared_memory.SharedMemory(name=f"kvflow-{uuid.uuid4().hex[:16]}", create=True, size=slots * slot_bytes)
         self.ring = _Ring(slots * slot_bytes)
-        self.link = LinkSender(address, max(window, slots), timeout, on_ack=self.ring.free)
+        self.link = UnixLinkSender(address, max(window, slots), timeout, on_ack=self.ring.free, window_bytes=slots * slot_bytes)
         self._reserved: list | None = None
         self._name = self.shm.name.encode()
         self._base = buffer_address(self.shm.buf)
@@ -104,7 +105,7 @@ class ShmSender(ChunkSender):
         if n and buffer_address(payload) != self._base + r[0]:
             np.frombuffer(self.shm.buf, dtype=np.uint8, count=n, offset=r[0])[:] = np.frombuffer(payload, dtype=np.uint8)
         try:
-            self.link.send(_WHERE.pack(r[0], n, len(self._name)) + self._name + header, token=r)
+            self.link.send(_WHERE.pack(r[0], n, len(self._name)) + self._name + header, token=r, nbytes=r[1] - r[0])
         except BaseException:
             self.ring.free(r)
             raise
@@ -122,10 +123,10 @@ class ShmSender(ChunkSender):
 
 
 class ShmReceiver(ChunkReceiver):
-    """Binds a control socket on a free port; attaches to each sender's segment on its first chunk."""
+    """Listens on a fresh control address; attaches to each sender's segment on its first chunk."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
-        self.link = LinkReceiver(host, port)
+    def __init__(self) -> None:
+        self.link = UnixLinkReceiver()
         self.segments: dict[str, mmap.mmap] = {}
 
     @property

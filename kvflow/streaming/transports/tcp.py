@@ -1,9 +1,10 @@
 """TCP transport over ZeroMQ: header and payload travel as two frames, acknowledged by the receiver.
 
 Small payloads are copied into the ZeroMQ message. Large ones are sent in place from one of the
-sender's own buffers (a ring of at most window + 1, reused once the receiver acknowledged what
-they held): `reserve` hands one out so a caller packs straight into it, and any other payload is
-copied into one first, so `send` never waits for the wire and the caller may reuse its tensor.
+sender's own buffers (one per large chunk in flight, plus one; each reused once the receiver
+acknowledged what it held): `reserve` hands one out so a caller packs straight into it, and any
+other payload is copied into one first, so `send` never waits for the wire (nor for ZeroMQ to
+let go of a buffer) and the caller may reuse its tensor at once.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ ZERO_COPY_BYTES = 128 << 10  # below this a copy into ZeroMQ's message is cheape
 
 
 class TcpSender(ChunkSender):
-    """Connects to a `TcpReceiver`'s address ("tcp://host:port"); `window` chunks may be unacknowledged."""
+    """Connects to a `TcpReceiver`'s address ("tcp://host:port"). At most `window` chunks and
+    `window_bytes` of payload (but always two chunks) may be unacknowledged."""
 
-    def __init__(self, address: str, window: int = 8, timeout: float = 10.0) -> None:
-        self.link = LinkSender(address, window, timeout, on_ack=self._returned)
+    def __init__(self, address: str, window: int = 64, timeout: float = 10.0, window_bytes: int = 32 << 20) -> None:
+        self.link = LinkSender(address, window, timeout, on_ack=self._returned, window_bytes=window_bytes)
         self.timeout = timeout
         self._free: list[torch.Tensor] = []  # send buffers ZeroMQ no longer reads
-        self._buffers = 0
         self._reserved: torch.Tensor | None = None
 
     def _returned(self, buf: torch.Tensor | None) -> None:
@@ -33,10 +34,9 @@ class TcpSender(ChunkSender):
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """A send buffer of at least nbytes that is not in flight (waits for an ack when all are)."""
-        while not self._free and self._buffers > self.link.window:
-            self.link._wait_one_ack()
+        while not self._free and self.link.inflight and self.link._full(nbytes):
+            self.link._wait_one_ack()  # one comes back before the window lets this chunk go anyway
         if not self._free:
-            self._buffers += 1
             return torch.empty(nbytes, dtype=torch.uint8)
         buf = self._free.pop()  # the most recently acknowledged: likeliest still in cache
         return buf if buf.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)

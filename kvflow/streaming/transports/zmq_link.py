@@ -3,8 +3,9 @@ disconnect detection.
 
 A message is [tag (8 bytes) + head] followed by at most one payload frame. The receiver answers
 with [ident, msgpack [[tag, error], ...]]: acknowledgements are coalesced while more messages are
-already waiting (every ACK_BATCH at the latest, at once when the receiver runs dry or rejects
-one), since on a busy host each message that wakes a peer costs tens of microseconds.
+already waiting (ACK_BATCH at most), and sent at once when the receiver runs dry, rejects one, or
+the sender marked the message URGENT (its window is full: it waits for an ack to send more):
+on a busy host each message that wakes a peer costs tens of microseconds.
 """
 
 from __future__ import annotations
@@ -20,20 +21,23 @@ from zmq.utils.monitor import recv_monitor_message
 from kvflow.streaming.errors import PeerGone, PeerRejected, PeerTimeout
 
 _TAG = struct.Struct("<Q")
-ACK_BATCH = 4  # the most acknowledgements a receiver holds back while it has messages queued
+URGENT = 1 << 63  # tag bit: acknowledge this message at once
+ACK_BATCH = 8  # the most acknowledgements a receiver holds back while it has messages queued
 
 
 class LinkSender:
-    """A DEALER connected to one receiver. At most `window` messages are unacknowledged at a time;
-    `on_ack(token)` runs for each acknowledged one. Fails with PeerGone on a disconnect (seen via
-    a socket monitor whenever it waits, so a killed receiver is noticed at once) and PeerTimeout
-    when acks stop."""
+    """A DEALER connected to one receiver. At most `window` messages and (beyond the first two)
+    `window_bytes` payload bytes are unacknowledged at a time; `on_ack(token)` runs for each
+    acknowledged message. Fails with PeerGone on a disconnect (seen via a socket monitor whenever
+    it waits, so a killed receiver is noticed at once) and PeerTimeout when acks stop."""
 
-    def __init__(self, address: str, window: int, timeout: float, on_ack=None) -> None:
-        if window <= 0 or timeout <= 0:
-            raise ValueError(f"window and timeout must be positive ({window}, {timeout})")
+    def __init__(self, address: str, window: int, timeout: float, on_ack=None, window_bytes: int | None = None) -> None:
+        if window <= 0 or timeout <= 0 or (window_bytes is not None and window_bytes <= 0):
+            raise ValueError(f"window, window_bytes and timeout must be positive ({window}, {window_bytes}, {timeout})")
         self.address = address
         self.window = window
+        self.window_bytes = window_bytes or 1 << 62
+        self.inflight_bytes = 0
         self.timeout = timeout
         self.on_ack = on_ack
         self.ctx = zmq.Context.instance()  # shared and never terminated: no term() hang at GC
@@ -48,7 +52,7 @@ class LinkSender:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
-        self.inflight: dict[int, Any] = {}
+        self.inflight: dict[int, tuple[Any, int]] = {}  # tag -> (token, payload bytes)
         self._next_tag = 0
         self._connected = False
         self._gone: str | None = None
@@ -76,7 +80,8 @@ class LinkSender:
         for tag, err in msgpack.unpackb(body):
             if tag not in self.inflight:
                 continue  # not ours (a confused receiver): nothing to free
-            token = self.inflight.pop(tag)
+            token, nbytes = self.inflight.pop(tag)
+            self.inflight_bytes -= nbytes
             if self.on_ack is not None:
                 self.on_ack(token)
             error = error or err
@@ -95,25 +100,35 @@ class LinkSender:
                 raise PeerTimeout(f"receiver at {self.address} acknowledged nothing for {self.timeout}s")
             self.poller.poll(left * 1000)
 
-    def send(self, head: bytes, payload=None, token: Any = None, copy: bool = True) -> None:
-        """Send head (and payload, a buffer). With copy=False ZeroMQ reads the payload in place
-        after this returns: the caller must not reuse it before `token` comes back through on_ack."""
+    def _full(self, nbytes: int) -> bool:
+        n = len(self.inflight)
+        return n >= self.window or (n >= 2 and self.inflight_bytes + nbytes > self.window_bytes)
+
+    def send(self, head: bytes, payload=None, token: Any = None, copy: bool = True, nbytes: int | None = None) -> None:
+        """Send head (and payload, a buffer); `nbytes` (default: the payload's size) counts
+        against window_bytes. With copy=False ZeroMQ reads the payload in place after this
+        returns: the caller must not reuse it before `token` comes back through on_ack."""
+        if nbytes is None:
+            nbytes = 0 if payload is None else memoryview(payload).nbytes
         while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # acks already here: free their slots / buffers first
             self._take_acks()
-        while len(self.inflight) >= self.window:
+        while self._full(nbytes):
             self._wait_one_ack()
         tag = self._next_tag
         self._next_tag += 1
+        n = len(self.inflight) + 1  # urgent when the next message of this size would wait for acks
+        urgent = n >= self.window or (n >= 2 and self.inflight_bytes + 2 * nbytes > self.window_bytes)
         try:
             if payload is None:
-                self.sock.send(_TAG.pack(tag) + head)
+                self.sock.send(_TAG.pack(tag | URGENT if urgent else tag) + head)
             else:
-                self.sock.send(_TAG.pack(tag) + head, zmq.SNDMORE)
+                self.sock.send(_TAG.pack(tag | URGENT if urgent else tag) + head, zmq.SNDMORE)
                 self.sock.send(payload, copy=copy)
         except zmq.Again:
             self.check()
             raise PeerGone(f"no receiver connected at {self.address} within {self.timeout}s") from None
-        self.inflight[tag] = token
+        self.inflight[tag] = (token, nbytes)
+        self.inflight_bytes += nbytes
 
     def drain(self) -> None:
         while self.inflight:
@@ -156,12 +171,13 @@ class LinkReceiver:
         return ident.bytes, _TAG.unpack_from(head)[0], head[_TAG.size :], frames
 
     def ack(self, ident: bytes, tag: int, error: str | None) -> None:
-        """Acknowledge (error None) or reject a message; sent at once unless more messages wait."""
+        """Acknowledge (error None) or reject a message (tag as received); sent at once unless
+        more messages wait and the sender is not short of window."""
         if tag < 0:
             return
         pending = self._acks.setdefault(ident, [])
-        pending.append((tag, error))
-        if error is not None or len(pending) >= ACK_BATCH or not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        pending.append((tag & ~URGENT, error))
+        if error is not None or tag & URGENT or len(pending) >= ACK_BATCH or not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._send_acks(ident)
 
     def _send_acks(self, ident: bytes) -> None:
