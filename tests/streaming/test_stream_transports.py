@@ -297,3 +297,26 @@ def test_shm_ring_hands_out_disjoint_ranges_and_reuses_the_low_end():
     a = ring.alloc(ALIGN)
     ring.free(a)
     assert ring.alloc(ALIGN)[0] == 0  # an idle ring starts over where memory is warm
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm", "file"])
+@pytest.mark.parametrize("tokens", [3, 5000, 40000])  # copied into the message / sent from a sender buffer / sent in place (5 MB)
+def test_caller_may_overwrite_its_tensor_as_soon_as_flush_returns(kind, tokens, tmp_path):
+    tx, rx = pairs(kind, tmp_path) if kind != "shm" else (None, ShmReceiver())
+    if kind == "shm":
+        tx = ShmSender(rx.address, slots=2, slot_bytes=8 << 20)
+    out, inp = OutStream(tx), InStream(rx)
+    desc = ChunkDesc((Segment("r", 0, tokens),), 0, 1)
+    x = torch.randn(1, 2, tokens, 2, 8)
+    sent = x.clone()
+    got = []
+    t = threading.Thread(target=lambda: got.append(fetch(inp, 10)))
+    t.start()
+    flush(out, desc, x)
+    x.fill_(7.0)  # the caller reuses its buffer at once
+    t.join(20)
+    assert torch.equal(got[0].data, sent)
+    got[0].release()
+    out.drain()
+    tx.close()
+    rx.close()

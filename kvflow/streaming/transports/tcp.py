@@ -1,10 +1,12 @@
 """TCP transport over ZeroMQ: header and payload travel as two frames, acknowledged by the receiver.
 
-Small payloads are copied into the ZeroMQ message. Large ones are sent in place from one of the
-sender's own buffers (one per large chunk in flight, plus one; each reused once the receiver
-acknowledged what it held): `reserve` hands one out so a caller packs straight into it, and any
-other payload is copied into one first, so `send` never waits for the wire (nor for ZeroMQ to
-let go of a buffer) and the caller may reuse its tensor at once.
+Small payloads (< 128 KB) are copied into the ZeroMQ message. Medium ones are sent in place
+from one of the sender's own buffers (one per such chunk in flight, plus one; each reused once the
+receiver acknowledged what it held): `reserve` hands one out so a caller packs straight into it,
+and any other payload is copied into one first, so `send` never waits for the wire (nor for
+ZeroMQ to let go of a buffer) and the caller may reuse its tensor at once. Large ones (>= 4 MB)
+are sent straight from the caller's memory, and `send` returns once ZeroMQ has handed it all to
+the kernel: at that size the wait costs less than a copy, and no large buffers are kept.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from kvflow.streaming.transport import ChunkReceiver, ChunkSender, RawChunk, buf
 from kvflow.streaming.transports.zmq_link import LinkReceiver, LinkSender
 
 ZERO_COPY_BYTES = 128 << 10  # below this a copy into ZeroMQ's message is cheaper than tracking a buffer
+IN_PLACE_BYTES = 4 << 20  # from this size on, send straight from the caller's memory and wait until ZeroMQ let go of it
 
 
 class TcpSender(ChunkSender):
@@ -42,7 +45,7 @@ class TcpSender(ChunkSender):
         return buf if buf.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
 
     def reserve(self, nbytes: int) -> torch.Tensor | None:
-        if nbytes < ZERO_COPY_BYTES:
+        if not ZERO_COPY_BYTES <= nbytes < IN_PLACE_BYTES:
             return None
         if self._reserved is None or self._reserved.numel() < nbytes:
             if self._reserved is not None:
@@ -53,10 +56,13 @@ class TcpSender(ChunkSender):
     def send(self, header: bytes, payload: memoryview) -> None:
         n = payload.nbytes
         buf, self._reserved = self._reserved, None
-        if n < ZERO_COPY_BYTES:
+        if n < ZERO_COPY_BYTES or n >= IN_PLACE_BYTES:
             if buf is not None:
                 self._free.append(buf)
-            self.link.send(header, payload)
+            if n < ZERO_COPY_BYTES:
+                self.link.send(header, payload)
+            else:
+                self.link.send_in_place(header, payload)
             return
         if buf is None or buffer_address(payload) != buf.data_ptr():
             if buf is not None:

@@ -54,6 +54,7 @@ class LinkSender:
         self.poller.register(self.monitor, zmq.POLLIN)
         self.inflight: dict[int, tuple[Any, int]] = {}  # tag -> (token, payload bytes)
         self._next_tag = 0
+        self._tracker = None
         self._connected = False
         self._gone: str | None = None
 
@@ -104,7 +105,7 @@ class LinkSender:
         n = len(self.inflight)
         return n >= self.window or (n >= 2 and self.inflight_bytes + nbytes > self.window_bytes)
 
-    def send(self, head: bytes, payload=None, token: Any = None, copy: bool = True, nbytes: int | None = None) -> None:
+    def send(self, head: bytes, payload=None, token: Any = None, copy: bool = True, nbytes: int | None = None, track: bool = False) -> None:
         """Send head (and payload, a buffer); `nbytes` (default: the payload's size) counts
         against window_bytes. With copy=False ZeroMQ reads the payload in place after this
         returns: the caller must not reuse it before `token` comes back through on_ack."""
@@ -123,12 +124,27 @@ class LinkSender:
                 self.sock.send(_TAG.pack(tag | URGENT if urgent else tag) + head)
             else:
                 self.sock.send(_TAG.pack(tag | URGENT if urgent else tag) + head, zmq.SNDMORE)
-                self.sock.send(payload, copy=copy)
+                self._tracker = self.sock.send(payload, copy=copy, track=track)
         except zmq.Again:
             self.check()
             raise PeerGone(f"no receiver connected at {self.address} within {self.timeout}s") from None
         self.inflight[tag] = (token, nbytes)
         self.inflight_bytes += nbytes
+
+    def send_in_place(self, head: bytes, payload) -> None:
+        """Send without copying the payload, returning once ZeroMQ no longer reads it (so the
+        caller may reuse it): PeerTimeout if that takes longer than `timeout`."""
+        self.send(head, payload, copy=False, track=True)
+        deadline = time.monotonic() + self.timeout
+        while not self._tracker.done:
+            self.check()
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"a {self.address} send did not complete within {self.timeout}s")
+            try:
+                self._tracker.wait(0.05)
+            except zmq.NotDone:
+                pass
+        self._tracker = None
 
     def drain(self) -> None:
         while self.inflight:
