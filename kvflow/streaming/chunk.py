@@ -142,8 +142,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def checksum(payload: memoryview | bytes) -> int:
-    """64-bit XXH3 of the payload: detects corruption like crc32 but ran ~6x faster here (7.5 vs 1.2 GB/s),
-    and it is computed at both ends of every transfer."""
+    """64-bit XXH3 of the payload: detects corruption like crc32 but hashes cache-resident data at
+    50-60 GB/s here against 1.5-3 for zlib.crc32 (benchmarks/transports.py), and it is computed at
+    both ends of every transfer."""
     return xxhash.xxh3_64_intdigest(payload)
 
 
