@@ -320,3 +320,42 @@ def test_caller_may_overwrite_its_tensor_as_soon_as_flush_returns(kind, tokens, 
     out.drain()
     tx.close()
     rx.close()
+
+
+def test_shm_receiver_serves_several_senders_and_survives_one_dying():
+    """Chunks from several senders interleave; a sender that disconnects while the consumer still
+    holds its chunk is dropped, and releasing that chunk acknowledges nothing of a newcomer's."""
+    rx = ShmReceiver()
+    inp = InStream(rx)
+    desc = ChunkDesc((Segment("r", 0, 3),), 0, 1)
+    x = torch.randn(1, 2, 3, 2, 8)
+    a, b = ShmSender(rx.address, slots=2, slot_bytes=1 << 16), ShmSender(rx.address, slots=2, slot_bytes=1 << 16)
+    oa, ob = OutStream(a, "a"), OutStream(b, "b")
+    flush(oa, desc, x)
+    held = fetch(inp, 5)
+    a.close()  # gone with a chunk still held by the consumer
+    with pytest.raises(TimeoutError):
+        fetch(inp, 0.2)  # the receiver notices
+    c = ShmSender(rx.address, slots=2, slot_bytes=1 << 16)
+    oc = OutStream(c, "c")
+    sent = {("c", 0): x + 2, ("b", 0): x + 1, ("c", 1): x + 4, ("b", 1): x + 3}
+    flush(oc, desc, sent["c", 0])
+    flush(ob, desc, sent["b", 0])
+    seen = {}
+    first = fetch(inp, 5)  # c is connected now
+    held.release()  # must not acknowledge anything of c's
+    flush(oc, desc, sent["c", 1])  # would overwrite c's first chunk had a's ack freed it
+    flush(ob, desc, sent["b", 1])
+    seen[first.header.stream, first.header.seq] = first.data.clone()  # still what was sent?
+    first.release()
+    for _ in range(3):
+        with fetch(inp, 5) as ch:
+            seen[ch.header.stream, ch.header.seq] = ch.data.clone()
+    assert sorted(seen) == sorted(sent)
+    for k, data in seen.items():
+        assert torch.equal(data, sent[k])
+    ob.drain()
+    oc.drain()
+    b.close()
+    c.close()
+    rx.close()

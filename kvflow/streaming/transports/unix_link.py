@@ -159,13 +159,16 @@ class UnixLinkReceiver:
         self.listener.setblocking(False)
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ)
-        self.conns: dict[int, socket.socket] = {}
+        self.conns: dict[int, socket.socket] = {}  # by a connection id never reused (file descriptors are)
+        self._ids: dict[socket.socket, int] = {}
+        self._next_id = 0
         self._ready: deque[socket.socket] = deque()  # connections that had input at the last look
         self._acks: dict[int, list] = {}
 
     def _drop(self, conn: socket.socket) -> None:
-        self._acks.pop(conn.fileno(), None)
-        self.conns.pop(conn.fileno(), None)
+        ident = self._ids.pop(conn)
+        self._acks.pop(ident, None)
+        del self.conns[ident]
         self.sel.unregister(conn)
         conn.close()
 
@@ -177,7 +180,9 @@ class UnixLinkReceiver:
                 except BlockingIOError:
                     continue
                 conn.setblocking(False)
-                self.conns[conn.fileno()] = conn
+                self._next_id += 1
+                self.conns[self._next_id] = conn
+                self._ids[conn] = self._next_id
                 self.sel.register(conn, selectors.EVENT_READ)
                 self._ready.append(conn)
             else:
@@ -189,7 +194,7 @@ class UnixLinkReceiver:
         while True:
             while self._ready:
                 conn = self._ready[0]
-                if conn.fileno() < 0:
+                if conn not in self._ids:  # dropped meanwhile
                     self._ready.popleft()
                     continue
                 try:
@@ -204,9 +209,10 @@ class UnixLinkReceiver:
                     self._drop(conn)
                     continue
                 self._ready.rotate(-1)  # take turns between senders
+                ident = self._ids[conn]
                 if len(msg) < _TAG.size:
-                    return conn.fileno(), -1, memoryview(b""), []
-                return conn.fileno(), _TAG.unpack_from(msg)[0], memoryview(msg)[_TAG.size :], []
+                    return ident, -1, memoryview(b""), []
+                return ident, _TAG.unpack_from(msg)[0], memoryview(msg)[_TAG.size :], []
             self.flush_acks()  # about to wait: nothing may hold a sender up
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
