@@ -1,10 +1,13 @@
 """Engine benchmark: kvflow vs transformers decode throughput, prefill vs the matmul ceiling, decode vs the memory ceiling.
 
-    python benchmarks/engine.py [--threads 2] [--new-tokens 64] [--batches 1 4 16] [--out results/engine]
+    python benchmarks/engine.py [--dtype auto] [--threads 2] [--new-tokens 64] [--batches 1 4 16] [--out results/engine]
 
-All variants run in the same process, same weights (the embedded SmolLM2-135M, fp32), same thread
-count and the same prompts; ratios are what to read on a noisy machine. Writes a table to stdout,
-`engine.json` and `engine.png` to --out.
+All variants run in the same process, same weights (the embedded SmolLM2-135M), same dtype for
+kvflow and transformers (--dtype auto: bf16 where the CPU has native bf16), same thread count and
+the same prompts; ratios are what to read on a noisy machine. Also: start-up (engine construction:
+weight prepacking, paged-kernel load) and the decode step at batch 16 against context length with
+the paged kernel and with the gather path, interleaved, next to the KV bytes each step must read.
+Writes a table to stdout, `engine.json` and `engine.png` to --out.
 """
 
 from __future__ import annotations
@@ -128,6 +131,49 @@ def prefill_flops_per_token(cfg, ctx: int) -> float:
     return cfg.num_layers * (per_layer + attn)
 
 
+def decode_vs_context(eng, contexts: list[int], read_gbps: float, repeats: int, batch: int = 16) -> dict:
+    """Decode step time at `batch` sequences against context length, paged kernel vs gather path
+    (interleaved in each repeat), on the engine's own model and a scratch cache of the same layout;
+    the slope is compared with the KV bytes a step must read at the measured streaming-read bandwidth."""
+    from kvflow.kv.cache import KVCache, KVLayout
+    from kvflow.model.batch import ForwardBatch, SeqSlice
+
+    model, bs, cfg = eng.model, eng.config.block_size, eng.model.cfg
+    per_seq = -(-max(contexts) // bs)
+    kv = KVCache(KVLayout.for_model(cfg, batch * per_seq, bs, dtype=eng.kv_cache.layout.dtype))
+    kv.data.normal_()
+    order = torch.randperm(batch * per_seq).tolist()  # blocks scattered, as after a while of serving
+    tables = [tuple(order[i * per_seq : (i + 1) * per_seq]) for i in range(batch)]
+    ids = torch.randint(0, cfg.vocab_size, (batch,))
+    paths = {"kernel": True, "gather": False} if model.paged_kernel else {"gather": False}
+    times = {(c, p): [] for c in contexts for p in paths}
+    for r in range(repeats + 1):
+        for c in contexts:
+            fb = ForwardBatch.build([SeqSlice(i, 1, c, tables[i]) for i in range(batch)], bs)
+            for p, flag in paths.items():
+                model.paged_kernel = flag
+                t0 = time.perf_counter()
+                model.forward(ids, fb, kv)
+                if r:  # the first round warms up
+                    times[(c, p)].append(time.perf_counter() - t0)
+    model.paged_kernel = "kernel" in paths
+    kv_bytes = {c: batch * c * 2 * cfg.num_layers * cfg.kv_size * kv.layout.dtype_bytes for c in contexts}
+    rows = [{"context": c, "kv_bytes": kv_bytes[c], **{f"{p}_step_s": statistics.median(times[(c, p)]) for p in paths}} for c in contexts]
+    c0, c1 = contexts[0], contexts[-1]
+    need = (kv_bytes[c1] - kv_bytes[c0]) / (read_gbps * 1e9)
+    out = {"batch": batch, "rows": rows, "required_growth_s": need}
+    print(f"\ndecode step at batch {batch} vs context ({kv.layout.dtype}); KV bytes read per step at the streaming-read "
+          f"bandwidth would add {1e3 * need:.1f} ms from {c0} to {c1} tokens")
+    print(f"{'context':>8} {'KV MB':>7} " + " ".join(f"{p + ' ms':>10}" for p in paths))
+    for row in rows:
+        print(f"{row['context']:>8} {row['kv_bytes'] / 1e6:>7.0f} " + " ".join(f"{1e3 * row[p + '_step_s']:>10.1f}" for p in paths))
+    for p in paths:
+        grow = rows[-1][f"{p}_step_s"] - rows[0][f"{p}_step_s"]
+        out[f"{p}_growth_s"] = grow
+        print(f"{p}: step grows {1e3 * grow:.1f} ms from {c0} to {c1} tokens = {grow / need:.2f}x what the KV bytes require")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -136,6 +182,8 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="results/engine")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out)
@@ -145,14 +193,20 @@ def main() -> None:
 
     from kvflow import LLM
 
-    print(f"threads={args.threads}  new_tokens={args.new_tokens}  batches={args.batches}")
-    res: dict = {"threads": args.threads, "new_tokens": args.new_tokens}
+    from kvflow.config import resolve_dtype
+
+    dtype, why = resolve_dtype(args.dtype)
+    print(f"threads={args.threads}  new_tokens={args.new_tokens}  batches={args.batches}  dtype={dtype} ({why})")
+    res: dict = {"threads": args.threads, "new_tokens": args.new_tokens, "dtype": dtype}
     res.update(load_times())
     print(f"checkpoint load: cold (GGUF conversion) {res['cold_load_s']:.2f}s, warm (cached) {res['warm_load_s']:.3f}s")
-    llm = LLM(num_threads=args.threads, max_num_seqs=64, max_num_batched_tokens=1024, prefill_chunk_size=1024)
+    t0 = time.perf_counter()
+    llm = LLM(dtype=dtype, num_threads=args.threads, max_num_seqs=64, max_num_batched_tokens=1024, prefill_chunk_size=1024)
+    res["engine_start_s"] = time.perf_counter() - t0
     eng = llm.engine
     tok = llm.tokenizer
-    hf = LlamaForCausalLM.from_pretrained(str(eng.checkpoint.directory), dtype=torch.float32).eval()  # the same converted weights
+    print(f"engine start-up (load + weight prepacking + paged kernel load): {res['engine_start_s']:.2f}s")
+    hf = LlamaForCausalLM.from_pretrained(str(eng.checkpoint.directory), dtype=getattr(torch, dtype)).eval()  # the same converted weights
     res["ceiling_matmul_gflops"] = matmul_gflops()
     res["ceiling_copy_gbps"] = copy_gbps()
     res["ceiling_read_gbps"] = read_gbps()
@@ -201,6 +255,7 @@ def main() -> None:
     print(f"decode b=1: {1e3 * m['kvflow_step_b1_s']:.1f} ms/step for {m['weight_bytes'] / 1e6:.0f} MB of weights; "
           f"floor at streaming-read bandwidth {1e3 * m['read_floor_s']:.1f} ms ({100 * m['fraction_of_memory_ceiling']:.0f}% reached), "
           f"at copy bandwidth {1e3 * m['copy_floor_s']:.1f} ms ({100 * m['fraction_of_copy_ceiling']:.0f}% reached)")
+    res["decode_vs_context"] = decode_vs_context(eng, args.contexts, res["ceiling_read_gbps"], args.repeats + 2)
     (out_dir / "engine.json").write_text(json.dumps(res, indent=2))
     plot(res, out_dir / "engine.png")
     print(f"\nwrote {out_dir / 'engine.json'} and {out_dir / 'engine.png'}")

@@ -173,8 +173,11 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         seen: dict[int, int] = {}
-        tensors = [t.weight if isinstance(t, Linear) else t for lw in self.layers for t in vars(lw).values()]
-        for t in tensors + [self.embed_tokens, self.norm, self.lm_head]:
+        for lw in self.layers:  # a prepacked (oneDNN) weight has no plain storage: count it by identity
+            for t in vars(lw).values():
+                w = t.weight if isinstance(t, Linear) else t
+                seen[id(w) if isinstance(t, Linear) else w.data_ptr()] = w.numel() * w.element_size()
+        for t in (self.embed_tokens, self.norm, self.lm_head):
             if t is not None:
                 seen[t.data_ptr()] = t.numel() * t.element_size()
         return sum(seen.values())
