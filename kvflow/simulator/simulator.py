@@ -141,6 +141,8 @@ class Simulator:
                     self.queue.appendleft(r)
                     self._version += 1
             if out.is_empty:
+                if out.preempted and p.role != "token":
+                    continue  # the blocks it freed may admit a waiting request (the controller's next turn)
                 break
             events.append(self._send(p, out, now))
         if p.role != "token":

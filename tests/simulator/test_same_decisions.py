@@ -41,6 +41,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 PROMPTS = [[5, 6, 7], list(range(10, 41)), [40] * 9, [3, 1, 4, 1, 5, 9, 2, 6], list(range(50, 70)), [11, 12]]
 LENGTHS = [12, 3, 9, 1, 6, 10]
+LONG = [list(range(3, 3 + 30)), list(range(40, 68)), [7] * 26, list(range(60, 91))]  # 11 blocks of 4 each
 MARGIN = 0.025  # seconds between events of different pipelines (or two results) in the simulated timeline
 
 
@@ -54,17 +55,17 @@ class PacedLauncher:
         return subprocess.Popen(cmd, env=env)
 
 
-def run_controller(cfg: ClusterConfig) -> dict[str, list[list[tuple[str, int]]]]:
+def run_controller(cfg: ClusterConfig, prompts, lengths) -> tuple[dict[str, list[list[tuple[str, int]]]], int]:
     async def collect(ctrl, i):
-        params = SamplingParams(max_tokens=LENGTHS[i], temperature=0, ignore_eos=True)
-        async for out in ctrl.generate(PROMPTS[i], params, str(i)):
+        params = SamplingParams(max_tokens=lengths[i], temperature=0, ignore_eos=True)
+        async for out in ctrl.generate(prompts[i], params, str(i)):
             last = out
         return last
 
     async def main():
         ctrl = Controller(cfg, launcher=PacedLauncher())
         tasks = []
-        for i in range(len(PROMPTS)):  # queued in order before the loop thread exists
+        for i in range(len(prompts)):  # queued in order before the loop thread exists
             tasks.append(asyncio.create_task(collect(ctrl, i)))
             while len(ctrl.submissions) < i + 1:
                 await asyncio.sleep(0)
@@ -73,8 +74,8 @@ def run_controller(cfg: ClusterConfig) -> dict[str, list[list[tuple[str, int]]]]
             outs = await asyncio.gather(*tasks)
         finally:
             await ctrl.shutdown()
-        assert [len(o.token_ids) for o in outs] == LENGTHS
-        return {p.role: [seqs for _, seqs in p.batch_log] for p in ctrl.pipelines}
+        assert [len(o.token_ids) for o in outs] == lengths
+        return {p.role: [seqs for _, seqs in p.batch_log] for p in ctrl.pipelines}, ctrl.preemptions
 
     return asyncio.run(main())
 
@@ -91,9 +92,9 @@ class TimedSimulator(Simulator):
         return super().on_pass_done(now, p, wire_id)
 
 
-def run_simulator(cfg: ClusterConfig) -> tuple[dict[str, list[list[tuple[str, int]]]], TimedSimulator]:
-    n = len(PROMPTS)
-    w = Workload(np.zeros(n), np.array([len(p) for p in PROMPTS], dtype=np.int64), np.array(LENGTHS, dtype=np.int64))
+def run_simulator(cfg: ClusterConfig, prompts, lengths) -> tuple[dict[str, list[list[tuple[str, int]]]], TimedSimulator]:
+    n = len(prompts)
+    w = Workload(np.zeros(n), np.array([len(p) for p in prompts], dtype=np.int64), np.array(lengths, dtype=np.int64))
     sim = TimedSimulator(SimConfig.from_cluster(cfg, max_model_len=256), PacedPerf(), w)
     res = sim.run()
     assert np.all(res.completions == 1)
@@ -104,6 +105,8 @@ LAYOUTS = {
     "colocated-2": dict(mode="colocated", depth=2),
     "colocated-2-chunked": dict(mode="colocated", depth=2, sched=SchedulerConfig(max_num_batched_tokens=16,
                                                                                  prefill_chunk_size=8)),
+    "colocated-2-preempt": dict(mode="colocated", depth=2, blocks=24, lengths=[14, 14, 14, 14], prompts=LONG,
+                                sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
     "disagg-1-1": dict(mode="disaggregated", prompt_depth=1, token_depth=1),
     "disagg-1-1-chunked": dict(mode="disaggregated", prompt_depth=1, token_depth=1,
                                sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
@@ -113,10 +116,11 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, name):
     kw = dict(LAYOUTS[name])
-    sched = kw.pop("sched", SchedulerConfig())
-    cfg = ClusterConfig(engine=EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=128, block_size=4, scheduler=sched),
+    sched, blocks = kw.pop("sched", SchedulerConfig()), kw.pop("blocks", 128)
+    prompts, lengths = kw.pop("prompts", PROMPTS), kw.pop("lengths", LENGTHS)
+    cfg = ClusterConfig(engine=EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=blocks, block_size=4, scheduler=sched),
                         microbatch_size=2, prompt_microbatch_size=2, heartbeat_timeout_s=30.0, **kw)
-    simulated, sim = run_simulator(cfg)
+    simulated, sim = run_simulator(cfg, prompts, lengths)
     # Precondition: no two returns closer than MARGIN (of one pipeline: so two results are never
     # drained in one loop turn; of two pipelines: so the real run cannot see them reordered).
     for role in ("both", "prompt", "token"):
@@ -126,6 +130,8 @@ def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, name):
     assert all(abs(a - b) >= MARGIN for a in prompt for b in token)
     if "chunked" in name:
         first = simulated["prompt" if cfg.mode == "disaggregated" else "both"]
-        assert any(0 < k < len(PROMPTS[int(rid)]) for batch in first for rid, k in batch), "prompts meant to be chunked"
-    real = run_controller(cfg)
+        assert any(0 < k < len(prompts[int(rid)]) for batch in first for rid, k in batch), "prompts meant to be chunked"
+    real, preemptions = run_controller(cfg, prompts, lengths)
     assert real == simulated
+    if "preempt" in name:
+        assert preemptions > 0, "the budget was meant to force preemption"
