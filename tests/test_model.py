@@ -175,6 +175,13 @@ def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads):
     batch = ForwardBatch.build([SeqSlice(i, 1, n, t) for i, (n, t) in enumerate(zip(lens, tables))], 4)
     q = torch.randn(len(lens), cfg.num_heads, cfg.head_dim, generator=g).to(dtype)
     fast = model._decode_attention(0, q, batch, kv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(lens) + 1)  # fewer sequences than threads: one KV head per work item
+    try:
+        split = model._decode_attention(0, q, batch, kv)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, fast)
     model.paged_kernel = False
     slow = model._decode_attention(0, q, batch, kv)
     # and a plain per-sequence softmax(q k^T) v on the gathered K/V as the definition

@@ -40,57 +40,76 @@ using Vec = at::vec::Vectorized<float>;
 template <typename T> inline Vec load_f32(const T* p) { Vec o; at::vec::load_to_float<T>(p, o); return o; }
 template <> inline Vec load_f32<float>(const float* p) { return Vec::loadu(p); }
 
-// One (sequence, KV head) at a time. Pass 1 reads K block by block: for each of the G query heads
-// sharing this KV head, its C vectors of q stay in registers over the block's tokens (the block,
-// a few KB, stays in L1 across the G heads). A vectorised softmax over the G x n scores. Pass 2
-// reads V block by block into C register accumulators per query head.
+// Work items are heads [h0, h1) of one sequence: all KV heads of a sequence when there are at
+// least as many sequences as threads (each token's K and V rows are then read contiguously, once),
+// else one KV head each (batch 1 still uses every thread). Pass 1 reads K block by block into
+// (head, group) x n float scores, a vectorised softmax per row, pass 2 reads V block by block into
+// float accumulators (head, group) x D. q is pre-scaled into float once per item.
 template <typename T, int C>
 static void decode_kernel(const T* q, const T* kv, const int64_t* table, const int64_t* ctx, T* out, int64_t B,
                           int64_t H, int64_t KVH, int64_t BS, int64_t max_blocks, int64_t v_offset, float scale) {
   constexpr int64_t D = C * Vec::size();
   const int64_t G = H / KVH, tok_stride = KVH * D, blk_stride = BS * KVH * D;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, inv(G);
+  const int64_t per_item = B >= at::get_num_threads() ? KVH : 1;  // KV heads per work item
+  at::parallel_for(0, B * (KVH / per_item), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, inv;
+    std::vector<Vec> qv, acc;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / KVH, h = w % KVH, n = ctx[b];
+      const int64_t b = w / (KVH / per_item), h0 = (w % (KVH / per_item)) * per_item, n = ctx[b];
+      const int64_t rows = per_item * G;  // query heads h0 * G .. h0 * G + rows
       const int64_t* blocks = table + b * max_blocks;
-      scores.resize(G * n);
-      for (int64_t g = 0; g < G; ++g) {
-        Vec qg[C];
-        for (int c = 0; c < C; ++c) qg[c] = load_f32<T>(q + (b * H + h * G + g) * D + c * Vec::size()) * Vec(scale);
-        float* s = scores.data() + g * n;
-        for (int64_t t0 = 0; t0 < n; t0 += BS) {
-          const T* k = kv + blocks[t0 / BS] * blk_stride + h * D;
-          const int64_t len = std::min(n - t0, BS);
-          for (int64_t t = 0; t < len; ++t, k += tok_stride) {
-            Vec dot = qg[0] * load_f32<T>(k);
-            for (int c = 1; c < C; ++c) dot = at::vec::fmadd(qg[c], load_f32<T>(k + c * Vec::size()), dot);
-            s[t0 + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, dot);
+      const T* qb = q + (b * H + h0 * G) * D;
+      qv.resize(rows * C);
+      for (int64_t i = 0; i < rows * C; ++i) qv[i] = load_f32<T>(qb + i * Vec::size()) * Vec(scale);
+      scores.resize(rows * n);
+      inv.resize(rows);
+      for (int64_t t0 = 0; t0 < n; t0 += BS) {
+        const T* kb = kv + blocks[t0 / BS] * blk_stride + h0 * D;
+        const int64_t len = std::min(n - t0, BS);
+        for (int64_t t = 0; t < len; ++t) {
+          for (int64_t hh = 0; hh < per_item; ++hh) {
+            const T* k = kb + t * tok_stride + hh * D;
+            Vec kc[C];
+            for (int c = 0; c < C; ++c) kc[c] = load_f32<T>(k + c * Vec::size());
+            for (int64_t g = 0; g < G; ++g) {
+              const Vec* qg = qv.data() + (hh * G + g) * C;
+              Vec dot = qg[0] * kc[0];
+              for (int c = 1; c < C; ++c) dot = at::vec::fmadd(qg[c], kc[c], dot);
+              scores[(hh * G + g) * n + t0 + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, dot);
+            }
           }
         }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * n;
         const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
         at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp(); }, s, s, n);
-        inv[g] = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
+        inv[r] = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        Vec acc[C];
-        for (int c = 0; c < C; ++c) acc[c] = Vec(0.f);
-        const float* p = scores.data() + g * n;
-        for (int64_t t0 = 0; t0 < n; t0 += BS) {
-          const T* v = kv + v_offset + blocks[t0 / BS] * blk_stride + h * D;
-          const int64_t len = std::min(n - t0, BS);
-          for (int64_t t = 0; t < len; ++t, v += tok_stride) {
-            const Vec pt(p[t0 + t]);
-            for (int c = 0; c < C; ++c) acc[c] = at::vec::fmadd(pt, load_f32<T>(v + c * Vec::size()), acc[c]);
+      acc.assign(rows * C, Vec(0.f));
+      for (int64_t t0 = 0; t0 < n; t0 += BS) {
+        const T* vb = kv + v_offset + blocks[t0 / BS] * blk_stride + h0 * D;
+        const int64_t len = std::min(n - t0, BS);
+        for (int64_t t = 0; t < len; ++t) {
+          for (int64_t hh = 0; hh < per_item; ++hh) {
+            const T* v = vb + t * tok_stride + hh * D;
+            Vec vc[C];
+            for (int c = 0; c < C; ++c) vc[c] = load_f32<T>(v + c * Vec::size());
+            for (int64_t g = 0; g < G; ++g) {
+              const Vec pt(scores[(hh * G + g) * n + t0 + t]);
+              Vec* a = acc.data() + (hh * G + g) * C;
+              for (int c = 0; c < C; ++c) a[c] = at::vec::fmadd(pt, vc[c], a[c]);
+            }
           }
         }
-        T* o = out + (b * H + h * G + g) * D;
+      }
+      T* ob = out + (b * H + h0 * G) * D;
+      for (int64_t r = 0; r < rows; ++r)
         for (int c = 0; c < C; ++c) {
           float tmp[Vec::size()];
-          (acc[c] * Vec(inv[g])).store(tmp);
-          for (int64_t i = 0; i < Vec::size(); ++i) o[c * Vec::size() + i] = static_cast<T>(tmp[i]);
+          (acc[r * C + c] * Vec(inv[r])).store(tmp);
+          for (int64_t i = 0; i < Vec::size(); ++i) ob[r * D + c * Vec::size() + i] = static_cast<T>(tmp[i]);
         }
-      }
     }
   });
 }
