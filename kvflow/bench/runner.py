@@ -29,6 +29,9 @@ class BenchConfig:
     max_duration: float = 600.0  # per rate
     model: str | None = None  # None: the first model /v1/models lists
     progress: bool = True
+    # Where the vocabulary size comes from when /v1/models has none (a vLLM server): a local
+    # checkpoint (GGUF file or HF-style directory; None = the embedded default model).
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", check_local(self.url))
@@ -38,17 +41,24 @@ class BenchConfig:
             raise ValueError(f"max_duration must be in (0, {MAX_DURATION_S:g}] seconds, got {self.max_duration}")
 
 
-async def server_info(client: httpx.AsyncClient, url: str, model: str | None) -> tuple[str, int, int]:
-    """(model id, context length, vocabulary size) from /v1/models."""
+async def server_info(client: httpx.AsyncClient, url: str, model: str | None,
+                      tokenizer: str | None = None) -> tuple[str, int, int]:
+    """(model id, context length, vocabulary size) from /v1/models; a server that does not list the
+    vocabulary size (vLLM) gets it from the local checkpoint `tokenizer` (None: the embedded default)."""
     r = await client.get(f"{url}/v1/models")
     r.raise_for_status()
     cards = r.json()["data"]
     card = next((c for c in cards if model is None or c["id"] == model), None)
     if card is None:
         raise ValueError(f"the server does not serve {model!r} (it serves {[c['id'] for c in cards]})")
-    if "max_model_len" not in card or not card.get("vocab_size"):
-        raise ValueError("the server's /v1/models lacks max_model_len/vocab_size (is it a kvflow server?)")
-    return card["id"], int(card["max_model_len"]), int(card["vocab_size"])
+    if not card.get("max_model_len"):
+        raise ValueError("the server's /v1/models lacks max_model_len (neither kvflow nor vLLM?)")
+    vocab = card.get("vocab_size")
+    if not vocab:
+        from kvflow.model.loader import load_config
+
+        vocab = load_config(tokenizer)[0].vocab_size
+    return card["id"], int(card["max_model_len"]), int(vocab)
 
 
 async def run_rate(client: httpx.AsyncClient, cfg: BenchConfig, model: str, rate: float,
@@ -85,7 +95,7 @@ async def run_sweep(cfg: BenchConfig) -> list[dict]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(cfg.max_duration + 30.0, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-        model, max_model_len, vocab = await server_info(client, cfg.url, cfg.model)
+        model, max_model_len, vocab = await server_info(client, cfg.url, cfg.model, cfg.tokenizer)
         summaries = []
         for rate in cfg.rates:
             reqs = build_requests(cfg.dataset, rate, vocab, max_model_len)

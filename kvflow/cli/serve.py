@@ -63,6 +63,9 @@ def register(sub) -> None:
     bs = bsub.add_parser("serve", help="open-loop load generator: Poisson arrivals, rate sweep, TTFT/TPOT/normalized latency")
     bs.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (127.0.0.1/localhost only)")
     bs.add_argument("--model", default=None, help="model id (default: the first one /v1/models lists)")
+    bs.add_argument("--tokenizer", default=None,
+                    help="local checkpoint whose vocabulary the synthetic prompts use when the server's /v1/models "
+                         "does not list vocab_size, as vLLM's does not (default: the embedded SmolLM2)")
     bs.add_argument("--rates", default="1", help="comma-separated request rates in req/s, e.g. 0.5,1,2")
     bs.add_argument("--num-requests", type=int, default=100, help="requests per rate")
     bs.add_argument("--max-duration", type=float, default=600.0, help="seconds per rate before the run is cut off")
@@ -198,7 +201,8 @@ def run_bench_serve(args) -> int:
                           output_scale=args.output_scale, max_output_len=args.max_output_len, trace=args.trace,
                           length_scale=args.length_scale, trace_arrivals=args.trace_arrivals, seed=args.seed)
     cfg = BenchConfig(url=args.url, rates=rates, dataset=dataset, slo=SLO(args.ttft_slo, args.tpot_slo),
-                      max_duration=args.max_duration, model=args.model, progress=not args.no_progress)
+                      max_duration=args.max_duration, model=args.model, progress=not args.no_progress,
+                      tokenizer=args.tokenizer)
     summaries = asyncio.run(run_sweep(cfg))
     print(table(summaries))
     config = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if k == "compare" else v)
