@@ -14,7 +14,9 @@
   memcpy+xxh3  that copy plus the checksum of the slot: what a checked shm send cannot go below
   file       flush() through FileSender (one file per chunk, temp name + rename)
   raw write  os.open / os.write / os.close of one file per chunk
-  xxh3       the payload checksum alone (what checking costs: it runs once on each side)
+  tcp / shm unchecked   tcp and shm again with the payload checksum replaced by a constant in
+             both processes (header and MAC still checked): the difference is what checking costs
+  xxh3       the payload checksum alone
 
 All variants of a round run in one process, in a shuffled order, for each chunk size; the table
 shows medians over rounds of GB/s and of each transport's ratio to its raw counterpart in the same
@@ -68,7 +70,9 @@ def peer(kind: str, conn) -> None:
                 sock.recv(copy=False)
             conn.send("done")
         return
-    rx = TcpReceiver() if kind == "tcp" else ShmReceiver()
+    if kind.endswith("_unchecked"):
+        _no_checksum()
+    rx = TcpReceiver() if kind.startswith("tcp") else ShmReceiver()
     conn.send(rx.address)
     inp = InStream(rx, secret=SECRET)
     while (n := conn.recv()) is not None:
@@ -76,6 +80,15 @@ def peer(kind: str, conn) -> None:
             fetch(inp, 60).release()
         conn.send("done")
     rx.close()
+
+
+def _no_checksum():
+    """For the unchecked variants only: every payload 'hashes' to 0 on both sides."""
+    import kvflow.streaming.chunk as chunk
+
+    saved = chunk.checksum
+    chunk.checksum = lambda payload: 0
+    return saved
 
 
 def start_peer(kind: str):
@@ -92,18 +105,20 @@ class Bench:
         import zmq
 
         self.tmp = tmp
-        self.peers = {k: start_peer(k) for k in ("raw_zmq", "tcp", "shm")}
+        self.peers = {k: start_peer(k) for k in ("raw_zmq", "tcp", "shm", "tcp_unchecked", "shm_unchecked")}
         self.raw = zmq.Context.instance().socket(zmq.PUSH)
         self.raw.connect(self.peers["raw_zmq"][2])
         self.tcp = OutStream(TcpSender(self.peers["tcp"][2], timeout=60), "bench-tcp", SECRET)
         self.shm = OutStream(ShmSender(self.peers["shm"][2], slots=SLOTS, slot_bytes=max(SIZES), timeout=60), "bench-shm", SECRET)
+        self.tcp_u = OutStream(TcpSender(self.peers["tcp_unchecked"][2], timeout=60), "bench-tcp-u", SECRET)
+        self.shm_u = OutStream(ShmSender(self.peers["shm_unchecked"][2], slots=SLOTS, slot_bytes=max(SIZES), timeout=60), "bench-shm-u", SECRET)
         self.seg = shared_memory.SharedMemory(create=True, size=SLOTS * max(SIZES))
         self.file_index = 0
         self.packed: dict[int, int] = {}
 
     def close(self) -> None:
-        self.tcp.sender.close()
-        self.shm.sender.close()
+        for out in (self.tcp, self.shm, self.tcp_u, self.shm_u):
+            out.sender.close()
         self.raw.close(0)
         self.seg.close()
         self.seg.unlink()
@@ -144,6 +159,15 @@ class Bench:
             return self._remote("tcp", n, lambda: flush(self.tcp, desc, x))
         if variant == "shm":
             return self._remote("shm", n, lambda: flush(self.shm, desc, x))
+        if variant in ("tcp_unchecked", "shm_unchecked"):
+            import kvflow.streaming.chunk as chunk
+
+            out = self.tcp_u if variant == "tcp_unchecked" else self.shm_u
+            saved = _no_checksum()
+            try:
+                return self._remote(variant, n, lambda: flush(out, desc, x))
+            finally:
+                chunk.checksum = saved
         if variant in ("shm_rsv", "tcp_rsv"):
             kind, out = ("shm", self.shm) if variant == "shm_rsv" else ("tcp", self.tcp)
             src = x.view(-1).view(torch.uint8)
@@ -191,7 +215,7 @@ class Bench:
         raise ValueError(variant)
 
 
-VARIANTS = ["raw_zmq", "tcp", "tcp_rsv", "memcpy", "memcpy_xxh3", "shm", "shm_rsv", "raw_write", "file", "xxh3"]
+VARIANTS = ["raw_zmq", "tcp", "tcp_rsv", "tcp_unchecked", "memcpy", "memcpy_xxh3", "shm", "shm_rsv", "shm_unchecked", "raw_write", "file", "xxh3"]
 
 
 def measure(args) -> list[dict]:
@@ -226,8 +250,10 @@ def summarize(rounds: list[dict]) -> list[dict]:
         row = {"chunk_bytes": size, **{f"{v}_GBps": statistics.median(r[v] for r in rs) for v in VARIANTS}}
         for ours, raw in PAIRS:
             row[f"{ours}_pct_of_{raw}"] = 100 * statistics.median(r[ours] / r[raw] for r in rs)
-        row["xxh3_share_of_tcp_pct"] = 100 * statistics.median(r["tcp"] / r["xxh3"] for r in rs)
-        row["xxh3_share_of_shm_pct"] = 100 * statistics.median(r["shm"] / r["xxh3"] for r in rs)
+        for t in ("tcp", "shm"):  # share of a chunk's time that checking takes: 1 - t_unchecked / t_checked
+            row[f"checking_cost_{t}_pct"] = 100 * statistics.median(1 - r[t] / r[f"{t}_unchecked"] for r in rs)
+            raw = {"tcp": "raw_zmq", "shm": "memcpy"}[t]
+            row[f"{t}_unchecked_pct_of_{raw}"] = 100 * statistics.median(r[f"{t}_unchecked"] / r[raw] for r in rs)
         rows.append(row)
     return rows
 
@@ -246,9 +272,13 @@ def print_table(rows: list[dict]) -> None:
             f"{_kb(r['chunk_bytes']):>6} | {r['raw_zmq_GBps']:7.2f} {cell('tcp', 'raw_zmq'):>12} {cell('tcp_rsv', 'raw_zmq'):>12} | {r['memcpy_GBps']:6.2f} {cell('shm', 'memcpy'):>12} "
             f"{cell('shm_rsv', 'memcpy'):>12} {ck:>12} | {r['raw_write_GBps']:9.2f} {cell('file', 'raw_write'):>12} | {r['xxh3_GBps']:5.1f}"
         )
-    print("checking: one xxh3 pass, as a share of each transport's time per chunk (it runs once on each side, in parallel):")
+    print("checking (XXH3 of every payload at both ends): the same transports with it replaced by a constant")
+    print(f"{'chunk':>6} | {'tcp':>5} {'unchecked':>15} {'cost':>5} | {'shm':>5} {'unchecked':>15} {'cost':>5} | shm vs memcpy+xxh3")
     for r in rows:
-        print(f"  {_kb(r['chunk_bytes']):>6}: tcp {r['xxh3_share_of_tcp_pct']:4.1f}%  shm {r['xxh3_share_of_shm_pct']:4.1f}%  shm vs checked memcpy {r['shm_pct_of_memcpy_xxh3']:3.0f}%")
+        print(
+            f"{_kb(r['chunk_bytes']):>6} | {r['tcp_GBps']:5.2f} {r['tcp_unchecked_GBps']:5.2f} ({r['tcp_unchecked_pct_of_raw_zmq']:3.0f}% raw) {r['checking_cost_tcp_pct']:4.0f}% | "
+            f"{r['shm_GBps']:5.2f} {r['shm_unchecked_GBps']:5.2f} ({r['shm_unchecked_pct_of_memcpy']:3.0f}% raw) {r['checking_cost_shm_pct']:4.0f}% | {r['shm_pct_of_memcpy_xxh3']:3.0f}%"
+        )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -283,7 +313,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mbytes", type=int, default=128, help="bytes moved per variant, chunk size and round (MB)")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tmp", default=None, help="directory for the file variants (default: the system temp dir)")
     ap.add_argument("--out", default=str(RESULTS / "transports.json"))
     args = ap.parse_args()
