@@ -191,3 +191,16 @@ def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads):
         ref = torch.einsum("hs,shd->hd", p, v)
         assert (fast[i].float() - ref).abs().max().item() < tol, f"sequence {i}"
     assert fast.dtype == dtype and (fast.float() - slow.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_prepared_linear_equals_f_linear_on_every_row_count(dtype, tol):
+    from kvflow.model.llama import Linear
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g).to(dtype)
+    lin = Linear(w)
+    for rows in (1, 2, 3, 16, 100):  # both sides of PACKED_MIN_ROWS
+        x = torch.randn(rows, 32, generator=g).to(dtype)
+        ref = x.float() @ w.float().t()
+        assert (lin(x).float() - ref).abs().max().item() < tol * ref.abs().max().item(), rows
