@@ -47,8 +47,8 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     return 2 * n**3 / timed(lambda: a @ b, repeats) / 1e9
 
 
@@ -207,7 +207,7 @@ def main() -> None:
     tok = llm.tokenizer
     print(f"engine start-up (load + weight prepacking + paged kernel load): {res['engine_start_s']:.2f}s")
     hf = LlamaForCausalLM.from_pretrained(str(eng.checkpoint.directory), dtype=getattr(torch, dtype)).eval()  # the same converted weights
-    res["ceiling_matmul_gflops"] = matmul_gflops()
+    res["ceiling_matmul_gflops"] = matmul_gflops(dtype=getattr(torch, dtype))  # in the run's dtype
     res["ceiling_copy_gbps"] = copy_gbps()
     res["ceiling_read_gbps"] = read_gbps()
     print(f"ceilings: matmul {res['ceiling_matmul_gflops']:.1f} GFLOP/s, memory copy {res['ceiling_copy_gbps']:.1f} GB/s "
