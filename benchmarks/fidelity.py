@@ -1,8 +1,8 @@
 """Fidelity out of sample: does the simulator, calibrated by `kvflow profile`, predict the server?
 
 1. Calibrate: `kvflow profile` (the real single-process engine, one torch thread) on its own grid of
-   shapes — whole prompts of PROFILE_PROMPTS tokens in batches of PROFILE_BATCHES, decode steps at
-   PROFILE_CONTEXTS — never the replay's requests or its mixed, chunked batches — plus the
+   shapes (`kvflow.perf.calibrate.GRID_*`: whole prompts in small batches, decode steps at a few
+   contexts) — never the replay's requests or its mixed, chunked batches — plus the
    per-stage overhead of worker processes (`calibrate.executor_overhead`: decode steps of 1 and 4
    requests through a one-stage worker pipeline, minus the engine's fit).
 2. Replay one open-loop Poisson workload (prompt and output lengths from the Azure conversation
@@ -26,18 +26,18 @@ import argparse
 import asyncio
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from kvflow.perf import Profile, ProfiledPerfModel
+from kvflow.perf import ProfiledPerfModel
+from kvflow.perf.calibrate import GRID_BATCHES, GRID_CONTEXTS, GRID_PROMPTS, calibrated_profile
 from kvflow.simulator import Layout, PipelineSpec, SimConfig, Workload, simulate
 from kvflow.simulator.workload import azure_trace, poisson_arrivals
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
-PROFILE_BATCHES, PROFILE_PROMPTS, PROFILE_CONTEXTS = (1, 2, 4), (16, 48, 112), (24, 96, 224)
 LAYOUTS = ("engine", "colocated-2", "disaggregated-1-1")
 
 
@@ -159,16 +159,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     t_start = time.perf_counter()
-    if args.reprofile or not args.profile.exists():
-        from kvflow.perf.calibrate import executor_overhead, profile_engine
-
-        t0 = time.perf_counter()
-        prof = profile_engine(None, PROFILE_BATCHES, PROFILE_PROMPTS, PROFILE_CONTEXTS, repeats=3, threads=1)
-        prof = replace(prof, stage_overhead_s=executor_overhead(prof, None))
-        args.profile.parent.mkdir(parents=True, exist_ok=True)
-        prof.save(args.profile)
-        print(f"profiled the engine and a one-stage worker pipeline in {time.perf_counter() - t0:.0f} s -> {args.profile}")
-    profile = Profile.load(args.profile)
+    profile = calibrated_profile(args.profile, reprofile=args.reprofile)
     perf = ProfiledPerfModel(profile)
     perf_workers = ProfiledPerfModel(profile, executor=True)
     print(f"profile: prompt fit {perf.prompt_fit.coef} (max rel. error {perf.prompt_fit.max_rel_error:.0%}), "
@@ -202,8 +193,8 @@ def main() -> None:
     print(f"worst |error| {worst:.1%} (target < 10%); total {time.perf_counter() - t_start:.0f} s")
     out = ROOT / "results"
     out.mkdir(exist_ok=True)
-    doc = {"profile": str(args.profile), "profile_grid": {"batches": PROFILE_BATCHES, "prompts": PROFILE_PROMPTS,
-                                                          "contexts": PROFILE_CONTEXTS},
+    doc = {"profile": str(args.profile), "profile_grid": {"batches": GRID_BATCHES, "prompts": GRID_PROMPTS,
+                                                          "contexts": GRID_CONTEXTS},
            "workload": {"requests": w.n, "rate": args.rate, "seed": args.seed, "trace": TRACE.name,
                         "scaling": "prompt // 16 clipped [8, 160]; output // 8 clipped [4, 40]"},
            "layouts": rows, "worst_abs_error": worst}

@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--fail", action="append", default=[], metavar="T[:ROLE[:PIPE[:STAGE]]]",
                    help="kill a worker at T seconds (role prompt|token)")
     s.add_argument("--recovery", choices=["resume", "restart"], default="resume")
+    s.add_argument("--recovery-costs", type=Path, metavar="JSON",
+                   help="measured recovery costs (results/fault_tolerance.json of benchmarks/fault_tolerance.py) "
+                        "instead of the defaults (detect 1 s, restart 10 s, restore modelled from the KV size)")
     s.add_argument("--dispatch", choices=["shared", "round_robin"], default="shared")
     s.add_argument("--rigid-rounds", action="store_true", help="original FasterTransformer scheduling")
     s.add_argument("--ttft-slo", type=float)
@@ -160,9 +163,21 @@ def parse_layout(text: str):
     return Layout(*specs)
 
 
+def _recovery(args):
+    from kvflow.simulator import Recovery
+
+    if args.recovery_costs is None:
+        return Recovery(args.recovery)
+    costs = json.loads(args.recovery_costs.read_text()).get("recovery_costs")
+    policy = {"resume": "resume", "restart": "recompute"}[args.recovery]  # the benchmark's policy names
+    if not costs or policy not in costs:
+        raise ValueError(f"{args.recovery_costs} has no measured recovery costs for {policy!r}")
+    return Recovery.measured(args.recovery, costs[policy])
+
+
 def cmd_simulate(args) -> int:
     from kvflow.planner.report import mean_ratio, save, sweep, table
-    from kvflow.simulator import SLO, Failure, Recovery, SimConfig, simulate
+    from kvflow.simulator import SLO, Failure, SimConfig, simulate
     from kvflow.simulator.scenario import load_scenario
 
     if args.scenario:
@@ -186,7 +201,7 @@ def cmd_simulate(args) -> int:
     for f in args.fail:
         t, *rest = f.split(":")
         failures.append(Failure(float(t), rest[0] if rest else "prompt", *(int(x) for x in rest[1:3])))
-    cfg = SimConfig(layout, args.dispatch, args.swapping, args.rigid_rounds, tuple(failures), Recovery(args.recovery))
+    cfg = SimConfig(layout, args.dispatch, args.swapping, args.rigid_rounds, tuple(failures), _recovery(args))
     w = spec.build(layout.prompt.microbatch)
     t0 = time.perf_counter()
     res = simulate(cfg, perf, w)

@@ -50,6 +50,20 @@ from kvflow.wire import (
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class RecoveryRecord:
+    """One completed recovery: when the loss was detected (time.monotonic()), how long starting the
+    replacement (spawn, load, handshake) and restoring its KV from the replica took, the total, and
+    how many requests resumed (0: recomputed). The measured costs the simulator's failure model takes."""
+
+    worker: str
+    detected_at: float
+    replace_s: float
+    restore_s: float
+    total_s: float
+    resumed: int
+
+
 class StartError(RuntimeError):
     """A worker did not come up (exited, reported an error, or timed out)."""
 
@@ -108,6 +122,7 @@ class Controller:
         self.failures = 0
         self.recoveries = 0
         self.recovery_seconds = 0.0
+        self.recovery_log: list[RecoveryRecord] = []  # one per completed recovery, in order
         self.recovering: str | None = None
         self._restoring: tuple[str, set[str]] | None = None  # (replacement, requests whose KV it still awaits)
         self.resumed = 0  # requests brought back from a replica (not recomputed from scratch)
@@ -575,8 +590,10 @@ class Controller:
             return
         self._wire_all()
         lost.alive = True
+        t_replaced = time.monotonic()
         if resume is not None and not self._restore(lp, lost, holder, prev, resume):
             resume = None
+        t_restored = time.monotonic()
         computed = {r.request_id: r.num_computed_tokens for r in lp.sched.running if not r.is_finished}
         self.lost_tokens += sum(computed.values())
         self.recomputed_tokens += sum(n - (resume or {}).get(rid, 0) for rid, n in computed.items())
@@ -587,6 +604,8 @@ class Controller:
         self.recovering = None
         self.recoveries += 1
         self.recovery_seconds += now - t0
+        self.recovery_log.append(RecoveryRecord(lost.name, t0, t_replaced - t0, t_restored - t_replaced, now - t0,
+                                                len(resume) if resume is not None else 0))
         how = f"{len(resume)} request(s) resumed from the replica" if resume is not None else "requests recomputed"
         log.warning("recovered from the loss of %s in %.2fs (%s)", lost.name, now - t0, how)
 

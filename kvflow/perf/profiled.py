@@ -3,11 +3,14 @@
 Fitted forms (whole model on one machine; Aladdin and Vidur report these shapes hold closely):
     prompt(b, s) = p0 + p1 * b*s + p2 * b*s^2        (weights GEMMs + causal attention)
     token(b, c)  = q0 + q1 * b   + q2 * b*c          (per-step overhead, weights, KV reads)
-A stage of a depth-D pipeline pays the intercept once, the weight terms (p1, q1) in proportion to
-the parameters it holds (the last stage holds the LM head) and the attention terms (p2, q2) in
-proportion to its layers. A pipeline of worker processes also pays `stage_overhead_s` per stage and
-pass (messages, codec, the controller's share), measured by `calibrate.executor_overhead` through
-a one-stage worker pipeline; 0 for a profile without it.
+A stage of a depth-D pipeline pays the intercept and the weight terms (p1, q1) in proportion to the
+parameters it holds (the last stage holds the LM head) and the attention terms (p2, q2) in
+proportion to its layers. The intercept scales too: on a CPU it is mostly the time to stream the
+weights once per step (a decode step of one sequence is memory-bound) and the per-layer Python
+work, both split among the stages; charging every stage the whole intercept made a depth-2
+pipeline's steps about 1.5x too slow. What a stage pays whatever its share — messages, codec, the
+controller's share — is `stage_overhead_s` per stage and pass, measured by
+`calibrate.executor_overhead` through a one-stage worker pipeline; 0 for a profile without it.
 """
 
 from __future__ import annotations
@@ -145,6 +148,6 @@ class ProfiledPerfModel(PerfModel):
         q0, q1, q2 = self.token_fit.coef
         c0 = max(p0 if batch.prefill_seqs else 0.0, q0 if batch.decode_seqs else 0.0)
         w, a = self._shares(depth)
-        var = w * (p1 * batch.prefill_tokens + q1 * batch.decode_seqs) + a * (p2 * batch.prefill_attention +
-                                                                             q2 * batch.decode_context)
-        return c0 + var + self._overhead(depth)
+        var = (p1 * batch.prefill_tokens + q1 * batch.decode_seqs) + (a / w) * (p2 * batch.prefill_attention +
+                                                                              q2 * batch.decode_context)
+        return w * (c0 + var) + self._overhead(depth)

@@ -79,23 +79,38 @@ class Failure:
 
 @dataclass(frozen=True)
 class Recovery:
-    """How a pipeline comes back after a failure.
+    """How a pipeline comes back after a failure, and what each step of it costs.
 
-    'restart': every request in flight on the pipeline loses its progress and is queued again
-    (prompt included). 'resume': the replacement worker restores the lost stage's KV from its
-    replica (DéjàVu §4.2.3) and in-flight microbatches continue from their last replicated token.
-    Prompts in flight are redone in both modes (their KV was not yet replicated).
+    'restart': every request in flight on the pipeline loses its progress and is recomputed
+    (prompt + tokens produced so far; the server's `--replication none`). 'resume': the replacement
+    worker restores the lost stage's KV from its replica (DéjàVu §4.2.3) and in-flight microbatches
+    continue from their last replicated token. Prompts in flight are redone in both modes (their KV
+    was not yet replicated).
+
+    The pipeline is down for detect_s + restart_s (+ restore_s when resuming); after that, restart
+    mode pays again for every recomputed token through the scheduler, resume mode only for the
+    passes that were in flight. `restore_s` None models the restore as moving the lost stage's KV
+    over the link (`PerfModel.kv_transfer_time`). `measured` takes the costs a real run recorded
+    (`benchmarks/fault_tolerance.py`, the controller's `recovery_log`), so the two modes differ by
+    what they measurably cost rather than sharing one constant.
     """
 
     mode: str = "resume"
-    detect_s: float = 1.0  # heartbeat timeout
-    restart_s: float = 10.0  # spawn a worker and load its weights
+    detect_s: float = 1.0  # heartbeat timeout (process exit: the controller's next liveness check)
+    restart_s: float = 10.0  # start a replacement worker: spawn, load its weights, handshake
+    restore_s: float | None = None  # resume only: replica -> replacement (None: modelled from the KV size)
 
     def __post_init__(self) -> None:
         if self.mode not in ("restart", "resume"):
             raise ValueError("recovery mode must be 'restart' or 'resume'")
-        if self.detect_s < 0 or self.restart_s < 0:
+        if self.detect_s < 0 or self.restart_s < 0 or (self.restore_s is not None and self.restore_s < 0):
             raise ValueError("recovery times must be non-negative")
+
+    @classmethod
+    def measured(cls, mode: str, costs: dict) -> "Recovery":
+        """From measured medians {'detect_s', 'replace_s', 'restore_s'} (seconds)."""
+        return cls(mode, float(costs["detect_s"]), float(costs["replace_s"]),
+                   float(costs["restore_s"]) if mode == "resume" else None)
 
 
 @dataclass(frozen=True)

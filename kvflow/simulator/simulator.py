@@ -325,8 +325,10 @@ class Simulator:
                 p.sched.waiting.clear()
             self._version += 1
         else:
-            tokens = sum(r.num_computed_tokens for r in p.sched.running)
-            restore = self.perf.kv_transfer_time(tokens, p.depth)
+            if rec.restore_s is not None:
+                restore = rec.restore_s
+            else:
+                restore = self.perf.kv_transfer_time(sum(r.num_computed_tokens for r in p.sched.running), p.depth)
         back = max(now, p.stage_free[0] if p.down else now) + rec.detect_s + rec.restart_s + restore
         p.fail(back)
         self._idle.discard(p)

@@ -35,3 +35,22 @@ def test_simulate_and_plan_commands(tmp_path, capsys):
     doc = json.loads(plan_json.read_text())
     assert set(doc["best"]) <= {"baseline", "baseline-dp", "disaggregated"}
     assert main(["simulate", "--layout", "bogus"]) == 2  # bad input: clear error, exit code 2
+
+
+def test_simulate_takes_measured_recovery_costs(tmp_path):
+    """`--recovery-costs` reads what benchmarks/fault_tolerance.py measured: a longer replacement
+    start-up measurably delays the run; a file without the policy's costs is a clear error."""
+    costs = {"detect_s": 0.1, "replace_s": 2.0, "restore_s": 0.5, "total_s": 2.6}
+    base = ["simulate", "--model", "opt-30b", "--machine", "4xV100-16GB", "--layout", "2p8b", "--requests", "32",
+            "--fail", "5:prompt:0:1", "--recovery", "resume"]
+    makespan = {}
+    for replace_s in (2.0, 200.0):
+        f = tmp_path / f"ft{replace_s}.json"
+        f.write_text(json.dumps({"recovery_costs": {"resume": {**costs, "replace_s": replace_s}}}))
+        out = tmp_path / f"sim{replace_s}"
+        assert main(base + ["--recovery-costs", str(f), "--out", str(out)]) == 0
+        makespan[replace_s] = json.loads(out.with_suffix(".json").read_text())["summary"]["makespan_s"]
+    assert makespan[200.0] >= makespan[2.0] + 190
+    f = tmp_path / "none.json"
+    f.write_text(json.dumps({"recovery_costs": {"resume": costs}}))
+    assert main(base[:-1] + ["restart", "--recovery-costs", str(f)]) == 2

@@ -54,12 +54,12 @@ def test_nonneg_lstsq_and_profiled_fit_recover_coefficients():
     assert perf.prompt_fit.coef == pytest.approx((0.01, 1e-5, 2e-9), rel=1e-6)
     assert perf.token_fit.max_rel_error < 1e-9
     assert perf.token_stage_time(4, 128, 1) == pytest.approx(0.005 + 4e-4 + 4 * 128e-7)
-    # depth 2: intercept once; the weight term scaled by the last stage's parameters (15 layers and
-    # the LM head), the attention term by its 15/30 layers
+    # depth 2: the intercept and the weight term scaled by the last stage's parameters (15 layers
+    # and the LM head), the attention term by its 15/30 layers
     sh = prof.shape
     w = (15 * sh.params_per_layer + sh.vocab * sh.hidden) / (30 * sh.params_per_layer + sh.vocab * sh.hidden)
     assert 0.6 < w < 0.61
-    assert perf.token_stage_time(4, 128, 2) == pytest.approx(0.005 + w * 4e-4 + 0.5 * 4 * 128e-7)
+    assert perf.token_stage_time(4, 128, 2) == pytest.approx(w * (0.005 + 4e-4) + 0.5 * 4 * 128e-7)
     # a mixed batch: one intercept, both variable parts
     mixed = BatchShape(prefill_seqs=1, prefill_tokens=16, prefill_attention=16 * 16, decode_seqs=4, decode_context=4 * 128)
     assert perf.step_time(mixed, 1) == pytest.approx(0.01 + 1e-5 * 16 + 2e-9 * 256 + 4e-4 + 4 * 128e-7)

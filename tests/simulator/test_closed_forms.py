@@ -81,3 +81,19 @@ def test_failure_timeline(mode):
         assert res.finish[0] == pytest.approx(back + 1.0 + 4 * 0.1)
         assert res.restarts == 1
     assert res.ttft[0] == pytest.approx(1.0)  # the first token the user saw keeps its time
+
+
+def test_measured_recovery_costs_differ_by_mode():
+    """Costs measured on a real run (`Recovery.measured`): resume pays its measured restore time
+    instead of the modelled link transfer; restart never pays it, whatever it was measured at."""
+    perf = ConstantPerf(1.0, 0.1)
+    costs = {"detect_s": 0.25, "replace_s": 3.0, "restore_s": 0.75}
+    back = 1.55 + 0.25 + 3.0
+    finish = {}
+    for mode in ("resume", "restart"):
+        cfg = SimConfig(Layout(PipelineSpec(1, 1)), failures=(Failure(1.55),), recovery=Recovery.measured(mode, costs))
+        finish[mode] = simulate(cfg, perf, workload([0.0], [11])).finish[0]
+    assert finish["resume"] == pytest.approx(back + 0.75 + 5 * 0.1)
+    assert finish["restart"] == pytest.approx(back + 1.0 + 4 * 0.1)
+    with pytest.raises(ValueError):
+        Recovery("resume", 0.0, 1.0, -1.0)
