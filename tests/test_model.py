@@ -200,7 +200,22 @@ def test_prepared_linear_equals_f_linear_on_every_row_count(dtype, tol):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=g).to(dtype)
     lin = Linear(w)
-    for rows in (1, 2, 3, 16, 100):  # both sides of PACKED_MIN_ROWS
-        x = torch.randn(rows, 32, generator=g).to(dtype)
-        ref = x.float() @ w.float().t()
-        assert (lin(x).float() - ref).abs().max().item() < tol * ref.abs().max().item(), rows
+    for min_rows in (1, 2, 3):  # whichever path the load-time measurement picks
+        lin.min_rows = min_rows
+        for rows in (1, 2, 3, 16, 100):
+            x = torch.randn(rows, 32, generator=g).to(dtype)
+            ref = x.float() @ w.float().t()
+            assert (lin(x).float() - ref).abs().max().item() < tol * ref.abs().max().item(), (min_rows, rows)
+
+
+def test_prepacked_row_threshold_is_measured_or_overridden(monkeypatch):
+    from kvflow.model import llama
+
+    lins = [llama.Linear(torch.randn(64, 48)) for _ in range(4)]
+    if lins[0].packed is None:
+        pytest.skip("no oneDNN prepacked linear in this torch build")
+    monkeypatch.setattr(llama, "_MIN_ROWS", {})
+    assert llama.choose_min_rows(lins) in (1, 2, 3)
+    assert list(llama._MIN_ROWS) == [(torch.float32, torch.get_num_threads())]  # measured once, then cached
+    monkeypatch.setenv("KVFLOW_PACKED_MIN_ROWS", "1")
+    assert llama.choose_min_rows(lins) == 1

@@ -22,24 +22,71 @@ class Linear:
 
     On CPU with oneDNN (fp32, bf16) the weight is also reordered into oneDNN's blocked layout and
     applied with its prepacked linear (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's
-    freezing pass emits) for 3 rows or more; a single decode row (or two) goes to `F.linear` on the
-    plain weight. Measured side by side over a whole model's 120 projection matrices (cache-cold,
-    2 threads): at 1 row F.linear took ~0.7x the prepacked time; from 4-8 rows the prepacked
-    linear took ~0.5-0.7x F.linear's in fp32 and ~0.8-1.0x in bf16. The price is a second copy of
-    the projection weights in memory (never both read in one step).
+    freezing pass emits) from `min_rows` rows on; fewer rows go to `F.linear` on the plain weight.
+    From 3 rows on the prepacked linear has always been the faster one (0.5-0.7x F.linear's time in
+    fp32, 0.8-1.0x in bf16, over a whole model's projections, cache-cold). At 1 and 2 rows (decode
+    of one or two sequences) the winner depends on the CPU: F.linear took ~0.7x the prepacked time
+    at 1 row on one machine of our kind, and 1.6x (fp32, 53 vs 32 ms per decode step of the 135M
+    model) on another, where F.linear at 2 rows was 2.4x slower still. So the model measures it
+    when it loads (`choose_min_rows`, once per process, dtype and thread count). The price is a
+    second copy of the projection weights in memory (never both read in one step).
     """
-
-    PACKED_MIN_ROWS = 3
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.contiguous()
         usable = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and _mkldnn_ok()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16) if usable else None
+        self.min_rows = 3
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= self.PACKED_MIN_ROWS:
+        if self.packed is not None and x.shape[0] >= self.min_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def prepacked(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+_MIN_ROWS: dict[tuple[torch.dtype, int], int] = {}
+
+
+def choose_min_rows(linears: list[Linear]) -> int:
+    """From how many rows the prepacked linear is used: 1, 2 or 3, whichever row count of 1 and 2 it
+    wins at, timed on this machine over all of `linears` (a pass over a model's projections reads
+    them from memory, as a decode step does), the two paths interleaved, median of 2 passes after a
+    warm-up. `KVFLOW_PACKED_MIN_ROWS` overrides. Cached per dtype and torch thread count."""
+    import os
+    import statistics
+    import time
+
+    packed = [lin for lin in linears if lin.packed is not None]
+    if not packed:
+        return 3
+    if os.environ.get("KVFLOW_PACKED_MIN_ROWS"):
+        return max(1, int(os.environ["KVFLOW_PACKED_MIN_ROWS"]))
+    key = (packed[0].weight.dtype, torch.get_num_threads())
+    if key not in _MIN_ROWS:
+        choice = 3
+        with torch.inference_mode():
+            for rows in (2, 1):
+                xs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1]).to(lin.weight.dtype) for lin in packed}
+                t = {"plain": [], "prepacked": []}
+                for rep in range(3):
+                    for path in t:
+                        t0 = time.perf_counter()
+                        for lin in packed:
+                            getattr(lin, path)(xs[lin.weight.shape[1]])
+                        if rep:
+                            t[path].append(time.perf_counter() - t0)
+                if statistics.median(t["prepacked"]) < statistics.median(t["plain"]):
+                    choice = rows
+                else:
+                    break
+        _MIN_ROWS[key] = choice
+    return _MIN_ROWS[key]
 
 
 def _mkldnn_ok() -> bool:
@@ -96,6 +143,10 @@ class LlamaModel:
         self.norm = norm
         self.lm_head = lm_head
         self._lm_head = Linear(lm_head) if lm_head is not None else None
+        linears = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [self._lm_head] * (lm_head is not None)
+        rows = choose_min_rows(linears)
+        for lin in linears:
+            lin.min_rows = rows
         self.scale = cfg.head_dim**-0.5
         device = layers[0].input_norm.device
         # Decode attention reads K/V in place with the paged kernel where it runs (CPU, a C++ compiler),
