@@ -200,22 +200,27 @@ def test_prepared_linear_equals_f_linear_on_every_row_count(dtype, tol):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=g).to(dtype)
     lin = Linear(w)
-    for min_rows in (1, 2, 3):  # whichever path the load-time measurement picks
-        lin.min_rows = min_rows
-        for rows in (1, 2, 3, 16, 100):
+    for path in ("plain", "prepacked", "padded"):  # whichever path the load-time measurement picks
+        lin.small = dict.fromkeys((1, 2, 3), path)
+        for rows in (1, 2, 3, 4, 16, 100):
             x = torch.randn(rows, 32, generator=g).to(dtype)
             ref = x.float() @ w.float().t()
-            assert (lin(x).float() - ref).abs().max().item() < tol * ref.abs().max().item(), (min_rows, rows)
+            assert (lin(x).float() - ref).abs().max().item() < tol * ref.abs().max().item(), (path, rows)
 
 
-def test_prepacked_row_threshold_is_measured_or_overridden(monkeypatch):
+def test_small_row_paths_are_measured_or_overridden(monkeypatch):
     from kvflow.model import llama
 
     lins = [llama.Linear(torch.randn(64, 48)) for _ in range(4)]
     if lins[0].packed is None:
         pytest.skip("no oneDNN prepacked linear in this torch build")
-    monkeypatch.setattr(llama, "_MIN_ROWS", {})
-    assert llama.choose_min_rows(lins) in (1, 2, 3)
-    assert list(llama._MIN_ROWS) == [(torch.float32, torch.get_num_threads())]  # measured once, then cached
-    monkeypatch.setenv("KVFLOW_PACKED_MIN_ROWS", "1")
-    assert llama.choose_min_rows(lins) == 1
+    monkeypatch.setattr(llama, "_SMALL", {})
+    monkeypatch.delenv("KVFLOW_LINEAR_SMALL_ROWS", raising=False)
+    chosen = llama.choose_small_paths(lins)
+    assert set(chosen) == {1, 2, 3} and set(chosen.values()) <= set(llama.SMALL_PATHS)
+    assert list(llama._SMALL) == [(torch.float32, torch.get_num_threads())]  # measured once, then cached
+    monkeypatch.setenv("KVFLOW_LINEAR_SMALL_ROWS", "padded")
+    assert llama.choose_small_paths(lins) == {1: "padded", 2: "padded", 3: "padded"}
+    monkeypatch.setenv("KVFLOW_LINEAR_SMALL_ROWS", "fast")
+    with pytest.raises(ValueError):
+        llama.choose_small_paths(lins)

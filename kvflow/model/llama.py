@@ -17,31 +17,35 @@ from kvflow.model.config import ModelConfig
 LayerHook = Callable[[int, ForwardBatch], None]
 
 
+SMALL_PATHS = ("plain", "prepacked", "padded")
+PADDED_ROWS = 4
+
+
 class Linear:
     """`y = x @ weight.T` with the weight ([out, in], Hugging Face layout) prepared once at load.
 
     On CPU with oneDNN (fp32, bf16) the weight is also reordered into oneDNN's blocked layout and
     applied with its prepacked linear (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's
-    freezing pass emits) from `min_rows` rows on; fewer rows go to `F.linear` on the plain weight.
-    From 3 rows on the prepacked linear has always been the faster one (0.5-0.7x F.linear's time in
-    fp32, 0.8-1.0x in bf16, over a whole model's projections, cache-cold). At 1 and 2 rows (decode
-    of one or two sequences) the winner depends on the CPU: F.linear took ~0.7x the prepacked time
-    at 1 row on one machine of our kind, and 1.6x (fp32, 53 vs 32 ms per decode step of the 135M
-    model) on another, where F.linear at 2 rows was 2.4x slower still. So the model measures it
-    when it loads (`choose_min_rows`, once per process, dtype and thread count). The price is a
-    second copy of the projection weights in memory (never both read in one step).
+    freezing pass emits) from 4 rows on: 0.5-0.7x F.linear's time in fp32 and 0.8-1.0x in bf16 over
+    a whole model's projections, cache-cold. Below 4 rows (decoding one to three sequences) the
+    fastest path depends on the CPU, so the model measures it when it loads (`choose_small_paths`)
+    and sets `small[rows]` to one of: "plain" (`F.linear` on the plain weight; ~0.7x the prepacked
+    time at 1 row on one machine of our kind), "prepacked", or "padded" (prepacked on the rows
+    padded with zeros to 4: on an AMD EPYC without AMX, 4 rows took 0.75-0.9x the time of 1-3 rows
+    prepacked and 0.4-0.7x F.linear's). The price is a second copy of the projection weights in
+    memory (never both read in one step).
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.contiguous()
         usable = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and _mkldnn_ok()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16) if usable else None
-        self.min_rows = 3
+        self.small = {1: "plain", 2: "plain", 3: "prepacked"}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= self.min_rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return getattr(self, self.small.get(x.shape[0], "prepacked"))(x)
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -49,44 +53,52 @@ class Linear:
     def prepacked(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        return self.prepacked(F.pad(x, (0, 0, 0, PADDED_ROWS - n)))[:n] if n < PADDED_ROWS else self.prepacked(x)
 
-_MIN_ROWS: dict[tuple[torch.dtype, int], int] = {}
+
+_SMALL: dict[tuple[torch.dtype, int], dict[int, str]] = {}
 
 
-def choose_min_rows(linears: list[Linear]) -> int:
-    """From how many rows the prepacked linear is used: 1, 2 or 3, whichever row count of 1 and 2 it
-    wins at, timed on this machine over all of `linears` (a pass over a model's projections reads
-    them from memory, as a decode step does), the two paths interleaved, median of 2 passes after a
-    warm-up. `KVFLOW_PACKED_MIN_ROWS` overrides. Cached per dtype and torch thread count."""
+def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
+    """For 1, 2 and 3 rows, the fastest of `SMALL_PATHS` on this machine, timed over `linears`
+    (up to 64 MB of them: a pass reads them from memory, as a decode step does),
+    the paths interleaved, median of 2 passes after a warm-up. `KVFLOW_LINEAR_SMALL_ROWS` (one of
+    `SMALL_PATHS`) sets all three without measuring. Cached per dtype and torch thread count."""
     import os
     import statistics
     import time
 
-    packed = [lin for lin in linears if lin.packed is not None]
+    packed, nbytes = [], 0
+    for lin in linears:  # enough matrices to overflow the caches (64 MB), not necessarily all
+        if lin.packed is not None and nbytes < 64 << 20:
+            packed.append(lin)
+            nbytes += lin.weight.numel() * lin.weight.element_size()
     if not packed:
-        return 3
-    if os.environ.get("KVFLOW_PACKED_MIN_ROWS"):
-        return max(1, int(os.environ["KVFLOW_PACKED_MIN_ROWS"]))
+        return {}
+    forced = os.environ.get("KVFLOW_LINEAR_SMALL_ROWS")
+    if forced:
+        if forced not in SMALL_PATHS:
+            raise ValueError(f"KVFLOW_LINEAR_SMALL_ROWS must be one of {SMALL_PATHS}, not {forced!r}")
+        return dict.fromkeys(range(1, PADDED_ROWS), forced)
     key = (packed[0].weight.dtype, torch.get_num_threads())
-    if key not in _MIN_ROWS:
-        choice = 3
+    if key not in _SMALL:
+        choice = {}
         with torch.inference_mode():
-            for rows in (2, 1):
+            for rows in range(1, PADDED_ROWS):
                 xs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1]).to(lin.weight.dtype) for lin in packed}
-                t = {"plain": [], "prepacked": []}
+                t: dict[str, list[float]] = {p: [] for p in SMALL_PATHS}
                 for rep in range(3):
-                    for path in t:
+                    for path in SMALL_PATHS:
                         t0 = time.perf_counter()
                         for lin in packed:
                             getattr(lin, path)(xs[lin.weight.shape[1]])
                         if rep:
                             t[path].append(time.perf_counter() - t0)
-                if statistics.median(t["prepacked"]) < statistics.median(t["plain"]):
-                    choice = rows
-                else:
-                    break
-        _MIN_ROWS[key] = choice
-    return _MIN_ROWS[key]
+                choice[rows] = min(SMALL_PATHS, key=lambda p: statistics.median(t[p]))
+        _SMALL[key] = choice
+    return _SMALL[key]
 
 
 def _mkldnn_ok() -> bool:
@@ -144,9 +156,9 @@ class LlamaModel:
         self.lm_head = lm_head
         self._lm_head = Linear(lm_head) if lm_head is not None else None
         linears = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [self._lm_head] * (lm_head is not None)
-        rows = choose_min_rows(linears)
+        small = choose_small_paths(linears)
         for lin in linears:
-            lin.min_rows = rows
+            lin.small = dict(small)
         self.scale = cfg.head_dim**-0.5
         device = layers[0].input_norm.device
         # Decode attention reads K/V in place with the paged kernel where it runs (CPU, a C++ compiler),
