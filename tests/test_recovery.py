@@ -7,6 +7,7 @@ import asyncio
 import os
 import random
 import signal
+import time
 
 import pytest
 
@@ -36,6 +37,16 @@ def reference(num_layers: int = 2) -> list[list[int]]:
 
 
 counters: dict = {}
+
+
+async def recovered(ctrl: Controller, n: int) -> None:
+    """Wait for the controller's n-th recovery (an event, not a timer). A killed worker that the
+    remaining requests no longer need (a prompt worker once every prompt is through) can be
+    detected after they finish; the test must not end before its recovery does."""
+    deadline = time.monotonic() + 120
+    while ctrl.recoveries < n and ctrl.failure is None:
+        assert time.monotonic() < deadline, f"{ctrl.recoveries} of {n} recoveries after 120 s"
+        await asyncio.sleep(0.01)
 
 
 def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, after_tokens: int, replicated: bool = False):
@@ -79,6 +90,7 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
                 os.kill(proc.pid, signal.SIGSTOP)
                 stopped = proc
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            await recovered(ctrl, 1)
             counters.update(failures=ctrl.failures, recoveries=ctrl.recoveries, resumed=ctrl.resumed,
                             lost=ctrl.lost_tokens, recomputed=ctrl.recomputed_tokens)
             return streamed, finals, (ctrl.failures, ctrl.recoveries, ctrl.healthy())
@@ -168,6 +180,7 @@ def test_two_failures_in_a_row(tiny_ckpt_dir):
             await asyncio.wait_for(marks[80].wait(), 120)
             os.kill(ctrl.stages["prompt-0"].process.pid, signal.SIGKILL)
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            await recovered(ctrl, 2)
             return streamed, ctrl.failures, ctrl.recoveries
         finally:
             await ctrl.shutdown()
