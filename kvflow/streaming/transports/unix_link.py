@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from kvflow.streaming.errors import PeerGone, PeerRejected, PeerTimeout
-from kvflow.streaming.transports.zmq_link import _TAG, ACK_BATCH, URGENT
+from kvflow.streaming.transports.zmq_link import _TAG, URGENT, CoalescedAcks
 
 MAX_MESSAGE = 1 << 16  # a control message: tag, slot and chunk header (the header's meta included)
 _PREFIX = "unix:@"
@@ -148,7 +148,7 @@ class UnixLinkSender:
             self.sock = None
 
 
-class UnixLinkReceiver:
+class UnixLinkReceiver(CoalescedAcks):
     """Listens on a fresh abstract Unix address (`address`); any number of senders connect."""
 
     def __init__(self) -> None:
@@ -163,7 +163,7 @@ class UnixLinkReceiver:
         self._ids: dict[socket.socket, int] = {}
         self._next_id = 0
         self._ready: deque[socket.socket] = deque()  # connections that had input at the last look
-        self._acks: dict[int, list] = {}
+        super().__init__()
 
     def _drop(self, conn: socket.socket) -> None:
         ident = self._ids.pop(conn)
@@ -219,34 +219,22 @@ class UnixLinkReceiver:
                 raise TimeoutError(f"no chunk at {self.address} within {timeout}s")
             self._select(left)
 
-    def _has_input(self, conn: socket.socket) -> bool:
+    def _known(self, ident: int) -> bool:
+        return ident in self.conns
+
+    def _has_input(self, ident: int) -> bool:
         try:
-            return bool(conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-        except BlockingIOError:
-            return False
-        except OSError:
+            return bool(self.conns[ident].recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:  # (BlockingIOError included: nothing there)
             return False
 
-    def ack(self, ident: int, tag: int, error: str | None) -> None:
-        if tag < 0 or ident not in self.conns:
-            return
-        pending = self._acks.setdefault(ident, [])
-        pending.append((tag & ~URGENT, error))
-        if error is not None or tag & URGENT or len(pending) >= ACK_BATCH or not self._has_input(self.conns[ident]):
-            self._send_acks(ident)
-
-    def _send_acks(self, ident: int) -> None:
-        pending = self._acks.pop(ident, None)
+    def _send_ack_batch(self, ident: int, body: bytes) -> None:
         conn = self.conns.get(ident)
-        if pending and conn is not None:
+        if conn is not None:
             try:
-                conn.send(msgpack.packb(pending))
+                conn.send(body)
             except OSError:  # gone, or its buffer is full because it stopped reading: it will time out
                 pass
-
-    def flush_acks(self) -> None:
-        for ident in list(self._acks):
-            self._send_acks(ident)
 
     def close(self) -> None:
         self.flush_acks()

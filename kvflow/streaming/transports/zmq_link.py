@@ -157,7 +157,44 @@ class LinkSender:
         self.sock.close(0)
 
 
-class LinkReceiver:
+class CoalescedAcks:
+    """The receiver's side of the acknowledgement protocol (module docstring), for any link:
+    acknowledgements per sender are held back while more messages wait, up to ACK_BATCH, and sent
+    at once on a rejection, an URGENT tag or when the receiver runs dry. A link provides
+    `_known(ident)`, `_has_input(ident)` and `_send_ack_batch(ident, body)`."""
+
+    def __init__(self) -> None:
+        self._acks: dict = {}
+
+    def _known(self, ident) -> bool:
+        return True
+
+    def _has_input(self, ident) -> bool:
+        raise NotImplementedError
+
+    def _send_ack_batch(self, ident, body: bytes) -> None:
+        raise NotImplementedError
+
+    def ack(self, ident, tag: int, error: str | None) -> None:
+        """Acknowledge (error None) or reject a message (tag as received)."""
+        if tag < 0 or not self._known(ident):
+            return
+        pending = self._acks.setdefault(ident, [])
+        pending.append((tag & ~URGENT, error))
+        if error is not None or tag & URGENT or len(pending) >= ACK_BATCH or not self._has_input(ident):
+            self._send_acks(ident)
+
+    def _send_acks(self, ident) -> None:
+        pending = self._acks.pop(ident, None)
+        if pending:
+            self._send_ack_batch(ident, msgpack.packb(pending))
+
+    def flush_acks(self) -> None:
+        for ident in list(self._acks):
+            self._send_acks(ident)
+
+
+class LinkReceiver(CoalescedAcks):
     """A ROUTER bound to a free port (or the given one); many senders may connect to it."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
@@ -169,7 +206,7 @@ class LinkReceiver:
         else:
             self.sock.bind(f"tcp://{host}:{port}")
         self.address = f"tcp://{host}:{port}"
-        self._acks: dict[bytes, list] = {}
+        super().__init__()
 
     def recv(self, timeout: float | None) -> tuple[bytes, int, memoryview, list[zmq.Frame]]:
         """(sender identity, tag, head, remaining frames) of the next message; TimeoutError when
@@ -186,27 +223,14 @@ class LinkReceiver:
             return ident.bytes, -1, memoryview(b""), frames
         return ident.bytes, _TAG.unpack_from(head)[0], head[_TAG.size :], frames
 
-    def ack(self, ident: bytes, tag: int, error: str | None) -> None:
-        """Acknowledge (error None) or reject a message (tag as received); sent at once unless
-        more messages wait and the sender is not short of window."""
-        if tag < 0:
-            return
-        pending = self._acks.setdefault(ident, [])
-        pending.append((tag & ~URGENT, error))
-        if error is not None or tag & URGENT or len(pending) >= ACK_BATCH or not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._send_acks(ident)
+    def _has_input(self, ident: bytes) -> bool:
+        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
-    def _send_acks(self, ident: bytes) -> None:
-        pending = self._acks.pop(ident, None)
-        if pending:
-            try:
-                self.sock.send_multipart([ident, msgpack.packb(pending)], zmq.NOBLOCK)
-            except zmq.ZMQError:  # that sender is gone (ROUTER drops unroutable messages)
-                pass
-
-    def flush_acks(self) -> None:
-        for ident in list(self._acks):
-            self._send_acks(ident)
+    def _send_ack_batch(self, ident: bytes, body: bytes) -> None:
+        try:
+            self.sock.send_multipart([ident, body], zmq.NOBLOCK)
+        except zmq.ZMQError:  # that sender is gone (ROUTER drops unroutable messages)
+            pass
 
     def close(self) -> None:
         self.flush_acks()
