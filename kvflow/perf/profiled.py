@@ -148,6 +148,6 @@ class ProfiledPerfModel(PerfModel):
         q0, q1, q2 = self.token_fit.coef
         c0 = max(p0 if batch.prefill_seqs else 0.0, q0 if batch.decode_seqs else 0.0)
         w, a = self._shares(depth)
-        var = (p1 * batch.prefill_tokens + q1 * batch.decode_seqs) + (a / w) * (p2 * batch.prefill_attention +
-                                                                              q2 * batch.decode_context)
-        return w * (c0 + var) + self._overhead(depth)
+        weights = c0 + p1 * batch.prefill_tokens + q1 * batch.decode_seqs
+        attention = p2 * batch.prefill_attention + q2 * batch.decode_context
+        return w * weights + a * attention + self._overhead(depth)
