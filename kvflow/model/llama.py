@@ -38,7 +38,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.contiguous()
-        usable = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and _mkldnn_ok()
+        usable = weight.device.type == "cpu" and _prepack_ok(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16) if usable else None
         self.small = {1: "plain", 2: "plain", 3: "prepacked"}
 
@@ -101,8 +101,25 @@ def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
     return _SMALL[key]
 
 
-def _mkldnn_ok() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+_PREPACK_OK: dict[torch.dtype, bool] = {}
+
+
+def _prepack_ok(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs in `dtype` on this CPU, found by trying it once on a
+    small matrix: oneDNN's bf16 path needs AVX512 (BW/VL/DQ) or AVX-NE-CONVERT, and refuses on
+    AVX2-only CPUs, where the plain `F.linear` is used instead."""
+    if dtype not in _PREPACK_OK:
+        ok = dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available() \
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        if ok:
+            try:
+                w = torch.ones(16, 16, dtype=dtype)
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 4)
+                torch.ops.mkldnn._linear_pointwise(torch.ones(4, 16, dtype=dtype), packed, None, "none", [], "")
+            except RuntimeError:
+                ok = False
+        _PREPACK_OK[dtype] = ok
+    return _PREPACK_OK[dtype]
 
 
 @dataclass
