@@ -156,18 +156,36 @@ _failed = False
 
 
 def _build():
+    import fcntl
+    import sys
+    from pathlib import Path
+
     from torch.utils.cpp_extension import load_inline
 
-    # -march=native: the build is tied to this CPU, so the CPU's capability is part of its name.
-    key = hashlib.sha256((_SOURCE + torch.__version__ + str(torch.backends.cpu.get_cpu_capability()) + _cpu_flags()).encode())
-    return load_inline(
-        name=f"kvflow_paged_attention_{key.hexdigest()[:12]}",
-        cpp_sources=_SOURCE,
-        functions=["paged_decode", "vec_size"],
-        extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_defines()],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    # -march=native: the build is tied to this CPU, so the CPU's capability is part of its name; so is
+    # the interpreter's environment (its torch headers are in the build file: two venvs sharing one
+    # build directory would rebuild it in turn).
+    key = hashlib.sha256((_SOURCE + torch.__version__ + str(torch.backends.cpu.get_cpu_capability()) + _cpu_flags()
+                          + sys.prefix).encode())
+    name = f"kvflow_paged_attention_{key.hexdigest()[:12]}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    build_dir = root / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # torch serialises builds with a lock file that a process killed while building leaves behind,
+    # and every later build then waits for it forever. An OS lock is released when its holder dies:
+    # whoever holds it is the only builder, so a lock file found then is stale.
+    with open(build_dir / "kvflow.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load_inline(
+            name=name,
+            cpp_sources=_SOURCE,
+            functions=["paged_decode", "vec_size"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_defines()],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
 
 
 def _capability_defines() -> list[str]:
