@@ -21,7 +21,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -155,21 +157,23 @@ _op = None
 _failed = False
 
 
+def build_directory() -> Path:
+    """Where the kernel is built and cached (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions).
+    -march=native: the build is tied to this CPU, so the CPU's capability is part of its name; so is
+    the interpreter's environment (its torch headers are in the build file: two venvs sharing one
+    build directory would rebuild it in turn)."""
+    key = hashlib.sha256((_SOURCE + torch.__version__ + str(torch.backends.cpu.get_cpu_capability()) + _cpu_flags()
+                          + sys.prefix).encode())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    return root / f"kvflow_paged_attention_{key.hexdigest()[:12]}"
+
+
 def _build():
     import fcntl
-    import sys
-    from pathlib import Path
 
     from torch.utils.cpp_extension import load_inline
 
-    # -march=native: the build is tied to this CPU, so the CPU's capability is part of its name; so is
-    # the interpreter's environment (its torch headers are in the build file: two venvs sharing one
-    # build directory would rebuild it in turn).
-    key = hashlib.sha256((_SOURCE + torch.__version__ + str(torch.backends.cpu.get_cpu_capability()) + _cpu_flags()
-                          + sys.prefix).encode())
-    name = f"kvflow_paged_attention_{key.hexdigest()[:12]}"
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    build_dir = root / name
+    build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch serialises builds with a lock file that a process killed while building leaves behind,
     # and every later build then waits for it forever. An OS lock is released when its holder dies:
@@ -178,7 +182,7 @@ def _build():
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         return load_inline(
-            name=name,
+            name=build_dir.name,
             cpp_sources=_SOURCE,
             functions=["paged_decode", "vec_size"],
             extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_defines()],
