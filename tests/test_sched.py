@@ -186,3 +186,51 @@ def test_config_is_validated():
         SchedulerConfig(policy="microbatch")
     with pytest.raises(ValueError, match="max_in_flight"):
         SchedulerConfig(max_in_flight=0)
+
+
+def test_handoff_joins_after_kv_and_first_token_and_frees_each_reservation_once():
+    from collections import deque
+    from dataclasses import dataclass, field
+
+    from kvflow.sched.handoff import Handoff
+
+    @dataclass(eq=False)
+    class Side:
+        sched: Scheduler
+        kv: KVCacheManager
+        depth: int = 1
+        microbatch: int = 2
+        ready: deque = field(default_factory=deque)
+
+    def side(blocks: int) -> Side:
+        kv = KVCacheManager(blocks, 4)
+        return Side(Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64), kv, 64, "token"), kv)
+
+    a, b = side(8), side(8)
+    h = Handoff([a, b])
+    reqs = [req(f"r{i}", 6) for i in range(3)]
+    assert all(h.reserve(r) for r in reqs)
+    # a token microbatch's worth (2) to one pipeline, then to the one with the most free blocks
+    assert [h.target(r.request_id) for r in reqs] == [a, a, b]
+    assert a.kv.num_free_blocks == 8 - 2 * 2 and b.kv.num_free_blocks == 8 - 2
+
+    h.kv_sent("r0", ["stage-0", "stage-1"])
+    assert not h.sampled(reqs[0])  # parked: its KV is not all there
+    assert h.kv_arrived("r0", "stage-0") is None and h.kv_arrived("r0", "nope") is None
+    assert h.kv_arrived("r0", "stage-1") is reqs[0]
+    table = list(h.table("r0"))
+    assert h.join(reqs[0]) is a and reqs[0] in a.sched.running and reqs[0].block_ids == table and len(table) == 2
+
+    # finished at its first token while its KV is on the way: freed only once the KV is in
+    h.kv_sent("r1", ["stage-0"])
+    reqs[1].finish("length")
+    assert h.settle(reqs[1]) is None and a.kv.num_free_blocks == 4
+    assert h.kv_arrived("r1", "stage-0") is reqs[1]
+    assert h.settle(reqs[1]) is a and a.kv.num_free_blocks == 6
+    assert h.settle(reqs[1]) is None and a.kv.num_free_blocks == 6  # never twice
+
+    # a failure: the unfinished request waiting for its KV comes back; its reservation is freed
+    h.kv_sent("r2", ["stage-0"])
+    h.sampled(reqs[2])
+    assert h.num_waiting == 1
+    assert h.reset() == [reqs[2]] and b.kv.num_free_blocks == 8 and h.num_waiting == 0

@@ -37,6 +37,7 @@ from kvflow.kv.cache import KVLayout
 from kvflow.kv.manager import KVCacheManager
 from kvflow.model.loader import load_config
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvflow.sched.handoff import Handoff
 from kvflow.sched.request import Request, RequestOutput
 from kvflow.sched.sampling import SamplingParams, sample
 from kvflow.sched.scheduler import Limits, Scheduler, SchedulerOutput, validate
@@ -89,7 +90,7 @@ class Controller:
         for spec in cfg.pipelines():
             stages = [StageHandle(f"{spec.name}-{i}", i, layers) for i, layers in enumerate(even_split(mc.num_layers, spec.depth))]
             kv = KVCacheManager(ecfg.num_kv_blocks, ecfg.block_size)
-            hook = self._reserve_token_blocks if spec.role == "prompt" else None
+            hook = (lambda req: self.handoff.reserve(req)) if spec.role == "prompt" else None
             sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role, hook)
             self.pipelines.append(Pipeline(spec, stages, kv, sched))
         self.stages = {s.name: s for p in self.pipelines for s in p.stages}
@@ -101,6 +102,7 @@ class Controller:
                     self.store.add(p.name, s.stage, KVLayout.for_model(mc, ecfg.num_kv_blocks, ecfg.block_size, s.layers,
                                                                        dtype=ecfg.torch_dtype))
         self.token = self.pipelines[-1] if cfg.mode == "disaggregated" else None
+        self.handoff = Handoff([self.token]) if self.token is not None else None
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         port = self.inbox.bind_to_random_port(f"tcp://{cfg.host}")
@@ -110,10 +112,6 @@ class Controller:
         self.submissions: deque = deque()
         self.sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.reqs: dict[str, Request] = {}  # every request not yet finished, or still holding blocks
-        self.token_tables: dict[str, list[int]] = {}  # disaggregated: token-side blocks reserved per request
-        self.kv_pending: dict[str, set[str]] = {}  # rid -> token stages whose KV has not arrived
-        self.handed_off: dict[str, Request] = {}  # first token sampled, waiting for its KV
-        self.ready: deque[Request] = deque()  # microbatch policy on the token side: KV in place
         self.failure: str | None = None
         self.generated = 0
         self.prompt_tokens = 0
@@ -260,7 +258,7 @@ class Controller:
     def stats(self) -> BackendStats:
         return BackendStats(
             # (submissions: arrived, not yet taken by the loop, e.g. while it replaces a worker)
-            waiting_requests=sum(len(p.sched.waiting) for p in self.pipelines) + len(self.handed_off) + len(self.ready)
+            waiting_requests=sum(len(p.sched.waiting) for p in self.pipelines) + (self.handoff.num_waiting if self.handoff else 0)
             + len(self.submissions),
             running_requests=sum(len(p.sched.running) for p in self.pipelines),
             generated_tokens_total=self.generated,
@@ -363,8 +361,6 @@ class Controller:
                         p.sched.abort(req)
                 if not req.is_finished:  # handed off, or queued for a token microbatch
                     req.finish("abort")
-                    if req in self.ready:
-                        self.ready.remove(req)
                 self._settle(req)
 
     def _handle(self, msg, tensor: torch.Tensor | None) -> None:
@@ -377,18 +373,11 @@ class Controller:
             if self._restoring is not None and msg.name == self._restoring[0]:
                 self._restoring[1].difference_update(msg.rids)
                 return
-            for rid in msg.rids:
-                pending = self.kv_pending.get(rid)
-                if pending is None:
-                    continue
-                pending.discard(msg.name)
-                if not pending:
-                    del self.kv_pending[rid]
-                    req = self.handed_off.pop(rid, None)
+            if self.handoff is not None:
+                for rid in msg.rids:
+                    req = self.handoff.kv_arrived(rid, msg.name)
                     if req is not None:
                         self._to_token_side(req)
-                    elif rid in self.reqs and self.reqs[rid].is_finished:
-                        self._settle(self.reqs[rid])
         elif isinstance(msg, Heartbeat):
             s = self.stages.get(msg.name)
             if s is not None:
@@ -411,10 +400,8 @@ class Controller:
 
     # ------------------------------------------------------------------ scheduling
     def _schedule(self) -> None:
-        if self.token is not None and self.token.sched.config.policy == "microbatch":
-            while self.ready and len(self.token.sched.groups) < self.token.depth:
-                n = min(self.token.spec.microbatch_size, len(self.ready))
-                self.token.sched.add_microbatch([self.ready.popleft() for _ in range(n)])
+        if self.handoff is not None:
+            self.handoff.fill_microbatches(self.token)
         for p in self.pipelines:
             while len(p.in_flight) < p.depth:
                 out = p.sched.schedule()
@@ -425,11 +412,6 @@ class Controller:
                     p.pending_free += out.freed
                     break
                 self._send(p, out)
-
-    def _reserve_token_blocks(self, req: Request) -> bool:
-        """Prompt admission (disaggregated): the token-side blocks this request's KV will land in."""
-        table = self.token_tables.setdefault(req.request_id, [])
-        return self.token.kv.ensure(table, req.num_tokens)
 
     def _send(self, p: Pipeline, out: SchedulerOutput) -> None:
         seqs, ids = [], []
@@ -445,9 +427,9 @@ class Controller:
             token_names = {t.name for t in self.token.stages}
             for s in out.seqs:
                 rid = s.request.request_id
-                kv_out.append(KVOut(rid, s.start, s.end, s.request.num_tokens, list(self.token_tables[rid])))
+                kv_out.append(KVOut(rid, s.start, s.end, s.request.num_tokens, list(self.handoff.table(rid))))
                 if s.start == 0:
-                    self.kv_pending[rid] = set(token_names)
+                    self.handoff.kv_sent(rid, token_names)
             kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(out.seqs))]
         free, p.pending_free = p.pending_free + out.freed, []
         for rid in free:
@@ -477,20 +459,14 @@ class Controller:
             if req.is_finished:
                 self._settle(req)
         for req in p.sched.take_handoffs():
-            if req.request_id in self.kv_pending:
-                self.handed_off[req.request_id] = req
-            else:
+            if self.handoff.sampled(req):
                 self._to_token_side(req)
 
     def _to_token_side(self, req: Request) -> None:
         if req.is_finished:
             self._settle(req)
-            return
-        req.block_ids = self.token_tables.pop(req.request_id)
-        if self.token.sched.config.policy == "microbatch":
-            self.ready.append(req)
         else:
-            self.token.sched.add_running(req)
+            self.handoff.join(req)
 
     def _preempted(self, p: Pipeline, req: Request) -> None:
         """A token-side preemption (disaggregated): the request is recomputed by the prompt pipeline."""
@@ -513,13 +489,11 @@ class Controller:
     def _settle(self, req: Request) -> None:
         """A finished request: free its token-side reservation once no KV is still on its way."""
         rid = req.request_id
-        self.handed_off.pop(rid, None)
-        if rid in self.kv_pending:
-            return  # freed when the last token stage reports the KV in
-        table = self.token_tables.pop(rid, None)
-        if table:
-            self.token.kv.release(table)
-            self.token.pending_free.append(rid)
+        if self.handoff is not None:
+            if self.handoff.settle(req) is not None:
+                self.token.pending_free.append(rid)
+            if rid in self.handoff.pending:
+                return  # freed when the last token stage reports the KV in
         if not any(rid in p.sched.in_flight for p in self.pipelines):
             self.reqs.pop(rid, None)
 
@@ -667,16 +641,8 @@ class Controller:
                     self._settle(r)
             p.in_flight.clear()
             p.pending_free.clear()
-        if self.token is not None:
-            again += [r for r in list(self.handed_off.values()) + list(self.ready) if not r.is_finished]
-            self.handed_off.clear()
-            self.ready.clear()
-            self.kv_pending.clear()
-            keep = {r.request_id for r in self.token.sched.running}
-            for rid in [rid for rid in self.token_tables if rid not in keep]:
-                table = self.token_tables.pop(rid)
-                if table:
-                    self.token.kv.release(table)
+        if self.handoff is not None:
+            again += self.handoff.reset()
             first = self.pipelines[0].sched
             for r in sorted(again, key=lambda r: r.arrival_time, reverse=True):
                 if r not in first.waiting:
@@ -694,9 +660,8 @@ class Controller:
         for p in self.pipelines:
             p.sched.fail_all()
             p.in_flight.clear()
-        self.handed_off.clear()
-        self.ready.clear()
-        self.kv_pending.clear()
+        if self.handoff is not None:
+            self.handoff.reset()
         for r in list(self.reqs.values()):
             if not r.is_finished:
                 self._finish(r, "error", message)

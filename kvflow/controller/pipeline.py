@@ -56,6 +56,7 @@ class Pipeline:
     step_log: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=LOG_LEN))
     # replication watermark: stage -> request -> tokens [0, n) of that stage's KV held by its replica
     watermark: dict[int, dict[str, int]] = field(default_factory=dict)
+    ready: deque = field(default_factory=deque)  # token role, microbatch policy: KV in place (`sched.handoff`)
 
     @property
     def name(self) -> str:
@@ -68,6 +69,10 @@ class Pipeline:
     @property
     def depth(self) -> int:
         return len(self.stages)
+
+    @property
+    def microbatch(self) -> int:
+        return self.spec.microbatch_size
 
     @property
     def layer_bounds(self) -> list[int]:

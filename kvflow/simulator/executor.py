@@ -44,6 +44,10 @@ class SimPipeline:
         self.ready: deque = deque()  # token role, microbatch policy: requests whose KV is in place
         self.batch_log: list[list[tuple[str, int]]] = []  # [(request_id, num_new_tokens)] per batch
 
+    @property
+    def microbatch(self) -> int:
+        return self.spec.microbatch
+
     def place(self, now: float, stage_time: float, hop: float) -> list[tuple[float, float]]:
         """Place one pass sent to stage 0 at `now`; return each stage's (start, end)."""
         sf, spans, t = self.stage_free, [], now

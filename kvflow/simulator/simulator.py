@@ -23,6 +23,7 @@ from collections import deque
 
 from kvflow.kv.manager import KVCacheManager
 from kvflow.perf.perf_model import BatchShape, PerfModel
+from kvflow.sched.handoff import Handoff
 from kvflow.sched.request import Request
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
@@ -59,10 +60,8 @@ class Simulator:
         self.queue: deque = deque()  # prompt-side requests not yet offered: workload indices or Requests
         self.prompt = self._group(layout.prompt, "prompt" if layout.token else "both")
         self.token = self._group(layout.token, "token") if layout.token else []
-        self.token_tables: dict[str, tuple[SimPipeline, list[int]]] = {}  # blocks reserved on the token side
-        self.kv_pending: dict[str, float] = {}  # rid -> when its prompt KV is complete on the token side
-        self.handed_off: dict[str, Request] = {}  # first token sampled, KV still on its way
-        self._token_target: tuple[SimPipeline | None, int] = (None, 0)
+        # the controller's hand-off; a request's KV arrives in one part: the time it is complete
+        self.handoff = Handoff(self.token) if self.token else None
         self._wire_ids = itertools.count()
         self._times: dict[tuple, float] = {}
         self._dirty: set[SimPipeline] = set()
@@ -75,7 +74,7 @@ class Simulator:
         out = []
         for i in range(spec.count):
             kv = KVCacheManager(self._pool_blocks(spec, role), self.config.block_size)
-            hook = self._reserve_token_blocks if role == "prompt" else None
+            hook = (lambda req: self.handoff.reserve(req)) if role == "prompt" else None
             sched = Scheduler(self.config.scheduler_for(spec), kv, self.max_model_len, role, hook)
             out.append(SimPipeline(role, i, spec, kv, sched, deque() if own else self.queue))
         return out
@@ -127,9 +126,7 @@ class Simulator:
             return []
         self._tried[p] = self._version
         if p.ready:  # token side, microbatch policy: KV in place, waiting for a microbatch slot
-            while p.ready and len(p.sched.groups) < p.depth:
-                k = min(p.spec.microbatch, len(p.ready))
-                p.sched.add_microbatch([p.ready.popleft() for _ in range(k)])
+            Handoff.fill_microbatches(p)
         admitting = not (self.config.rigid_rounds and p.sched.running)
         events: list[Event] = []
         while len(p.in_flight) < p.depth:
@@ -214,38 +211,15 @@ class Simulator:
 
     # --- disaggregation: the controller's hand-off ---------------------------------------------
 
-    def _reserve_token_blocks(self, req: Request) -> bool:
-        """Prompt admission: the token-side blocks this request's KV will land in. Consecutive
-        admissions go to one token pipeline, a token microbatch's worth at a time, then to the one
-        with the most free blocks (with one token pipeline: the controller's rule)."""
-        entry = self.token_tables.get(req.request_id)
-        if entry is None:
-            tp, count = self._token_target
-            if tp is None or count >= tp.spec.microbatch or not tp.kv.can_ensure([], req.num_tokens):
-                tp, count = max(self.token, key=lambda t: (t.kv.num_free_blocks, -t.index)), 0
-            self._token_target = (tp, count + 1)
-            entry = self.token_tables[req.request_id] = (tp, [])
-        return entry[0].kv.ensure(entry[1], req.num_tokens)
-
     def _to_token_side(self, req: Request) -> None:
         if req.is_finished:
             self._settle(req)
-            return
-        tp, table = self.token_tables.pop(req.request_id)
-        req.block_ids = table
-        if tp.sched.config.policy == "microbatch":
-            tp.ready.append(req)
         else:
-            tp.sched.add_running(req)
-        self._dirty.add(tp)
+            self._dirty.add(self.handoff.join(req))
 
     def _settle(self, req: Request) -> None:
         """A finished request: free its token-side reservation once no KV is still on its way."""
-        if req.request_id in self.kv_pending:
-            return
-        entry = self.token_tables.pop(req.request_id, None)
-        if entry is not None and entry[1]:
-            entry[0].kv.release(entry[1])
+        if self.handoff is not None and self.handoff.settle(req) is not None:
             self._version += 1
 
     # --- handlers ------------------------------------------------------------------------------
@@ -268,7 +242,7 @@ class Simulator:
         if p.role == "prompt":
             for s in out.seqs:
                 if s.completes_prompt:
-                    self.kv_pending[s.request.request_id] = pas.kv_done
+                    self.handoff.kv_sent(s.request.request_id, [pas.kv_done])
         for req in p.sched.update(out, sampled):
             i = int(req.request_id)
             if self.first_token[i] != self.first_token[i]:  # NaN: its first token
@@ -281,27 +255,24 @@ class Simulator:
                 self._settle(req)
         events: list[Event] = []
         if p.role == "prompt":  # handed off, or finished at its first token: both wait for their KV
-            handoffs = {r.request_id for r in p.sched.take_handoffs()}
+            for req in p.sched.take_handoffs():
+                if self.handoff.sampled(req):
+                    self._to_token_side(req)
+            done = pas.kv_done
             for s in out.seqs:
-                req, rid = s.request, s.request.request_id
-                if rid not in self.kv_pending or not (rid in handoffs or req.is_finished):
+                rid = s.request.request_id
+                if rid not in self.handoff.parked:
                     continue
-                done = self.kv_pending[rid]
                 self.kv_wait[int(rid)] = max(0.0, done - now)
                 if done > now:
-                    self.handed_off[rid] = req
                     events.append(KVReady(done, rid))
                 else:
-                    del self.kv_pending[rid]
-                    self._to_token_side(req)
+                    self.on_kv_ready(done, rid)
         self._dirty.add(p)
         return events
 
     def on_kv_ready(self, now: float, rid: str) -> list[Event]:
-        if self.kv_pending.get(rid) != now:
-            return []  # re-planned since (its prompt pipeline failed)
-        del self.kv_pending[rid]
-        req = self.handed_off.pop(rid, None)
+        req = self.handoff.kv_arrived(rid, now)  # nothing if re-planned since (its prompt pipeline failed)
         if req is not None:
             self._to_token_side(req)
         return []
@@ -317,7 +288,8 @@ class Simulator:
             p.in_flight.clear()
             self.restarts += len(lost)
             for r in lost:
-                self.kv_pending.pop(r.request_id, None)
+                if self.handoff is not None:
+                    self.handoff.forget_kv(r.request_id)
             if p.role == "token":
                 self.queue.extendleft(reversed(lost))
             else:

@@ -1,0 +1,158 @@
+"""Disaggregation's hand-off between a prompt pipeline's scheduler and a token pipeline's.
+
+A request is admitted by a prompt scheduler only once blocks for its KV are reserved in a token
+pipeline's pool (`reserve`, the prompt scheduler's admission hook). Its prompt pass streams the KV
+there (`kv_sent`); its first token is sampled on the prompt side (`Scheduler.take_handoffs`). It
+joins the token scheduler (running, or a token microbatch's ready queue) when both have happened;
+a request that finished at its first token, or was aborted, gives its reservation back once no KV
+is still on its way into it (`settle`). The controller and the simulator are the two executors of
+these decisions; what differs is only how they learn that KV has arrived (a worker's `KVArrived`
+per token stage, or the simulated link's completion time).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Protocol
+
+from kvflow.kv.manager import KVCacheManager
+from kvflow.sched.request import Request
+from kvflow.sched.scheduler import Scheduler
+
+
+class TokenSide(Protocol):
+    """A token pipeline as the hand-off sees it."""
+
+    sched: Scheduler
+    kv: KVCacheManager
+    ready: deque  # microbatch policy: requests whose KV is in place, waiting for a microbatch slot
+
+    @property
+    def depth(self) -> int: ...
+
+    @property
+    def microbatch(self) -> int: ...
+
+
+class Handoff:
+    """The hand-off state of one disaggregated deployment (any number of token pipelines)."""
+
+    def __init__(self, token: Sequence[TokenSide]) -> None:
+        if not token:
+            raise ValueError("a hand-off needs at least one token pipeline")
+        self.token = list(token)
+        self.tables: dict[str, tuple[TokenSide, list[int]]] = {}  # token-side blocks reserved per request
+        self.pending: dict[str, set[Hashable]] = {}  # request -> parts of its KV still on their way
+        self.parked: dict[str, Request] = {}  # sampled (or finished) while its KV is on its way
+        self._target: tuple[TokenSide | None, int] = (None, 0)
+
+    # --- prompt side --------------------------------------------------------------------------
+
+    def reserve(self, req: Request) -> bool:
+        """Prompt admission: make the token-side blocks for `req`'s tokens so far. Consecutive
+        admissions go to one token pipeline, a token microbatch's worth at a time, then to the one
+        with the most free blocks."""
+        entry = self.tables.get(req.request_id)
+        if entry is None:
+            tp, count = self._target
+            if tp is None or count >= tp.microbatch or not tp.kv.can_ensure([], req.num_tokens):
+                i = max(range(len(self.token)), key=lambda i: (self.token[i].kv.num_free_blocks, -i))
+                tp, count = self.token[i], 0
+            self._target = (tp, count + 1)
+            entry = self.tables[req.request_id] = (tp, [])
+        return entry[0].kv.ensure(entry[1], req.num_tokens)
+
+    def table(self, rid: str) -> list[int]:
+        """The token-side block table reserved for `rid` (where its KV is streamed to)."""
+        return self.tables[rid][1]
+
+    def target(self, rid: str) -> TokenSide:
+        return self.tables[rid][0]
+
+    def kv_sent(self, rid: str, parts: Iterable[Hashable]) -> None:
+        """A prompt pass completed `rid`'s prompt: its KV arrives in `parts` (e.g. one per token stage)."""
+        self.pending[rid] = set(parts)
+
+    def kv_arrived(self, rid: str, part: Hashable) -> Request | None:
+        """One part of `rid`'s KV is in place. When it was the last, returns the request parked
+        waiting for it (to `join`, or to `settle` if it finished meanwhile). An unexpected part
+        (e.g. from before a failure) is ignored."""
+        left = self.pending.get(rid)
+        if left is None or part not in left:
+            return None
+        left.discard(part)
+        if left:
+            return None
+        del self.pending[rid]
+        return self.parked.pop(rid, None)
+
+    def sampled(self, req: Request) -> bool:
+        """`req`'s first token was sampled on the prompt side (`Scheduler.take_handoffs`): True if
+        it may `join` the token side now; False if it is parked until its KV has arrived."""
+        if req.request_id in self.pending:
+            self.parked[req.request_id] = req
+            return False
+        return True
+
+    def join(self, req: Request) -> TokenSide:
+        """Move unfinished `req` into its token pipeline's scheduler (its KV is in place there)."""
+        tp, table = self.tables.pop(req.request_id)
+        req.block_ids = table
+        if tp.sched.config.policy == "microbatch":
+            tp.ready.append(req)
+        else:
+            tp.sched.add_running(req)
+        return tp
+
+    @staticmethod
+    def fill_microbatches(tp: TokenSide) -> None:
+        """Microbatch policy: form token microbatches from the ready queue while a slot is free."""
+        while tp.ready and len(tp.sched.groups) < tp.depth:
+            n = min(tp.microbatch, len(tp.ready))
+            tp.sched.add_microbatch([tp.ready.popleft() for _ in range(n)])
+
+    # --- endings -------------------------------------------------------------------------------
+
+    def settle(self, req: Request) -> TokenSide | None:
+        """A finished request: give back its token-side reservation, or, while KV is still on its way
+        into it, parked until `kv_arrived` returns it. Returns the pipeline whose blocks were freed, if any."""
+        rid = req.request_id
+        if rid in self.pending:
+            self.parked[rid] = req
+            return None
+        self.parked.pop(rid, None)
+        for tp in self.token:
+            if req in tp.ready:
+                tp.ready.remove(req)
+        entry = self.tables.pop(rid, None)
+        if entry is None or not entry[1]:
+            return None
+        entry[0].kv.release(entry[1])
+        return entry[0]
+
+    def forget_kv(self, rid: str) -> None:
+        """The KV on its way for `rid` is void (its prompt pipeline failed; it is recomputed)."""
+        self.pending.pop(rid, None)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests sampled but not yet running on the token side."""
+        return len(self.parked) + sum(len(tp.ready) for tp in self.token)
+
+    def reset(self) -> list[Request]:
+        """After a failure: forget every hand-off in progress; return the unfinished requests that
+        were in it (to be recomputed) and give back every reservation of a request that is not
+        running on the token side."""
+        again = [r for r in list(self.parked.values()) + [r for tp in self.token for r in tp.ready] if not r.is_finished]
+        self.parked.clear()
+        self.pending.clear()
+        for tp in self.token:
+            tp.ready.clear()
+        running = {r.request_id for tp in self.token for r in tp.sched.running}
+        for rid in [rid for rid in self.tables if rid not in running]:
+            tp, table = self.tables.pop(rid)
+            if table:
+                tp.kv.release(table)
+        self._target = (None, 0)
+        return again
