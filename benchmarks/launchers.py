@@ -6,7 +6,9 @@ depth 2, disaggregated (1,1)) and each repetition, both launchers run in alterna
 `kvflow serve` on the default model (SmolLM2-135M) is started as a process, start-up is the time
 from its launch until `/health` answers 200 (controller, model, workers and handshake ready), then
 one burst of concurrent greedy `/v1/completions` requests (random prompt ids) measures generated
-tokens/s; the server is stopped with SIGTERM. The two launchers must produce the same tokens.
+tokens/s; the server is stopped with SIGTERM. The two launchers must produce the same tokens. One
+uncounted warm-up run per launcher comes first (the first model load pays for conversion and cold
+caches).
 Prints medians and the Ray / subprocess ratios; writes results/launchers.json and results/launchers.png.
 
     python benchmarks/launchers.py [--reps 3] [--requests 8] [--prompt-len 64] [--max-tokens 32]
@@ -108,6 +110,8 @@ def main() -> int:
     ray_start = time.perf_counter() - t0
     runs = []
     try:
+        for launcher in LAUNCHERS:  # warm-up, not counted: first model conversion/load, page cache
+            run_once(args.layouts.split(",")[0], launcher, cluster.address, prompts[:1], 2)
         for rep in range(args.reps):
             for layout in args.layouts.split(","):
                 order = LAUNCHERS if rep % 2 == 0 else LAUNCHERS[::-1]  # interleaved: drift hits both alike
