@@ -126,14 +126,16 @@ LENGTHS_FT = [40, 25, 60, 35]
 @pytest.mark.parametrize("kw, victim, how", [
     (dict(mode="colocated", depth=2), "colocated-1", "sigkill"),
     (dict(mode="disaggregated", prompt_depth=1, token_depth=1), "token-0", "ray.kill"),
-], ids=["colocated-2:sigkill-the-actor-process", "disagg-1-1:ray.kill-the-token-actor"])
+    (dict(mode="colocated", depth=2, heartbeat_timeout_s=2.0), "colocated-0", "sigstop"),
+], ids=["colocated-2:sigkill-the-actor-process", "disagg-1-1:ray.kill-the-token-actor", "colocated-2:hung-actor-fenced"])
 def test_a_killed_actor_is_detected_and_replaced_by_the_launcher(cluster, tiny_ckpt_dir, caplog, kw, victim, how):
     """The handle's poll() reports the actor's death (the heartbeat timeout is far beyond the test's
-    own deadlines, so it cannot be what detects it). With replication on (the default ring; depth 1:
-    the controller's store), the lost stage's requests resume from the replica; every stream is the
+    own deadlines, so it cannot be what detects it); a hung actor (SIGSTOP) is found by its missing
+    heartbeats and fenced with `ray.kill`. With replication on (the default ring; depth 1: the
+    controller's store), the lost stage's requests resume from the replica; every stream is the
     engine's, and the replacement is a new actor in the same bundle (same node)."""
     caplog.set_level(logging.WARNING, logger="kvflow.controller.controller")
-    cfg = _cfg(tiny_ckpt_dir, microbatch_size=4, heartbeat_timeout_s=600.0, **kw)
+    cfg = _cfg(tiny_ckpt_dir, microbatch_size=4, **{"heartbeat_timeout_s": 600.0, **kw})
     launcher = RayLauncher(cfg, RayConfig(strategy="STRICT_SPREAD"))
 
     async def main():
@@ -160,6 +162,8 @@ def test_a_killed_actor_is_detected_and_replaced_by_the_launcher(cluster, tiny_c
             old = before.where
             if how == "sigkill":
                 os.kill(old.pid, signal.SIGKILL)
+            elif how == "sigstop":
+                os.kill(old.pid, signal.SIGSTOP)  # hung: alive to Ray, silent to the controller
             else:
                 ray.kill(before.actor)
             results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
@@ -176,7 +180,8 @@ def test_a_killed_actor_is_detected_and_replaced_by_the_launcher(cluster, tiny_c
     results, before, old, new, (failures, recoveries, resumed, healthy) = asyncio.run(main())
     assert [t for t, _ in results] == reference(PROMPTS_FT, LENGTHS_FT)
     assert before.poll() == 1 and before.error.startswith("Ray actor died")  # the dead actor, as its handle saw it
-    assert any(f"worker {victim}" in r.getMessage() and "died (exit code 1); recovering" in r.getMessage()
+    detected = "stopped sending heartbeats" if how == "sigstop" else "died (exit code 1); recovering"
+    assert any(f"worker {victim}" in r.getMessage() and detected in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert failures == 1 and recoveries == 1 and healthy
     assert resumed > 0, "the lost stage's requests were meant to resume from its replica"
