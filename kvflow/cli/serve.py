@@ -49,6 +49,18 @@ def register(sub) -> None:
                    help="pipeline modes: failed replacements in a row after which the server exits with code 1")
     s.add_argument("--external-workers", action="store_true",
                    help="do not spawn workers: print the `kvflow worker` commands to start (e.g. on other hosts) and wait")
+    s.add_argument("--launcher", default="subprocess", choices=["subprocess", "ray"],
+                   help="pipeline modes: who starts the workers: child processes of this one (default), or Ray actors "
+                        "placed on a Ray cluster by a placement group (needs `pip install kvflow[ray]`; see docs/deploy.md)")
+    s.add_argument("--ray-address", default=None,
+                   help="--launcher ray: the cluster to join: auto (one running on this machine) or HOST:PORT "
+                        "(default: $RAY_ADDRESS, else a running local cluster, else a new local one)")
+    s.add_argument("--placement-strategy", default=None, choices=["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"],
+                   help="--launcher ray: how the placement group spreads the stages over nodes (default: the --plan "
+                        "file's, else PACK)")
+    s.add_argument("--plan", type=Path, default=None,
+                   help="--launcher ray: JSON placement, which stage on which Ray node (format: "
+                        "kvflow/controller/ray_launcher.py, docs/deploy.md)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but --open-paths (default: $KVFLOW_API_KEY; unset: no auth)")
@@ -97,6 +109,14 @@ def _check_mode(args) -> None:
         raise ValueError("--prompt-depth/--token-depth/--prompt-microbatch are for --mode disaggregated; use --depth")
     if args.mode == "disaggregated" and args.depth is not None:
         raise ValueError("--depth is for --mode colocated; use --prompt-depth and --token-depth")
+    ray_flags = [f for f, v in (("--ray-address", args.ray_address), ("--placement-strategy", args.placement_strategy),
+                                ("--plan", args.plan)) if v is not None]
+    if args.launcher != "ray" and ray_flags:
+        raise ValueError(f"{', '.join(ray_flags)} need --launcher ray")
+    if args.launcher == "ray" and args.mode == "engine":
+        raise ValueError("--launcher ray needs --mode colocated or disaggregated")
+    if args.launcher == "ray" and args.external_workers:
+        raise ValueError("--launcher ray and --external-workers exclude each other")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 
@@ -114,6 +134,13 @@ def _controller(args):
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           num_kv_blocks=max(1, int(args.kv_cache_gb * 2**30 // per_block)),
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+    ray_cfg = None
+    if args.launcher == "ray":
+        from kvflow.controller.ray_launcher import Placement, RayConfig, connect
+
+        ray_cfg = RayConfig(args.ray_address, args.placement_strategy, Placement.load(args.plan) if args.plan else Placement())
+        # the controller binds where the workers on other nodes reach it: this node's IP
+        args.internal_host = args.internal_host or connect(args.ray_address)
     kw = dict(engine=engine, mode=args.mode, threads_per_worker=args.threads or 1, host=args.internal_host or "127.0.0.1",
               policy=args.policy, recovery=args.recovery, replication=args.replication,
               heartbeat_timeout_s=args.heartbeat_timeout, max_restarts=args.max_restarts)
@@ -124,8 +151,16 @@ def _controller(args):
         kw["token_depth"] = args.token_depth or 1
         kw["prompt_microbatch_size"] = args.prompt_microbatch or 4
     kw["microbatch_size"] = args.token_microbatch or 8
-    launcher = ExternalLauncher() if args.external_workers else SubprocessLauncher()
-    ctrl = Controller(ClusterConfig(**kw), args.served_model_name, launcher)
+    cluster = ClusterConfig(**kw)
+    if ray_cfg is not None:
+        from kvflow.controller.ray_launcher import RayLauncher
+
+        launcher = RayLauncher(cluster, ray_cfg)
+        print(f"[kvflow] Ray placement group ({launcher.strategy}): {dict(zip(launcher.names, launcher.bundles))}",
+              file=sys.stderr)
+    else:
+        launcher = ExternalLauncher() if args.external_workers else SubprocessLauncher()
+    ctrl = Controller(cluster, args.served_model_name, launcher)
     if args.external_workers:
         print(f"[kvflow] controller at {ctrl.address}; start these workers (same model file on each host; they "
               f"receive every other setting from the controller):", file=sys.stderr)
@@ -167,7 +202,11 @@ def run_serve(args) -> int:
         backend = _controller(args)
     print(f"[kvflow] serving {backend.model_name!r} ({args.mode}, context {backend.max_model_len}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    return serve(backend, args.host, args.port, args.log_level, api_config)
+    try:
+        return serve(backend, args.host, args.port, args.log_level, api_config)
+    finally:
+        if args.mode != "engine":
+            backend.launcher.close()  # after the workers stopped (the Ray launcher's placement group)
 
 
 def _length_dist(spec: str | None):

@@ -88,7 +88,7 @@ class Controller:
         self.epoch = 0
         self.pipelines: list[Pipeline] = []
         for spec in cfg.pipelines():
-            stages = [StageHandle(f"{spec.name}-{i}", i, layers) for i, layers in enumerate(even_split(mc.num_layers, spec.depth))]
+            stages = [StageHandle(spec.stage_name(i), i, layers) for i, layers in enumerate(even_split(mc.num_layers, spec.depth))]
             kv = KVCacheManager(ecfg.num_kv_blocks, ecfg.block_size)
             hook = (lambda req: self.handoff.reserve(req)) if spec.role == "prompt" else None
             sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role, hook)

@@ -3,7 +3,10 @@
 A worker needs only the controller's address, its name, the interface it binds and the cluster
 secret; everything else (its layers, role, model, dtype, KV settings) arrives in the handshake.
 `SubprocessLauncher` spawns local processes (the default); `ExternalLauncher` starts nothing and
-prints the command to run on each host. A multi-host launcher (Ray) implements the same interface.
+prints the command to run on each host; `kvflow.controller.ray_launcher.RayLauncher` starts each
+stage as a Ray actor placed on a Ray cluster (imported only when asked for). The controller calls
+`start` for every stage at start-up and again for the replacement of a lost worker; whoever built
+the launcher calls `close()` once the controller has shut down.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ class Launcher(Protocol):
         """Start worker `name`; None when the process is not ours to supervise (started by hand)."""
         ...
 
+    def close(self) -> None:
+        """Release what the launcher holds beyond its workers (e.g. a Ray placement group)."""
+        ...
+
 
 def worker_command(name: str, controller_addr: str, host: str) -> list[str]:
     return [sys.executable, "-m", "kvflow.worker", "--controller", controller_addr, "--name", name, "--host", host]
@@ -46,6 +53,9 @@ class SubprocessLauncher:
         env = {**os.environ, SECRET_ENV: secret.hex()}
         return subprocess.Popen(worker_command(name, controller_addr, host), env=env)
 
+    def close(self) -> None:
+        pass
+
 
 class ExternalLauncher:
     """Starts nothing: prints, for each worker, the exact command that joins this controller."""
@@ -57,3 +67,6 @@ class ExternalLauncher:
         cmd = ["kvflow", "worker", "--controller", controller_addr, "--name", name, "--host", "<this-host>"]
         print(f"  {SECRET_ENV}={secret.hex()} {shlex.join(cmd)}", file=self.out)
         return None
+
+    def close(self) -> None:
+        pass
