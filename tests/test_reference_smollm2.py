@@ -100,6 +100,8 @@ def test_raw_prompt_special_tokens_parsed_like_transformers(llm):
 # not all: a near-tie at one step is enough to send two correct bf16 runs down different paths.
 BF16_MEAN_ABS_TOL = 0.4  # mean |logit difference| over the vocabulary, per position (measured: up to 0.26)
 BF16_MAX_ABS_TOL = 1.5  # SmolLM2's logits span about 40 (measured: up to 0.81)
+BF16_STEP_AGREEMENT = 0.95  # of all greedy steps, teacher-forced (measured: 97% on an AVX2 CPU)
+BF16_STEP_AGREEMENT_PER_PROMPT = 0.85  # of every prompt's steps
 
 
 def test_bf16_logits_and_greedy_tokens_close_to_transformers_bf16():
@@ -133,13 +135,24 @@ def test_bf16_logits_and_greedy_tokens_close_to_transformers_bf16():
     print(f"bf16 vs transformers bf16: mean |logit diff| max {max(means):.3f}, max |logit diff| {max(maxes):.3f}")
     assert max(means) < BF16_MEAN_ABS_TOL and max(maxes) < BF16_MAX_ABS_TOL, (means, maxes)
 
+    # Greedy agreement, step by step: feed transformers' greedy continuation to our model and count
+    # the steps where our argmax is transformers' token. (Comparing whole free-running continuations
+    # instead is decided by near-ties: one flipped step sends the rest down another path. On an AVX2
+    # CPU without native bf16, 2 of 5 prompts gave the same 32 tokens while 97% of steps agreed.)
     tok = llm.tokenizer
-    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(max_tokens=32, temperature=0), use_tqdm=False)
-    same = 0
-    for p, o in zip(PROMPTS, outs):
+    rates = []
+    for p in PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": p}])
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=list(eng.eos_token_ids))
-        same += o.token_ids == ref[0, len(ids):].tolist()
-    print(f"bf16 greedy: {same}/{len(PROMPTS)} prompts give transformers' 32 tokens exactly")
-    assert same >= 3, f"only {same}/{len(PROMPTS)} prompts agree"
+        ref = ref[0, len(ids):].tolist()
+        ours = eng.model.forward(torch.tensor(ids), ForwardBatch.build([SeqSlice(0, len(ids), len(ids), blocks)], bs), eng.kv_cache)[0]
+        n, agree = len(ids), 0
+        for t in ref:
+            agree += int(ours.argmax()) == t
+            n += 1
+            ours = eng.model.forward(torch.tensor([t]), ForwardBatch.build([SeqSlice(0, 1, n, blocks)], bs), eng.kv_cache)[0]
+        rates.append(agree / len(ref))
+    overall = sum(rates) / len(rates)
+    print(f"bf16 greedy steps agreeing with transformers bf16 (teacher-forced): {overall:.1%}, per prompt {[f'{r:.0%}' for r in rates]}")
+    assert overall >= BF16_STEP_AGREEMENT and min(rates) >= BF16_STEP_AGREEMENT_PER_PROMPT, rates
