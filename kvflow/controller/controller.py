@@ -88,7 +88,7 @@ class Controller:
         self.pipelines: list[Pipeline] = []
         for spec in cfg.pipelines():
             stages = [StageHandle(f"{spec.name}-{i}", i, layers) for i, layers in enumerate(even_split(mc.num_layers, spec.depth))]
-            kv = KVCacheManager(ecfg.num_kv_blocks, ecfg.block_size)
+            kv = KVCacheManager(ecfg.num_kv_blocks, ecfg.block_size, ecfg.enable_prefix_caching)
             hook = self._reserve_token_blocks if spec.role == "prompt" else None
             sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role, hook)
             self.pipelines.append(Pipeline(spec, stages, kv, sched))
@@ -111,6 +111,7 @@ class Controller:
         self.sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.reqs: dict[str, Request] = {}  # every request not yet finished, or still holding blocks
         self.token_tables: dict[str, list[int]] = {}  # disaggregated: token-side blocks reserved per request
+        self.token_cached: dict[str, int] = {}  # of those, tokens [0, n) a prefix-cache hit already holds (not streamed)
         self.kv_pending: dict[str, set[str]] = {}  # rid -> token stages whose KV has not arrived
         self.handed_off: dict[str, Request] = {}  # first token sampled, waiting for its KV
         self.ready: deque[Request] = deque()  # microbatch policy on the token side: KV in place
@@ -278,6 +279,7 @@ class Controller:
             replication_lag_tokens=self._replication_lag(),
             resumed_requests_total=self.resumed,
             recomputed_tokens_total=self.recomputed_tokens,
+            prefix_cache={(p.name, "device"): p.kv.stats for p in self.pipelines},
         )
 
     def _replication_lag(self) -> int:
@@ -427,9 +429,21 @@ class Controller:
                 self._send(p, out)
 
     def _reserve_token_blocks(self, req: Request) -> bool:
-        """Prompt admission (disaggregated): the token-side blocks this request's KV will land in."""
-        table = self.token_tables.setdefault(req.request_id, [])
-        return self.token.kv.ensure(table, req.num_tokens)
+        """Prompt admission (disaggregated): the token-side blocks this request's KV will land in,
+        starting with the token side's own cached prefix of it, whose KV is then not streamed."""
+        rid = req.request_id
+        table = self.token_tables.setdefault(rid, [])
+        if table:
+            return self.token.kv.ensure(table, req.num_tokens)
+        hit = self.token.kv.match(req.token_ids, req.block_hashes, req.num_tokens)
+        if not self.token.kv.ensure(table, req.num_tokens, hit):
+            return False
+        self.token_cached[rid] = hit.num_tokens
+        return True
+
+    def _drop_token_table(self, rid: str) -> list[int] | None:
+        self.token_cached.pop(rid, None)
+        return self.token_tables.pop(rid, None)
 
     def _send(self, p: Pipeline, out: SchedulerOutput) -> None:
         seqs, ids = [], []
@@ -444,11 +458,16 @@ class Controller:
         if p.role == "prompt":
             token_names = {t.name for t in self.token.stages}
             for s in out.seqs:
-                rid = s.request.request_id
-                kv_out.append(KVOut(rid, s.start, s.end, s.request.num_tokens, list(self.token_tables[rid])))
-                if s.start == 0:
+                # only what the token side's cached prefix lacks: [have, total), spread over the prompt's chunks
+                rid, total = s.request.request_id, s.request.num_tokens
+                have = self.token_cached.get(rid, 0)
+                lo = have if s.reset else max(s.start, have)
+                if lo < s.end:
+                    kv_out.append(KVOut(rid, lo, s.end, total, list(self.token_tables[rid]), have))
+                if s.reset and have < total:
                     self.kv_pending[rid] = set(token_names)
-            kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(out.seqs))]
+            if kv_out:
+                kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(kv_out))]
         free, p.pending_free = p.pending_free + out.freed, []
         for rid in free:
             for wm in p.watermark.values():
@@ -486,7 +505,7 @@ class Controller:
         if req.is_finished:
             self._settle(req)
             return
-        req.block_ids = self.token_tables.pop(req.request_id)
+        req.block_ids = self._drop_token_table(req.request_id)
         if self.token.sched.config.policy == "microbatch":
             self.ready.append(req)
         else:
@@ -516,7 +535,7 @@ class Controller:
         self.handed_off.pop(rid, None)
         if rid in self.kv_pending:
             return  # freed when the last token stage reports the KV in
-        table = self.token_tables.pop(rid, None)
+        table = self._drop_token_table(rid)
         if table:
             self.token.kv.release(table)
             self.token.pending_free.append(rid)
@@ -562,6 +581,7 @@ class Controller:
         self.recovering = message
         self.epoch += 1
         lp = self._pipeline_of(lost)
+        lp.kv.reset_prefix_cache()  # the replacement's cache is empty: no cached prefix of this pipeline holds
         holder = lp.stages[(lost.stage + 1) % lp.depth]
         prev = lp.stages[(lost.stage - 1) % lp.depth]
         resume = None
@@ -674,7 +694,7 @@ class Controller:
             self.kv_pending.clear()
             keep = {r.request_id for r in self.token.sched.running}
             for rid in [rid for rid in self.token_tables if rid not in keep]:
-                table = self.token_tables.pop(rid)
+                table = self._drop_token_table(rid)
                 if table:
                     self.token.kv.release(table)
             first = self.pipelines[0].sched

@@ -60,6 +60,7 @@ class Simulator:
         self.prompt = self._group(layout.prompt, "prompt" if layout.token else "both")
         self.token = self._group(layout.token, "token") if layout.token else []
         self.token_tables: dict[str, tuple[SimPipeline, list[int]]] = {}  # blocks reserved on the token side
+        self.token_cached: dict[str, int] = {}  # of those, tokens a prefix-cache hit holds (not streamed)
         self.kv_pending: dict[str, float] = {}  # rid -> when its prompt KV is complete on the token side
         self.handed_off: dict[str, Request] = {}  # first token sampled, KV still on its way
         self._token_target: tuple[SimPipeline | None, int] = (None, 0)
@@ -74,7 +75,7 @@ class Simulator:
         own = self.config.dispatch == "round_robin"
         out = []
         for i in range(spec.count):
-            kv = KVCacheManager(self._pool_blocks(spec, role), self.config.block_size)
+            kv = KVCacheManager(self._pool_blocks(spec, role), self.config.block_size, self.config.prefix_caching)
             hook = self._reserve_token_blocks if role == "prompt" else None
             sched = Scheduler(self.config.scheduler_for(spec), kv, self.max_model_len, role, hook)
             out.append(SimPipeline(role, i, spec, kv, sched, deque() if own else self.queue))
@@ -174,7 +175,7 @@ class Simulator:
 
     def _request(self, i: int) -> Request:
         params = SamplingParams(max_tokens=self.out_len[i], temperature=0.0, ignore_eos=True)
-        return Request(str(i), [0] * self.prompt_len[i], params, arrival_time=self.arrival[i])
+        return Request(str(i), [i] * self.prompt_len[i], params, arrival_time=self.arrival[i])  # a prompt of its own
 
     def _send(self, p: SimPipeline, out: SchedulerOutput, now: float) -> PassDone:
         """Place the batch on `p`'s stages: one `step_time` per stage, activation hops between them;
@@ -185,8 +186,11 @@ class Simulator:
         hop = self._hop(shape.tokens) if p.depth > 1 else 0.0
         spans = p.place(now, t, hop)
         pas = Pass(out, t)
-        if p.role == "prompt":
-            tokens = sum(n for n, _ in seqs)
+        if p.role == "prompt":  # what the token side's cached prefix lacks, as the controller streams
+            tokens = 0
+            for s in out.seqs:
+                have = self.token_cached.get(s.request.request_id, 0)
+                tokens += max(0, s.end - (have if s.reset else max(s.start, have)))
             pas.kv_done = p.stream(spans, [self.perf.kv_transfer_time(tokens, p.depth, k) for k in range(p.depth)])
         wire_id = next(self._wire_ids)
         p.in_flight[wire_id] = pas
@@ -225,13 +229,21 @@ class Simulator:
                 tp, count = max(self.token, key=lambda t: (t.kv.num_free_blocks, -t.index)), 0
             self._token_target = (tp, count + 1)
             entry = self.token_tables[req.request_id] = (tp, [])
-        return entry[0].kv.ensure(entry[1], req.num_tokens)
+        tp, table = entry
+        if table:
+            return tp.kv.ensure(table, req.num_tokens)
+        hit = tp.kv.match(req.token_ids, req.block_hashes, req.num_tokens)
+        if not tp.kv.ensure(table, req.num_tokens, hit):
+            return False
+        self.token_cached[req.request_id] = hit.num_tokens
+        return True
 
     def _to_token_side(self, req: Request) -> None:
         if req.is_finished:
             self._settle(req)
             return
         tp, table = self.token_tables.pop(req.request_id)
+        self.token_cached.pop(req.request_id, None)
         req.block_ids = table
         if tp.sched.config.policy == "microbatch":
             tp.ready.append(req)
@@ -244,6 +256,7 @@ class Simulator:
         if req.request_id in self.kv_pending:
             return
         entry = self.token_tables.pop(req.request_id, None)
+        self.token_cached.pop(req.request_id, None)
         if entry is not None and entry[1]:
             entry[0].kv.release(entry[1])
             self._version += 1
@@ -312,6 +325,7 @@ class Simulator:
         restores the lost stage's KV from its replica and the passes in flight run again."""
         rec = self.config.recovery
         restore = 0.0
+        p.kv.reset_prefix_cache()  # the replacement's cache is empty (as the controller's `_recover`)
         if rec.mode == "restart" or p.role == "prompt":
             lost = p.sched.reset()
             p.in_flight.clear()
