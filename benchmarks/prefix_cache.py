@@ -13,7 +13,7 @@ Per run: makespan, requests/s, output tokens/s, median TTFT, the cache's hit rat
 cached / tokens looked up at admission); the table shows medians over reps and the on/off ratios.
 Only the device tier exists so far (no host/disk tiers). Outputs are checked token-identical.
 
-    python benchmarks/prefix_cache.py [--requests 8] [--systems 2] [--reps 2]
+    python benchmarks/prefix_cache.py [--requests 8] [--systems 2] [--reps 3] [--threads 1]
 
 Writes results/prefix_cache.json and results/prefix_cache.png.
 """
@@ -70,12 +70,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--systems", type=int, default=2)
     ap.add_argument("--min-system", type=int, default=64)
-    ap.add_argument("--max-system", type=int, default=256)
+    ap.add_argument("--max-system", type=int, default=192)
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-gb", type=float, default=0.25)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--out", type=Path, default=RESULTS / "prefix_cache")
     args = ap.parse_args()
