@@ -61,7 +61,9 @@ class EngineConfig:
     `kv_cache_memory_gb`. `dtype="auto"` is resolved here, once, to bfloat16 where the device has
     native bf16 and float32 elsewhere (`resolve_dtype`), so every process of a cluster gets the same
     concrete dtype; the user-facing entry points (`kvflow serve/generate/chat`, `LLM`) default to it.
-    The field's default stays float32 for code that builds a model by hand and passes its config."""
+    The field's default stays float32 for code that builds a model by hand and passes its config.
+    `enable_prefix_caching`: full KV blocks are kept after their request ends and shared by later
+    requests whose tokens start the same way (`kvflow.kv`), on by default as in vLLM."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -71,6 +73,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     max_model_len: int | None = None
     num_threads: int | None = None
+    enable_prefix_caching: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self) -> None:
@@ -86,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         if self.device.startswith("cuda"):

@@ -60,13 +60,15 @@ class SeqStep:
 @dataclass
 class KVOut:
     """Disaggregated prompt step: tokens [token_start, token_end) of `rid` go to the token pipeline,
-    into `dest_blocks` (its block table there, covering [0, total))."""
+    into `dest_blocks` (its block table there, covering [0, total)), which expects [dest_start,
+    total): its prefix cache holds the tokens before."""
 
     rid: str
     token_start: int
     token_end: int
     total: int
     dest_blocks: list[int]
+    dest_start: int = 0
 
 
 @dataclass

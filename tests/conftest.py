@@ -85,11 +85,13 @@ def tiny_engine(
     block_size: int = 4,
     seed: int = 0,
     tokenizer=None,
+    prefix_caching: bool = True,
     **sched,
 ) -> LLMEngine:
     cfg = cfg or tiny_config()
     config = EngineConfig(
-        block_size=block_size, num_kv_blocks=num_kv_blocks, scheduler=SchedulerConfig(**sched) if sched else SchedulerConfig()
+        block_size=block_size, num_kv_blocks=num_kv_blocks, scheduler=SchedulerConfig(**sched) if sched else SchedulerConfig(),
+        enable_prefix_caching=prefix_caching,
     )
     return LLMEngine(tiny_model(cfg, seed), tokenizer, config)
 

@@ -93,7 +93,7 @@ def test_preemption_recomputes_and_gives_identical_tokens():
     assert sum(r.num_preemptions for r in reqs) > 0
     assert [final[r.request_id].token_ids for r in reqs] == _solo(prompts, params)
     assert eng.kv_manager.num_free_blocks == 16
-    eng.kv_manager.allocator.check()
+    eng.kv_manager.pool.check()
 
 
 def test_sampling_with_seed_is_reproducible_whatever_the_batch():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvflow.kv.manager import KVCacheManager
@@ -10,8 +12,13 @@ from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Limits, Scheduler, SchedulerConfig, validate
 
 
+_prompts = itertools.count(1)
+
+
 def req(rid: str, n_prompt: int, max_tokens: int = 4) -> Request:
-    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    """A request whose prompt shares no block with any other's (prefix caching: tests/test_prefix_cache.py)."""
+    base = 1000 * next(_prompts)
+    return Request(rid, list(range(base, base + n_prompt)), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
 def sampled_for(out, tok: int = 7) -> dict[str, int]:

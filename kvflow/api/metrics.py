@@ -147,6 +147,16 @@ def _backend_lines(s: BackendStats, metric) -> None:
            [f"kvflow_resumed_requests_total {s.resumed_requests_total}"])
     metric("kvflow_recomputed_tokens_total", "counter", "Tokens recomputed after failures (lost past the replica)",
            [f"kvflow_recomputed_tokens_total {s.recomputed_tokens_total}"])
+    pc = sorted(s.prefix_cache.items())
+    lab = [f'pool="{_esc(pool)}",tier="{_esc(tier)}"' for (pool, tier), _ in pc]
+    metric("kvflow_prefix_cache_queries_total", "counter", "Tokens of admitted requests looked up in the prefix cache",
+           [f"kvflow_prefix_cache_queries_total{{{l}}} {c.queries}" for l, (_, c) in zip(lab, pc)])
+    metric("kvflow_prefix_cache_hits_total", "counter", "Of those, tokens found cached (not prefilled, or not streamed on a token pool)",
+           [f"kvflow_prefix_cache_hits_total{{{l}}} {c.hits}" for l, (_, c) in zip(lab, pc)])
+    metric("kvflow_prefix_cache_hit_rate", "gauge", "hits / queries since start (0 before any query)",
+           [f"kvflow_prefix_cache_hit_rate{{{l}}} {c.hit_rate:.6f}" for l, (_, c) in zip(lab, pc)])
+    metric("kvflow_prefix_cache_evictions_total", "counter", "Cached blocks evicted to make room",
+           [f"kvflow_prefix_cache_evictions_total{{{l}}} {c.evictions}" for l, (_, c) in zip(lab, pc)])
 
 
 def _esc(label: str) -> str:

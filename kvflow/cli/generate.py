@@ -13,6 +13,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   dest="enable_prefix_caching", help="reuse the KV of earlier turns' tokens (default on)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -67,7 +69,8 @@ def _load(args):
     dtype, why = resolve_dtype(args.dtype, args.device)
     print(f"[kvflow] dtype {dtype} ({why})", file=sys.stderr)
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=dtype, device=args.device, num_threads=args.threads)
+    llm = LLM(args.model, dtype=dtype, device=args.device, num_threads=args.threads,
+              enable_prefix_caching=args.enable_prefix_caching)
     return llm, params, time.perf_counter() - t0
 
 

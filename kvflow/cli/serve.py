@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import sys
@@ -23,6 +24,10 @@ def register(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the checkpoint's)")
     s.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
+    s.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   dest="enable_prefix_caching",
+                   help="keep full KV blocks after a request and reuse them for prompts that start the same way "
+                        "(default on; --no-prefix-caching turns it off)")
     s.add_argument("--mode", default="engine", choices=["engine", "colocated", "disaggregated"],
                    help="engine: one process; colocated: one pipeline of --depth worker processes doing prompts and "
                         "tokens (the DejaVu baseline); disaggregated: a prompt pipeline streaming KV into a token pipeline")
@@ -133,6 +138,7 @@ def _controller(args):
     per_block = KVLayout.for_model(mc, 1, 16, dtype=EngineConfig(dtype=args.dtype).torch_dtype).bytes_per_block
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           num_kv_blocks=max(1, int(args.kv_cache_gb * 2**30 // per_block)),
+                          enable_prefix_caching=args.enable_prefix_caching,
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
     ray_cfg = None
     if args.launcher == "ray":
@@ -195,6 +201,7 @@ def run_serve(args) -> int:
 
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
                               max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_gb,
+                              enable_prefix_caching=args.enable_prefix_caching,
                               scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
         engine = LLMEngine.from_config(config)
         backend = EngineBackend(engine, args.served_model_name or engine.model.cfg.name)

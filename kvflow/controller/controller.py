@@ -89,7 +89,7 @@ class Controller:
         self.pipelines: list[Pipeline] = []
         for spec in cfg.pipelines():
             stages = [StageHandle(spec.stage_name(i), i, layers) for i, layers in enumerate(even_split(mc.num_layers, spec.depth))]
-            kv = KVCacheManager(ecfg.num_kv_blocks, ecfg.block_size)
+            kv = KVCacheManager(ecfg.num_kv_blocks, ecfg.block_size, ecfg.enable_prefix_caching)
             hook = (lambda req: self.handoff.reserve(req)) if spec.role == "prompt" else None
             sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role, hook)
             self.pipelines.append(Pipeline(spec, stages, kv, sched))
@@ -276,6 +276,7 @@ class Controller:
             replication_lag_tokens=self._replication_lag(),
             resumed_requests_total=self.resumed,
             recomputed_tokens_total=self.recomputed_tokens,
+            prefix_cache={(p.name, "device"): p.kv.stats for p in self.pipelines},
         )
 
     def _replication_lag(self) -> int:
@@ -426,11 +427,15 @@ class Controller:
         if p.role == "prompt":
             token_names = {t.name for t in self.token.stages}
             for s in out.seqs:
-                rid = s.request.request_id
-                kv_out.append(KVOut(rid, s.start, s.end, s.request.num_tokens, list(self.handoff.table(rid))))
-                if s.start == 0:
+                rid, total = s.request.request_id, s.request.num_tokens
+                lo, hi = self.handoff.stream_range(s)  # what the token side's cached prefix lacks
+                have = self.handoff.cached_tokens(rid)
+                if lo < hi:
+                    kv_out.append(KVOut(rid, lo, hi, total, list(self.handoff.table(rid)), have))
+                if s.reset and have < total:
                     self.handoff.kv_sent(rid, token_names)
-            kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(out.seqs))]
+            if kv_out:
+                kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(kv_out))]
         free, p.pending_free = p.pending_free + out.freed, []
         for rid in free:
             for wm in p.watermark.values():
@@ -536,6 +541,7 @@ class Controller:
         self.recovering = message
         self.epoch += 1
         lp = self._pipeline_of(lost)
+        lp.kv.reset_prefix_cache()  # the replacement's cache is empty: no cached prefix of this pipeline holds
         holder = lp.stages[(lost.stage + 1) % lp.depth]
         prev = lp.stages[(lost.stage - 1) % lp.depth]
         resume = None

@@ -50,7 +50,7 @@ class LLMEngine:
         num_blocks = config.kv_blocks(layout.bytes_per_block)
         layout = KVLayout.for_model(mcfg, num_blocks, config.block_size, dtype=config.torch_dtype)
         self.kv_cache = KVCache(layout, config.device)
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.limits = Limits(self.max_model_len, mcfg.vocab_size)
         self.runner = ModelRunner(model, self.kv_cache, hook)

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from kvflow.kv.manager import KVCacheManager
 from kvflow.sched.request import Request
-from kvflow.sched.scheduler import Scheduler
+from kvflow.sched.scheduler import ScheduledSeq, Scheduler
 
 
 class TokenSide(Protocol):
@@ -43,6 +43,7 @@ class Handoff:
             raise ValueError("a hand-off needs at least one token pipeline")
         self.token = list(token)
         self.tables: dict[str, tuple[TokenSide, list[int]]] = {}  # token-side blocks reserved per request
+        self.cached: dict[str, int] = {}  # of those, tokens [0, n) a token-side prefix-cache hit holds
         self.pending: dict[str, set[Hashable]] = {}  # request -> parts of its KV still on their way
         self.parked: dict[str, Request] = {}  # sampled (or finished) while its KV is on its way
         self._target: tuple[TokenSide | None, int] = (None, 0)
@@ -50,18 +51,27 @@ class Handoff:
     # --- prompt side --------------------------------------------------------------------------
 
     def reserve(self, req: Request) -> bool:
-        """Prompt admission: make the token-side blocks for `req`'s tokens so far. Consecutive
-        admissions go to one token pipeline, a token microbatch's worth at a time, then to the one
-        with the most free blocks."""
-        entry = self.tables.get(req.request_id)
+        """Prompt admission: make the token-side blocks for `req`'s tokens so far, starting with the
+        token pool's own cached prefix of it (prefix caching), whose KV is then not streamed.
+        Consecutive admissions go to one token pipeline, a token microbatch's worth at a time, then
+        to the one with the most free blocks."""
+        rid = req.request_id
+        entry = self.tables.get(rid)
+        if entry is not None and entry[1]:
+            return entry[0].kv.ensure(entry[1], req.num_tokens)
         if entry is None:
             tp, count = self._target
             if tp is None or count >= tp.microbatch or not tp.kv.can_ensure([], req.num_tokens):
                 i = max(range(len(self.token)), key=lambda i: (self.token[i].kv.num_free_blocks, -i))
                 tp, count = self.token[i], 0
             self._target = (tp, count + 1)
-            entry = self.tables[req.request_id] = (tp, [])
-        return entry[0].kv.ensure(entry[1], req.num_tokens)
+            entry = self.tables[rid] = (tp, [])
+        tp, table = entry
+        hit = tp.kv.match(req.token_ids, req.block_hashes, req.num_tokens)
+        if not tp.kv.ensure(table, req.num_tokens, hit):
+            return False
+        self.cached[rid] = hit.num_tokens
+        return True
 
     def table(self, rid: str) -> list[int]:
         """The token-side block table reserved for `rid` (where its KV is streamed to)."""
@@ -69,6 +79,15 @@ class Handoff:
 
     def target(self, rid: str) -> TokenSide:
         return self.tables[rid][0]
+
+    def stream_range(self, seq: ScheduledSeq) -> tuple[int, int]:
+        """Tokens [lo, hi) of a prompt batch's `seq` whose KV goes to the token side: what its cached
+        prefix there lacks, spread over the prompt's chunks (empty when lo >= hi)."""
+        have = self.cached.get(seq.request.request_id, 0)
+        return (have if seq.reset else max(seq.start, have)), seq.end
+
+    def cached_tokens(self, rid: str) -> int:
+        return self.cached.get(rid, 0)
 
     def kv_sent(self, rid: str, parts: Iterable[Hashable]) -> None:
         """A prompt pass completed `rid`'s prompt: its KV arrives in `parts` (e.g. one per token stage)."""
@@ -98,6 +117,7 @@ class Handoff:
     def join(self, req: Request) -> TokenSide:
         """Move unfinished `req` into its token pipeline's scheduler (its KV is in place there)."""
         tp, table = self.tables.pop(req.request_id)
+        self.cached.pop(req.request_id, None)
         req.block_ids = table
         if tp.sched.config.policy == "microbatch":
             tp.ready.append(req)
@@ -126,6 +146,7 @@ class Handoff:
             if req in tp.ready:
                 tp.ready.remove(req)
         entry = self.tables.pop(rid, None)
+        self.cached.pop(rid, None)
         if entry is None or not entry[1]:
             return None
         entry[0].kv.release(entry[1])
@@ -152,6 +173,7 @@ class Handoff:
         running = {r.request_id for tp in self.token for r in tp.sched.running}
         for rid in [rid for rid in self.tables if rid not in running]:
             tp, table = self.tables.pop(rid)
+            self.cached.pop(rid, None)
             if table:
                 tp.kv.release(table)
         self._target = (None, 0)

@@ -52,6 +52,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of token_ids' full blocks, as far as computed
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvflow.kv.manager import KVCacheManager, blocks_for
+from kvflow.kv.manager import KVCacheManager, PrefixHit, blocks_for
 from kvflow.sched.request import Request, RequestStatus
 
 POLICIES = ("continuous", "microbatch")
@@ -132,6 +132,12 @@ class Scheduler:
     in through `add_running` with their KV already in place, and a preempted one is returned to the
     executor (`SchedulerOutput.preempted`) to be recomputed by a prompt scheduler.
 
+    Prefix caching (the pool's, `KVCacheManager`): a waiting request is admitted with the longest
+    cached prefix of its tokens counted as computed (whole blocks, never its last token: that one is
+    computed again for the logits), so only the rest is prefilled; every returned batch registers
+    the full blocks it computed, and a token-role request the blocks its KV arrived in. A preempted
+    request finds its own blocks again unless they were evicted meanwhile.
+
     `admit_hook(request) -> bool`, if given, is asked before a waiting request is admitted (the
     disaggregated executor reserves the token-side blocks the prompt's KV will be streamed into).
     """
@@ -170,6 +176,7 @@ class Scheduler:
         """Token role: a request whose KV (all tokens but the last) is already in this pool's blocks."""
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = request.num_tokens - 1
+        self.kv.cache_blocks(request.block_ids, request.token_ids, request.block_hashes, 0, request.num_computed_tokens)
         self.running.append(request)
         self._reset.add(request.request_id)
 
@@ -220,15 +227,15 @@ class Scheduler:
         while (self.role != "token" and self.waiting and not preempted and budget > 0 and len(seqs) < cap
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            n = min(req.num_pending_tokens, budget, self.config.prefill_chunk_size)
-            if not self.kv.can_ensure(req.block_ids, self._blocks_needed(req, n)):
+            hit = self._match(req)
+            n = min(req.num_tokens - hit.num_tokens, budget, self.config.prefill_chunk_size)
+            need = req.num_tokens if self.role == "prompt" else hit.num_tokens + n
+            if not self.kv.can_ensure(req.block_ids, need, hit):
                 break
             if self.admit_hook is not None and not self.admit_hook(req):
                 break
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._reset.add(req.request_id)
+            self._admit(req, need, hit)
             s = self._take(req, budget, preempted)
             seqs.append(s)
             budget -= s.num_new_tokens
@@ -252,6 +259,21 @@ class Scheduler:
         new = tuple(req.block_ids) if reset else tuple(req.block_ids[before:])
         return ScheduledSeq(req, n, req.num_computed_tokens, new, reset)
 
+    def _match(self, req: Request) -> PrefixHit:
+        """The cached prefix a waiting request starts from: whole blocks, and never all its tokens
+        (the last one is computed again to get the logits of the next token, as vLLM does)."""
+        return self.kv.match(req.token_ids, req.block_hashes, req.num_tokens - 1)
+
+    def _admit(self, req: Request, num_tokens: int, hit: PrefixHit) -> None:
+        """A waiting request starts running: its table takes the hit's blocks (counted as computed)
+        and grows to `num_tokens` (the caller checked `can_ensure`); its next batch carries the table."""
+        ok = self.kv.ensure(req.block_ids, num_tokens, hit)
+        assert ok, "admitted without the blocks it needs"
+        req.num_computed_tokens = hit.num_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._reset.add(req.request_id)
+
     def _blocks_needed(self, req: Request, n: int) -> int:
         """Tokens `req`'s table must hold to run `n` more. A prompt-role request holds its whole
         prompt from admission on (it leaves after one pass), so a prompt pipeline never preempts."""
@@ -270,15 +292,13 @@ class Scheduler:
         while self.waiting and len(group) < self.config.microbatch_size:
             req = self.waiting[0]
             total = req.num_prompt_tokens + req.params.max_tokens  # reserved up front: never preempted
-            if not self.kv.can_ensure(req.block_ids, total):
+            hit = self._match(req)
+            if not self.kv.can_ensure(req.block_ids, total, hit):
                 break
             if self.admit_hook is not None and not self.admit_hook(req):
                 break
-            self.kv.ensure(req.block_ids, total)
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._reset.add(req.request_id)
+            self._admit(req, total, hit)
             group.append(req)
         if not group:
             return []
@@ -311,6 +331,7 @@ class Scheduler:
                 changed.append(req)
                 continue
             req.num_computed_tokens = s.end
+            self.kv.cache_blocks(req.block_ids, req.token_ids, req.block_hashes, s.start, s.end)
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue

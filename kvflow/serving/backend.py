@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvflow.engine.engine import LLMEngine
+from kvflow.kv.manager import PrefixCacheStats
 from kvflow.sched.request import RequestOutput
 from kvflow.sched.sampling import SamplingParams
 from kvflow.model.tokenizer import Tokenizer
@@ -53,6 +54,8 @@ class BackendStats:
     replication_lag_tokens: int = 0
     resumed_requests_total: int = 0
     recomputed_tokens_total: int = 0
+    # (block pool, tier) -> its prefix cache's counters; pools: "engine", or the controller's pipelines
+    prefix_cache: dict[tuple[str, str], PrefixCacheStats] = field(default_factory=dict)
 
 
 class Backend(Protocol):
@@ -153,6 +156,7 @@ class EngineBackend:
             prompt_tokens_total=self._prompt_tokens,
             worker_busy_seconds={"engine": self._busy},
             workers_alive={"engine": self.healthy()},
+            prefix_cache={("engine", "device"): self.engine.kv_manager.stats},
         )
 
     def _post(self, job: Callable[[], None]) -> None:

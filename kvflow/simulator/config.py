@@ -129,6 +129,9 @@ class SimConfig:
     'round_robin' (requests are bound to pipelines i mod count at arrival).
     `swapping`: KV of microbatches not computing lives in host memory (DéjàVu §4.2.2); a token
     step then lasts max(compute, swap-in of the next microbatch) and the pool holds depth/2 times more.
+    `prefix_caching`: the block pools keep full blocks for reuse (`kvflow.kv`, on by default as in
+    the server). Simulated requests carry no text: each gets token ids of its own, so a request only
+    ever hits its own blocks (recomputed after a preemption), never another's.
     `rigid_rounds`: original FasterTransformer — a pipeline admits new microbatches only once all
     in flight have finished (the setting of DéjàVu eq. 4).
     """
@@ -144,6 +147,7 @@ class SimConfig:
     kv_blocks: int | None = None
     block_size: int = BLOCK_SIZE
     max_model_len: int | None = None
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("shared", "round_robin"):
@@ -176,4 +180,4 @@ class SimConfig:
                             PipelineSpec(cluster.token_depth, cluster.microbatch_size))
         eng = cluster.engine
         return cls(layout, policy=cluster.policy, scheduler=eng.scheduler, kv_blocks=eng.num_kv_blocks,
-                   block_size=eng.block_size, max_model_len=max_model_len, **kw)
+                   block_size=eng.block_size, max_model_len=max_model_len, prefix_caching=eng.enable_prefix_caching, **kw)

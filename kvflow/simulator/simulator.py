@@ -73,7 +73,7 @@ class Simulator:
         own = self.config.dispatch == "round_robin"
         out = []
         for i in range(spec.count):
-            kv = KVCacheManager(self._pool_blocks(spec, role), self.config.block_size)
+            kv = KVCacheManager(self._pool_blocks(spec, role), self.config.block_size, self.config.prefix_caching)
             hook = (lambda req: self.handoff.reserve(req)) if role == "prompt" else None
             sched = Scheduler(self.config.scheduler_for(spec), kv, self.max_model_len, role, hook)
             out.append(SimPipeline(role, i, spec, kv, sched, deque() if own else self.queue))
@@ -171,7 +171,7 @@ class Simulator:
 
     def _request(self, i: int) -> Request:
         params = SamplingParams(max_tokens=self.out_len[i], temperature=0.0, ignore_eos=True)
-        return Request(str(i), [0] * self.prompt_len[i], params, arrival_time=self.arrival[i])
+        return Request(str(i), [i] * self.prompt_len[i], params, arrival_time=self.arrival[i])  # a prompt of its own
 
     def _send(self, p: SimPipeline, out: SchedulerOutput, now: float) -> PassDone:
         """Place the batch on `p`'s stages: one `step_time` per stage, activation hops between them;
@@ -182,8 +182,11 @@ class Simulator:
         hop = self._hop(shape.tokens) if p.depth > 1 else 0.0
         spans = p.place(now, t, hop)
         pas = Pass(out, t)
-        if p.role == "prompt":
-            tokens = sum(n for n, _ in seqs)
+        if p.role == "prompt":  # what the token side's cached prefix lacks, as the controller streams
+            tokens = 0
+            for s in out.seqs:
+                lo, hi = self.handoff.stream_range(s)
+                tokens += max(0, hi - lo)
             pas.kv_done = p.stream(spans, [self.perf.kv_transfer_time(tokens, p.depth, k) for k in range(p.depth)])
         wire_id = next(self._wire_ids)
         p.in_flight[wire_id] = pas
@@ -283,6 +286,7 @@ class Simulator:
         restores the lost stage's KV from its replica and the passes in flight run again."""
         rec = self.config.recovery
         restore = 0.0
+        p.kv.reset_prefix_cache()  # the replacement's cache is empty (as the controller's `_recover`)
         if rec.mode == "restart" or p.role == "prompt":
             lost = p.sched.reset()
             p.in_flight.clear()

@@ -45,7 +45,8 @@ SEND_MODES = ("naive", "buffered", "overlap")
 @dataclass(frozen=True)
 class HandoffRequest:
     """One request of a hand-off: tokens [token_start, token_end) of its KV, from `src_blocks` at the
-    source into `dest_blocks` at the destination (a table covering [0, total))."""
+    source into `dest_blocks` at the destination (a table covering [0, total)). `dest_start`: the
+    destination holds [0, dest_start) already (its prefix cache) and expects only [dest_start, total)."""
 
     request_id: str
     token_start: int
@@ -53,6 +54,7 @@ class HandoffRequest:
     total: int
     src_blocks: tuple[int, ...]
     dest_blocks: tuple[int, ...]
+    dest_start: int = 0
 
 
 def plan_handoff(src_bounds: Sequence[int], dst_bounds: Sequence[int], num_requests: int) -> list[Transfer]:
@@ -99,8 +101,9 @@ class KVSender:
         """`epoch` travels with the chunks: a receiver drops chunks from before its last reset."""
         self._raise_pending()
         self._requests = [SeqRegion(r.request_id, r.src_blocks, r.token_start, r.token_end) for r in requests]
-        self._metas = [{"total": r.total, "blocks": list(r.dest_blocks), **({"start": r.token_start} if self.incremental else {})}
-                       for r in requests]
+        starts = [r.token_start if self.incremental else r.dest_start for r in requests]
+        self._metas = [{"total": r.total, "blocks": list(r.dest_blocks), **({"start": a} if a else {})}
+                       for r, a in zip(requests, starts)]
         self._plan = [t for t in plan if t.src == self.stage]
         self._epoch = epoch
 

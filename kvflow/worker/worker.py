@@ -244,8 +244,8 @@ class Worker:
             hidden = hidden.to(self.device, self.engine_cfg.torch_dtype)
         hook = None
         if self.sender is not None and msg.kv_plan:
-            reqs = [HandoffRequest(k.rid, k.token_start, k.token_end, k.total, tuple(self.tables[k.rid]), tuple(k.dest_blocks))
-                    for k in msg.kv_out]
+            reqs = [HandoffRequest(k.rid, k.token_start, k.token_end, k.total, tuple(self.tables[k.rid]), tuple(k.dest_blocks),
+                                   k.dest_start) for k in msg.kv_out]
             self.sender.begin(reqs, [Transfer(*t) for t in msg.kv_plan], msg.epoch)
             hook = self.sender.on_layer if self.sender.active else None
         if self.replicator is not None and msg.seqs:  # what this step appends, to the next stage's replica

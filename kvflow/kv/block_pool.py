@@ -1,0 +1,145 @@
+"""The KV block pool: reference-counted block ids, with full blocks kept after release as a prefix
+cache (by content hash) until the pool needs them back, least recently used first."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised by `allocate` when fewer blocks are available than asked for; nothing is taken then."""
+
+
+class BlockPool:
+    """Owns block ids 0..num_blocks-1. Each id is, at any time, exactly one of:
+
+    - referenced: `ref[b] > 0` holders (requests sharing it: a block of a cached prefix has one per request);
+    - cached: unreferenced but holding a full block whose content hash is registered (`insert`); a
+      prefix-cache hit (`lookup` then `take`) references it again; kept until evicted;
+    - free: unreferenced and holding nothing anyone can find.
+
+    Contract: `allocate(n)` returns n blocks, each referenced once, taken from the free list first
+    (oldest freed first) and then by evicting cached blocks, least recently released first; it is
+    all-or-nothing and raises `OutOfBlocks` when fewer than n blocks are free or cached. `free(ids)`
+    drops one reference per id (rejecting ids that hold none); a block losing its last reference
+    becomes cached if it has a hash, free otherwise. `take(ids)` adds a reference (a hit). `insert`
+    registers a referenced block under its hash unless that hash is already registered (the first
+    block computed keeps it) or the block has one. `lookup(hashes)` is the longest prefix of `hashes`
+    that is registered, as block ids (no side effect). `clear()` forgets every hash (the KV behind
+    them was lost): cached blocks become free, referenced ones stay referenced, unfindable.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self.hash_of: dict[int, bytes] = {}  # block -> its content hash (registered blocks only)
+        self.by_hash: dict[bytes, int] = {}  # hash -> block
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, LRU first
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        """Blocks `allocate` can hand out now: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def num_unreferenced(self, ids: Iterable[int]) -> int:
+        """How many of `ids` (a hit) are cached and unreferenced: referencing them takes them out of `num_free`."""
+        return sum(1 for b in ids if self.ref[b] == 0)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > self.num_free:
+            raise OutOfBlocks(f"asked for {n} KV blocks, {self.num_free} of {self.num_blocks} free")
+        ids = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._cached.popitem(last=False)  # evict the least recently released
+                del self.by_hash[self.hash_of.pop(b)]
+                self.evictions += 1
+            self.ref[b] = 1
+            ids.append(b)
+        return ids
+
+    def take(self, ids: Sequence[int]) -> None:
+        """One more reference to each of `ids` (registered blocks from `lookup`)."""
+        for b in ids:
+            if b not in self.hash_of:
+                raise ValueError(f"block {b} holds no cached prefix")
+        for b in ids:
+            if self.ref[b] == 0:
+                del self._cached[b]
+            self.ref[b] += 1
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Drop one reference to each of `ids`. Pass a request's table last block first, so that the
+        end of a prefix is evicted before its beginning (a later block is useless without the earlier)."""
+        ids = list(ids)
+        counts: dict[int, int] = {}
+        for b in ids:
+            counts[b] = counts.get(b, 0) + 1
+        bad = [b for b, c in counts.items() if not (isinstance(b, int) and 0 <= b < self.num_blocks) or self.ref[b] < c]
+        if bad:
+            raise ValueError(f"freeing blocks that are not allocated (or more often than referenced): {sorted(bad)}")
+        for b in ids:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if b in self.hash_of:
+                    self._cached[b] = None  # most recently released: evicted last
+                else:
+                    self._free.append(b)
+
+    def lookup(self, hashes: Iterable[bytes]) -> list[int]:
+        out = []
+        for h in hashes:
+            b = self.by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def insert(self, block: int, h: bytes) -> bool:
+        """Register referenced `block` as holding the content `h`; False if `h` or `block` already is."""
+        if self.ref[block] <= 0:
+            raise ValueError(f"block {block} is not allocated")
+        if h in self.by_hash or block in self.hash_of:
+            return False
+        self.by_hash[h] = block
+        self.hash_of[block] = h
+        return True
+
+    def clear(self) -> None:
+        self.by_hash.clear()
+        self.hash_of.clear()
+        self._free.extend(self._cached)
+        self._cached.clear()
+
+    def check(self) -> None:
+        """Internal invariants: the three states partition the ids and the hash maps agree."""
+        free, cached = set(self._free), set(self._cached)
+        assert len(free) == len(self._free), "duplicate id in the free list"
+        assert not (free & cached), "id both free and cached"
+        assert all(r >= 0 for r in self.ref), "negative reference count"
+        referenced = {b for b, r in enumerate(self.ref) if r > 0}
+        assert not (referenced & (free | cached)), "id both referenced and free or cached"
+        assert len(free) + len(cached) + len(referenced) == self.num_blocks, "block ids leaked"
+        assert all(b in self.hash_of for b in cached), "a cached block without a hash"
+        assert not (free & set(self.hash_of)), "a free block still registered"
+        assert {b: h for h, b in self.by_hash.items()} == self.hash_of, "hash maps disagree"
