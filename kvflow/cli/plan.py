@@ -122,7 +122,7 @@ def cmd_plan(args) -> int:
         print("  " + line)
     doc = {"machines": args.machines, "seconds": elapsed, "reasons": plan.reasons,
            "formulas": plan.formulas.__dict__,
-           "best": {k: {"layout": e.layout.label(), **e.summary.to_dict()} for k, e in plan.best.items()}}
+           "best": {k: e.to_dict() for k, e in plan.best.items()}}
     if (args.ttft_slo is None) != (args.tpot_slo is None):
         raise ValueError("give both --ttft-slo and --tpot-slo")
     if args.ttft_slo is not None:

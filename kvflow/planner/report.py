@@ -20,7 +20,7 @@ class SweepRow:
 
     def to_dict(self) -> dict:
         return {"machines": self.machines,
-                "best": {k: {"layout": e.layout.label(), **e.summary.to_dict()} for k, e in self.best.items()}}
+                "best": {k: e.to_dict() for k, e in self.best.items()}}
 
 
 def sweep(scenario: Scenario, perf: PerfModel) -> list[SweepRow]:
