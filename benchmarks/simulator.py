@@ -172,9 +172,74 @@ def distserve(requests: int, ttft: float, tpot: float) -> dict:
     return res
 
 
+def swapping_fig9(requests_per_slot: int = 4) -> dict:
+    """DéjàVu Fig. 9: throughput with the largest microbatch B that fits without swapping against
+    2B with microbatch swapping (DéjàVu §4.2.2: KV of the microbatches not computing lives in host
+    memory; a token step lasts max(compute, swap-in of the next microbatch), every device swapping
+    its tensor-parallel share over its own PCIe link). OPT-30B on 2xV100-16GB machines (32 Gbps),
+    Baseline pipelines of several depths, offline, prompt 500 / output 500 (the prompt and length of
+    the paper's other pipeline experiments; Fig. 9's own are not stated). The paper: up to 1.8x."""
+    from kvflow.simulator.config import BLOCK_SIZE
+
+    perf = AnalyticPerfModel(model_shape("opt-30b"), machine("2xV100-16GB", link_gbps=32))
+    prompt, out_len = 500, 500
+    res = {}
+    print(f"fig. 9 (swapping): OPT-30B on 2xV100-16GB, prompt {prompt}, output {out_len}, offline; "
+          f"PCIe {perf.machine.host_bandwidth / 1e9:.0f} GB/s per device")
+    print(f"  {'depth':>5} {'B':>4} {'2B':>4} {'token step':>10} {'swap-in':>8} {'tput B':>8} {'tput 2B+swap':>12} {'ratio':>6}")
+    for depth in (3, 4, 6, 8):
+        b = perf.max_microbatch(depth, prompt + out_len, depth, BLOCK_SIZE)
+        if b < 1 or perf.max_microbatch(depth, prompt + out_len, 2, BLOCK_SIZE) < 2 * b:
+            continue
+        tput = {}
+        for name, mb, swap in (("B", b, False), ("2B", 2 * b, True)):
+            w = synthetic(requests_per_slot * depth * 2 * b, prompt, LengthDist("constant", value=out_len, max_len=out_len),
+                          None, 0)
+            tput[name] = simulate(SimConfig(Layout(PipelineSpec(depth, mb)), swapping=swap), perf, w).summary().tokens_per_s
+        t = perf.token_stage_time(2 * b, prompt + out_len // 2, depth)
+        sw = perf.swap_in_time(2 * b, prompt + out_len // 2, depth)
+        ratio = tput["2B"] / tput["B"]
+        res[depth] = {"B": b, "token_step_s": t, "swap_in_s": sw, "tput_B": tput["B"], "tput_2B_swap": tput["2B"],
+                      "ratio": ratio}
+        print(f"  {depth:>5} {b:>4} {2 * b:>4} {t * 1e3:8.1f}ms {sw * 1e3:6.1f}ms {tput['B']:8.1f} {tput['2B']:12.1f} "
+              f"{ratio:6.2f}")
+    return res
+
+
+def failures_fig11(pipeline_restart_s: float, replace_s: float, detect_s: float, requests: int) -> dict:
+    """DéjàVu Fig. 11: OPT-66B, one colocated pipeline of 4 machines (2xA100-80GB), microbatch 8,
+    prompt 500, 1,000 generated tokens, a worker killed at 600, 1,200 and 1,800 s. Baseline
+    (FasterTransformer): every worker restarts (`pipeline_restart_s`) and the microbatches in flight
+    start over; DéjàVu: one replacement worker (`replace_s`), the lost KV restored from its replica
+    (modelled as the stage's KV over the network), the in-flight passes resume. Paper: 1.16x."""
+    from kvflow.simulator import Failure, Recovery
+
+    perf = AnalyticPerfModel(model_shape("opt-66b"), machine("2xA100-80GB"))
+    w = synthetic(requests, 500, LengthDist("constant", value=1001, max_len=1001), None, 0)
+    lay = Layout(PipelineSpec(4, 8))
+    fails = tuple(Failure(t, "prompt", 0, 1) for t in (600.0, 1200.0, 1800.0))
+    runs = {"no failure": SimConfig(lay),
+            "baseline (restart)": SimConfig(lay, failures=fails, recovery=Recovery(
+                "restart", detect_s, replace_s, pipeline_restart_s=pipeline_restart_s)),
+            "dejavu (resume)": SimConfig(lay, failures=fails, recovery=Recovery("resume", detect_s, replace_s))}
+    span = {k: simulate(cfg, perf, w).makespan for k, cfg in runs.items()}
+    ratio = span["baseline (restart)"] / span["dejavu (resume)"]
+    print(f"fig. 11 (failures): OPT-66B (4p, 8b) on 2xA100-80GB, {requests} requests of 500 + 1000 tokens; "
+          f"detect {detect_s} s, replace one worker {replace_s} s, restart the pipeline {pipeline_restart_s} s")
+    for k, v in span.items():
+        print(f"  {k:<20} makespan {v:8.0f} s")
+    print(f"  baseline / dejavu: ours {ratio:.3f}x, paper 1.16x")
+    return {"makespan": span, "ratio": ratio, "requests": requests, "detect_s": detect_s, "replace_s": replace_s,
+            "pipeline_restart_s": pipeline_restart_s}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", nargs="?", default="all", choices=["scale", "appendix", "distserve", "all"])
+    ap.add_argument("part", nargs="?", default="all", choices=["scale", "appendix", "distserve", "swapping", "failures", "all"])
+    ap.add_argument("--pipeline-restart-s", type=float, default=60.0, help="failures: restart every worker")
+    ap.add_argument("--replace-s", type=float, default=20.0, help="failures: start one replacement worker")
+    ap.add_argument("--detect-s", type=float, default=1.0, help="failures: heartbeat timeout")
+    ap.add_argument("--fig11-requests", type=int, default=1200, help="failures: requests (all at t=0)")
     ap.add_argument("--ttft-slo", type=float, default=0.4, help="distserve: TTFT SLO (s)")
     ap.add_argument("--tpot-slo", type=float, default=0.04, help="distserve: TPOT SLO (s)")
     ap.add_argument("--trial-requests", type=int, default=400, help="distserve: requests per simulated trial")
@@ -190,6 +255,11 @@ def main() -> None:
     if args.part in ("appendix", "all"):
         res = appendix(args.appendix_requests, args.variants.split(","), args.scenario)
         (RESULTS / "simulator_appendix.json").write_text(json.dumps(res, indent=1))
+    if args.part in ("swapping", "all"):
+        (RESULTS / "simulator_swapping.json").write_text(json.dumps(swapping_fig9(), indent=1))
+    if args.part in ("failures", "all"):
+        res = failures_fig11(args.pipeline_restart_s, args.replace_s, args.detect_s, args.fig11_requests)
+        (RESULTS / "simulator_failures.json").write_text(json.dumps(res, indent=1))
     if args.part in ("distserve", "all"):
         res = distserve(args.trial_requests, args.ttft_slo, args.tpot_slo)
         (RESULTS / "simulator_distserve.json").write_text(json.dumps(res, indent=1))
