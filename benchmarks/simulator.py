@@ -210,7 +210,7 @@ def failures_fig11(pipeline_restart_s: float, replace_s: float, detect_s: float,
     """DéjàVu Fig. 11: OPT-66B, one colocated pipeline of 4 machines (2xA100-80GB), microbatch 8,
     prompt 500, 1,000 generated tokens, a worker killed at 600, 1,200 and 1,800 s. Baseline
     (FasterTransformer): every worker restarts (`pipeline_restart_s`) and the microbatches in flight
-    start over; DéjàVu: one replacement worker (`replace_s`), the lost KV restored from its replica
+    start over from scratch (`Recovery.from_scratch`); DéjàVu: one replacement worker (`replace_s`), the lost KV restored from its replica
     (modelled as the stage's KV over the network), the in-flight passes resume. Paper: 1.16x."""
     from kvflow.simulator import Failure, Recovery
 
@@ -220,7 +220,7 @@ def failures_fig11(pipeline_restart_s: float, replace_s: float, detect_s: float,
     fails = tuple(Failure(t, "prompt", 0, 1) for t in (600.0, 1200.0, 1800.0))
     runs = {"no failure": SimConfig(lay),
             "baseline (restart)": SimConfig(lay, failures=fails, recovery=Recovery(
-                "restart", detect_s, replace_s, pipeline_restart_s=pipeline_restart_s)),
+                "restart", detect_s, replace_s, pipeline_restart_s=pipeline_restart_s, from_scratch=True)),
             "dejavu (resume)": SimConfig(lay, failures=fails, recovery=Recovery("resume", detect_s, replace_s))}
     span = {k: simulate(cfg, perf, w).makespan for k, cfg in runs.items()}
     ratio = span["baseline (restart)"] / span["dejavu (resume)"]

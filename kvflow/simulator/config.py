@@ -91,8 +91,10 @@ class Recovery:
     failed worker. Restart mode may instead restart the whole pipeline (`pipeline_restart_s`, e.g.
     FasterTransformer, DéjàVu's baseline, where every worker restarts and reloads its weights);
     None keeps the replacement of one worker (the kvflow server's `--replication none`). After
-    that, restart mode pays again for every recomputed token through the scheduler, resume mode
-    only for the passes that were in flight. `restore_s` None models the restore as moving the lost stage's KV
+    that, restart mode pays again for every recomputed token through the scheduler (one prefill of
+    prompt + tokens produced; with `from_scratch` the requests start over and every token is
+    generated again, as FasterTransformer restarts them), resume mode only for the passes that
+    were in flight. `restore_s` None models the restore as moving the lost stage's KV
     over the link (`PerfModel.kv_transfer_time`). `measured` takes the costs a real run recorded
     (`benchmarks/fault_tolerance.py`, the controller's `recovery_log`), so the two modes differ by
     what they measurably cost rather than sharing one constant.
@@ -103,6 +105,7 @@ class Recovery:
     restart_s: float = 10.0  # start a replacement worker: spawn, load its weights, handshake
     restore_s: float | None = None  # resume only: replica -> replacement (None: modelled from the KV size)
     pipeline_restart_s: float | None = None  # restart only: restart every worker (None: replace one, restart_s)
+    from_scratch: bool = False  # restart only: in-flight requests lose their tokens too (FasterTransformer)
 
     def __post_init__(self) -> None:
         if self.mode not in ("restart", "resume"):

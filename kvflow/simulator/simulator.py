@@ -325,10 +325,12 @@ class Simulator:
             self.restarts += len(lost)
             for r in lost:
                 self.kv_pending.pop(r.request_id, None)
+            # From scratch: a workload index in the queue becomes a fresh request when offered.
+            again = {id(r) for r in lost} if rec.mode == "restart" and rec.from_scratch else set()
             if p.role == "token":
-                self.queue.extendleft(reversed(lost))
+                self.queue.extendleft(reversed([int(r.request_id) if id(r) in again else r for r in lost]))
             else:
-                p.queue.extendleft(reversed(p.sched.waiting))
+                p.queue.extendleft(reversed([int(r.request_id) if id(r) in again else r for r in p.sched.waiting]))
                 p.sched.waiting.clear()
             self._version += 1
         else:

@@ -110,6 +110,12 @@ def test_pipeline_restart_costs_apart_from_replacing_one_worker():
         finish[mode] = simulate(cfg, perf, workload([0.0], [11])).finish[0]
     assert finish["resume"] == pytest.approx(1.55 + 0.5 + 2.0 + 5 * 0.1)
     assert finish["restart"] == pytest.approx(1.55 + 0.5 + 7.0 + 1.0 + 4 * 0.1)
+    # FasterTransformer restarts the request from scratch: its prompt again, then all 10 tokens.
+    rec = Recovery("restart", detect_s=0.5, restart_s=2.0, pipeline_restart_s=7.0, from_scratch=True)
+    res = simulate(SimConfig(Layout(PipelineSpec(1, 1)), failures=(Failure(1.55),), recovery=rec), perf,
+                   workload([0.0], [11]))
+    assert res.finish[0] == pytest.approx(1.55 + 0.5 + 7.0 + 1.0 + 10 * 0.1)
+    assert res.ttft[0] == pytest.approx(1.0) and res.completions[0] == 1
 
 
 def test_swap_in_uses_every_devices_host_link():
