@@ -14,10 +14,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="recommend a prompt/token machine split (DéjàVu planner)")
     _hardware_args(p)
     p.add_argument("--machines", type=int, required=True, help="cluster size D")
+    p.add_argument("--goal", choices=["makespan", "goodput"], default="makespan",
+                   help="makespan: DéjàVu's search (Appendix B/D); goodput: DistServe's Algorithm 1 for --rate")
+    p.add_argument("--rate", type=float, help="--goal goodput: the traffic rate R to serve (requests/s)")
     p.add_argument("--max-depth", type=int, default=16, help="deepest pipeline considered (replicas beyond)")
     p.add_argument("--ttft-slo", type=float, help="seconds; with --tpot-slo also searches goodput")
     p.add_argument("--tpot-slo", type=float, help="seconds per output token")
     p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--trial-requests", type=int, default=150,
+                   help="--goal goodput: requests per simulated trial of the rate search")
+    p.add_argument("--decode-microbatches", default=None,
+                   help="--goal goodput: decode batch sizes (default: --microbatches)")
     p.add_argument("--json", type=Path, help="write the plan as JSON here")
     p.set_defaults(func=cmd_plan)
 
@@ -103,6 +110,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_plan(args) -> int:
+    if args.goal == "goodput":
+        return _plan_goodput(args)
     from kvflow.planner import SearchSpace, recommend
     from kvflow.planner.goodput import max_rate
     from kvflow.simulator import SLO
@@ -122,7 +131,7 @@ def cmd_plan(args) -> int:
         print("  " + line)
     doc = {"machines": args.machines, "seconds": elapsed, "reasons": plan.reasons,
            "formulas": plan.formulas.__dict__,
-           "best": {k: {"layout": e.layout.label(), **e.summary.to_dict()} for k, e in plan.best.items()}}
+           "best": {k: e.to_dict() for k, e in plan.best.items()}}
     if (args.ttft_slo is None) != (args.tpot_slo is None):
         raise ValueError("give both --ttft-slo and --tpot-slo")
     if args.ttft_slo is not None:
@@ -143,6 +152,51 @@ def cmd_plan(args) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))
+    return 0
+
+
+def _plan_goodput(args) -> int:
+    """DistServe's Algorithm 1: prefill and decode instances chosen separately by simulated goodput
+    per device, replicated to carry --rate; the best colocated instance alongside."""
+    from kvflow.planner.placement import GoodputSpace, PlacementSearch
+    from kvflow.simulator import SLO
+
+    if args.rate is None or args.ttft_slo is None or args.tpot_slo is None:
+        raise ValueError("--goal goodput needs --rate, --ttft-slo and --tpot-slo")
+    perf, spec = _perf(args), _workload_spec(args)
+    space = GoodputSpace(max_depth=args.max_depth, microbatches=_ints(args.microbatches),
+                         decode_microbatches=_ints(args.decode_microbatches) if args.decode_microbatches else None)
+    search = PlacementSearch(perf, lambda r: spec.build(1, rate=r, requests=args.trial_requests),
+                             SLO(args.ttft_slo, args.tpot_slo), args.attainment, space)
+    pl = search.place(args.rate, device_limit=args.machines * perf.machine.devices)
+    print(f"goodput plan: {perf.shape.name} on up to {args.machines} x {perf.machine.name}, R = {args.rate} req/s, "
+          f"TTFT <= {args.ttft_slo} s, TPOT <= {args.tpot_slo} s for {args.attainment:.0%} of requests "
+          f"(prompt {spec.prompt_len}, mean output {spec.mean_output:.0f}; {pl.simulations} simulations, "
+          f"{pl.seconds:.2f} s)")
+    for name, g in (("prefill", pl.prefill), ("decode", pl.decode)):
+        print(f"  {name:<8} {g.config.label():<20} goodput {g.rate:.3f} req/s per instance, "
+              f"{g.per_device:.3f} per device")
+    print(f"  placement: {pl.label()} = {pl.devices} devices; simulated at R: {pl.attainment:.0%} attainment; "
+          f"{pl.per_device:.3f} req/s per device")
+    for note in pl.notes:
+        print("  note: " + note)
+    if pl.colocated:
+        c = pl.colocated
+        print(f"  colocated {c.config.label():<20} goodput {c.rate:.3f} req/s per instance, {c.per_device:.3f} per "
+              f"device -> {pl.colocated_devices} devices for R")
+    doc = {"goal": "goodput", "rate": args.rate, "seconds": pl.seconds, "simulations": pl.simulations,
+           "placement": pl.label(), "devices": pl.devices, "attainment": pl.attainment,
+           "per_device": pl.per_device, "notes": pl.notes,
+           "prefill": {"config": pl.prefill.config.label(), "instances": pl.prefill_instances,
+                       "goodput": pl.prefill.rate, "per_device": pl.prefill.per_device},
+           "decode": {"config": pl.decode.config.label(), "instances": pl.decode_instances,
+                      "goodput": pl.decode.rate, "per_device": pl.decode.per_device},
+           "colocated": None if pl.colocated is None else {
+               "config": pl.colocated.config.label(), "goodput": pl.colocated.rate,
+               "per_device": pl.colocated.per_device, "devices": pl.colocated_devices}}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
     return 0
 
 

@@ -33,7 +33,8 @@ class MachineSpec:
 
     `link_bandwidth` is the inter-machine network (bytes/s) used by pipeline activations and KV
     streaming; `intra_bandwidth` the device-to-device link used by tensor-parallel all-reduces;
-    `host_bandwidth` the device<->host link used by microbatch swapping.
+    `host_bandwidth` one device's host link (PCIe), used by microbatch swapping: each device has
+    its own, so a machine swaps at `devices` times it.
     """
 
     device: DeviceSpec
@@ -74,7 +75,7 @@ DEVICES: dict[str, DeviceSpec] = {
     "H100-80GB": DeviceSpec("H100-80GB", flops=989e12, mem_bandwidth=3.35e12, mem_bytes=80 * GB),
 }
 
-# NVLink per device (bytes/s) for the tensor-parallel all-reduce; PCIe for swapping.
+# NVLink per device (bytes/s) for the tensor-parallel all-reduce; PCIe per device for swapping.
 _INTRA = {"A100-80GB": 300 * GB, "V100-16GB": 150 * GB, "H100-80GB": 450 * GB}
 _HOST = {"A100-80GB": 25 * GB, "V100-16GB": 12 * GB, "H100-80GB": 50 * GB}
 

@@ -4,8 +4,7 @@ its analytic implementation from a model shape and a machine spec."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvflow.perf.hardware import MachineSpec
 from kvflow.perf.model_shape import ModelShape
@@ -77,6 +76,22 @@ class PerfModel(ABC):
             t += self.token_stage_time(batch.decode_seqs, max(1, round(batch.decode_context / batch.decode_seqs)), depth)
         return t
 
+    # --- tensor parallelism ---------------------------------------------------------------------
+
+    @property
+    def tensor_parallel_degrees(self) -> tuple[int, ...]:
+        """Devices per stage this model can price: only the machine's own count unless a subclass
+        models tensor parallelism (a profile measures one configuration, not others)."""
+        return (self.machine.devices,)
+
+    def with_tensor_parallel(self, devices: int) -> "PerfModel":
+        """The same model and device type with `devices` devices per stage (tensor parallel).
+        Raises ValueError for a degree outside `tensor_parallel_degrees`."""
+        if devices != self.machine.devices:
+            raise ValueError(f"{type(self).__name__} prices only {self.machine.devices} devices per stage, "
+                             f"not {devices}")
+        return self
+
     # --- derived, shared by every source -------------------------------------------------------
 
     @property
@@ -104,9 +119,11 @@ class PerfModel(ABC):
         return self.transfer_time(batch * tokens * self.shape.hidden * self.shape.dtype_bytes)
 
     def swap_in_time(self, batch: int, context_len: int, depth: int) -> float:
-        """Seconds to bring one microbatch's KV of one stage from host to device memory."""
+        """Seconds to bring one microbatch's KV of one stage from host to device memory. Each of the
+        stage's devices holds its tensor-parallel share of that KV and swaps it over its own host
+        link (`MachineSpec.host_bandwidth` is per device), so the stage moves it at devices x that."""
         nbytes = batch * context_len * self.shape.layers_per_stage(depth) * self.shape.kv_bytes_per_token_layer
-        return self.transfer_time(nbytes, self.machine.host_bandwidth)
+        return self.transfer_time(nbytes, self.machine.host_bandwidth * self.machine.devices)
 
     def stage_weight_bytes(self, depth: int) -> int:
         return self.shape.layers_per_stage(depth) * self.shape.layer_weight_bytes + (
@@ -140,6 +157,23 @@ class PerfModel(ABC):
 class AnalyticPerfModel(PerfModel):
     """Roofline model: each layer costs max(FLOPs / effective FLOP rate, bytes / effective
     bandwidth), split over the machine's tensor-parallel devices, plus two ring all-reduces."""
+
+    @property
+    def tensor_parallel_degrees(self) -> tuple[int, ...]:
+        """Every divisor of the machine's device count (a stage never spans machines)."""
+        n = self.machine.devices
+        return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+    def with_tensor_parallel(self, devices: int) -> "PerfModel":
+        """A stage of `devices` of the machine's devices: memory, compute and host links scale with
+        them, the price is their share of the machine's, the network link stays the machine's."""
+        if devices not in self.tensor_parallel_degrees:
+            raise ValueError(f"tensor-parallel degree {devices} must divide {self.machine.devices}")
+        if devices == self.machine.devices:
+            return self
+        m = self.machine
+        share = devices / m.devices
+        return AnalyticPerfModel(self.shape, replace(m, devices=devices, cost_per_hour=m.cost_per_hour * share))
 
     def _roofline(self, flops: float, nbytes: float) -> float:
         dev, n = self.machine.device, self.machine.devices

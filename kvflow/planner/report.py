@@ -20,40 +20,54 @@ class SweepRow:
 
     def to_dict(self) -> dict:
         return {"machines": self.machines,
-                "best": {k: {"layout": e.layout.label(), **e.summary.to_dict()} for k, e in self.best.items()}}
+                "best": {k: e.to_dict() for k, e in self.best.items()}}
 
 
 def sweep(scenario: Scenario, perf: PerfModel) -> list[SweepRow]:
     """For every cluster size of the scenario: the shortest-makespan configuration of each kind."""
     w = scenario.workload
     space = SearchSpace(w.prompt_len, w.max_tokens, w.mean_output, scenario.microbatches, scenario.swapping)
-    return [SweepRow(d, best_per_kind(perf, d, space, lambda b: w.build(b))) for d in scenario.machines]
+    return [SweepRow(d, best_per_kind(perf, d, space, lambda b: w.build(b), scenario.dispatch))
+            for d in scenario.machines]
 
 
 def table(rows: list[SweepRow], paper: dict | None = None) -> str:
-    head = f"{'D':>3} | " + " | ".join(f"{k:<34}" for k in KINDS) + " | base/dis  dp/dis"
+    """One line per cluster size: each kind's chosen configuration and makespan, "= paper" or
+    "~ paper CONFIG" when the paper's Table 2-5 configuration is known, and the makespan ratios."""
+    paper = paper or {}
+    head = f"{'D':>3} | " + " | ".join(f"{k:<44}" for k in KINDS) + " | base/dis  dp/dis"
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = []
         for k in KINDS:
-            e = r.best.get(k)
-            cell = f"{e.layout.label()} {e.summary.makespan_s:8.1f}s" if e else "infeasible"
-            cells.append(f"{cell:<34}")
-        dis = r.best.get("disaggregated")
-        ratios = "".join(f"{r.best[k].summary.makespan_s / dis.summary.makespan_s:8.2f}" if dis and k in r.best
-                         else "       -" for k in ("baseline", "baseline-dp"))
+            e, p = r.best.get(k), paper.get(r.machines, {}).get(k)
+            cell = f"{e.layout.label()} {e.summary.makespan_s:.0f}s" if e else "infeasible"
+            if p:
+                cell += " = paper" if e and e.layout.label() == p else f" ~ {p}"
+            cells.append(f"{cell:<44}")
+        ratios = "".join(f"{x:8.2f}" if x is not None else "       -" for x in (ratio(r, "baseline"), ratio(r, "baseline-dp")))
         lines.append(f"{r.machines:>3} | " + " | ".join(cells) + " |" + ratios)
-        if paper and r.machines in paper:
-            p = paper[r.machines]
-            lines.append("    | " + " | ".join(f"{'paper ' + p.get(k, '-'):<34}" for k in KINDS) + " |")
     return "\n".join(lines)
 
 
-def mean_ratio(rows: list[SweepRow], kind: str) -> float | None:
-    """Geometric-free arithmetic mean of makespan(kind) / makespan(disaggregated) where both exist."""
-    vals = [r.best[kind].summary.makespan_s / r.best["disaggregated"].summary.makespan_s
-            for r in rows if kind in r.best and "disaggregated" in r.best]
+def ratio(row: SweepRow, kind: str) -> float | None:
+    """makespan(kind) / makespan(disaggregated) of one cluster size, None where either is infeasible."""
+    if kind not in row.best or "disaggregated" not in row.best:
+        return None
+    return row.best[kind].summary.makespan_s / row.best["disaggregated"].summary.makespan_s
+
+
+def mean_ratio(rows: list[SweepRow], kind: str, min_machines: int = 1) -> float | None:
+    """Arithmetic mean of makespan(kind) / makespan(disaggregated) over the cluster sizes of at
+    least `min_machines` where both exist."""
+    vals = [x for r in rows if r.machines >= min_machines and (x := ratio(r, kind)) is not None]
     return sum(vals) / len(vals) if vals else None
+
+
+def matches(rows: list[SweepRow], paper: dict, kind: str) -> tuple[int, int]:
+    """(configurations equal to the paper's, configurations the paper lists) for `kind`."""
+    pairs = [(r.best.get(kind), paper[r.machines][kind]) for r in rows if kind in paper.get(r.machines, {})]
+    return sum(1 for e, p in pairs if e is not None and e.layout.label() == p), len(pairs)
 
 
 def save(rows: list[SweepRow], out: Path, title: str, extra: dict | None = None) -> tuple[Path, Path]:

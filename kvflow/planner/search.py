@@ -108,6 +108,12 @@ class Evaluated:
     layout: Layout
     summary: Summary
 
+    def to_dict(self) -> dict:
+        """The summary's numbers with `layout` the configuration's label (as in the paper's tables,
+        e.g. "(3d, 2p, 16b)") and `kind` its kind; the summary's own "kind label" string would
+        otherwise overwrite the label."""
+        return {**self.summary.to_dict(), "layout": self.layout.label(), "kind": self.layout.kind}
+
 
 def evaluate(perf: PerfModel, layouts: list[Layout], workload_for: Callable[[int], Workload],
              swapping: bool = False, dispatch: str = "shared") -> list[Evaluated]:

@@ -87,9 +87,14 @@ class Recovery:
     continue from their last replicated token. Prompts in flight are redone in both modes (their KV
     was not yet replicated).
 
-    The pipeline is down for detect_s + restart_s (+ restore_s when resuming); after that, restart
-    mode pays again for every recomputed token through the scheduler, resume mode only for the
-    passes that were in flight. `restore_s` None models the restore as moving the lost stage's KV
+    The pipeline is down for detect_s + restart_s (+ restore_s when resuming): replacing the one
+    failed worker. Restart mode may instead restart the whole pipeline (`pipeline_restart_s`, e.g.
+    FasterTransformer, DéjàVu's baseline, where every worker restarts and reloads its weights);
+    None keeps the replacement of one worker (the kvflow server's `--replication none`). After
+    that, restart mode pays again for every recomputed token through the scheduler (one prefill of
+    prompt + tokens produced; with `from_scratch` the requests start over and every token is
+    generated again, as FasterTransformer restarts them), resume mode only for the passes that
+    were in flight. `restore_s` None models the restore as moving the lost stage's KV
     over the link (`PerfModel.kv_transfer_time`). `measured` takes the costs a real run recorded
     (`benchmarks/fault_tolerance.py`, the controller's `recovery_log`), so the two modes differ by
     what they measurably cost rather than sharing one constant.
@@ -99,12 +104,22 @@ class Recovery:
     detect_s: float = 1.0  # heartbeat timeout (process exit: the controller's next liveness check)
     restart_s: float = 10.0  # start a replacement worker: spawn, load its weights, handshake
     restore_s: float | None = None  # resume only: replica -> replacement (None: modelled from the KV size)
+    pipeline_restart_s: float | None = None  # restart only: restart every worker (None: replace one, restart_s)
+    from_scratch: bool = False  # restart only: in-flight requests lose their tokens too (FasterTransformer)
 
     def __post_init__(self) -> None:
         if self.mode not in ("restart", "resume"):
             raise ValueError("recovery mode must be 'restart' or 'resume'")
-        if self.detect_s < 0 or self.restart_s < 0 or (self.restore_s is not None and self.restore_s < 0):
+        if self.detect_s < 0 or self.restart_s < 0 or any(x is not None and x < 0 for x in (
+                self.restore_s, self.pipeline_restart_s)):
             raise ValueError("recovery times must be non-negative")
+
+    @property
+    def down_s(self) -> float:
+        """Seconds from detection to a working pipeline, before any restore."""
+        if self.mode == "restart" and self.pipeline_restart_s is not None:
+            return self.pipeline_restart_s
+        return self.restart_s
 
     @classmethod
     def measured(cls, mode: str, costs: dict) -> "Recovery":

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvflow.kv.manager import KVCacheManager
+from kvflow.perf.perf_model import PerfModel
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
 from kvflow.simulator.config import PipelineSpec
 
@@ -28,11 +29,13 @@ class Pass:
 
 
 class SimPipeline:
-    """`depth` machines in a line running one `Scheduler` with up to `depth` batches in flight."""
+    """`depth` machines in a line running one `Scheduler` with up to `depth` batches in flight; `perf`
+    prices its steps, transfers and memory (prompt and token pipelines may run on different
+    hardware or tensor-parallel degrees)."""
 
     def __init__(self, role: str, index: int, spec: PipelineSpec, kv: KVCacheManager, sched: Scheduler,
-                 queue: deque) -> None:
-        self.role, self.index, self.spec, self.kv, self.sched = role, index, spec, kv, sched
+                 queue: deque, perf: PerfModel) -> None:
+        self.role, self.index, self.spec, self.kv, self.sched, self.perf = role, index, spec, kv, sched, perf
         self.depth = spec.depth
         self.queue = queue  # requests waiting for this pipeline (shared with its group, or its own)
         self.stage_free = [0.0] * spec.depth

@@ -8,6 +8,8 @@
     machines: [2, 4, 8]
     microbatches: [2, 4, 8, 16, 32]
     swapping: false
+    memory_reserve: 0.1             # fraction of device memory kept back (activations, workspace)
+    dispatch: shared                # Baseline-DP: 'shared' queue, or 'round_robin' (request i -> pipeline i mod d)
     workload: {requests: 2048, prompt_len: 1000, output: {kind: lmsys, max_len: 1024},
                rate: null, per_microbatch_lengths: true, seed: 0}
     # or workload: {trace: path/to/AzureLLMInferenceTrace_conv.csv, limit: 5000, time_scale: 1.0}
@@ -16,7 +18,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -75,10 +77,13 @@ class Scenario:
     microbatches: tuple[int, ...] = (2, 4, 8, 16, 32)
     swapping: bool = False
     paper: dict = field(default_factory=dict)
+    dispatch: str = "shared"  # Baseline-DP dispatch rule (`SimConfig.dispatch`)
 
     def __post_init__(self) -> None:
         if not self.machines or min(self.machines) < 1:
             raise ValueError("scenario needs machine counts >= 1")
+        if self.dispatch not in ("shared", "round_robin"):
+            raise ValueError("dispatch must be 'shared' or 'round_robin'")
 
 
 def load_scenario(path: str | Path) -> Scenario:
@@ -86,14 +91,16 @@ def load_scenario(path: str | Path) -> Scenario:
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: a scenario is a YAML mapping")
     unknown = set(doc) - {"name", "model", "machine", "link_gbps", "cost_per_hour", "machines", "microbatches",
-                          "swapping", "workload", "paper"}
+                          "swapping", "workload", "paper", "memory_reserve", "dispatch"}
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
     w = dict(doc.get("workload", {}))
     w["output"] = LengthDist(**w.get("output", {}))
+    spec = machine(doc["machine"], doc.get("link_gbps", 100.0), doc.get("cost_per_hour", 1.0))
+    if "memory_reserve" in doc:
+        spec = replace(spec, memory_reserve=float(doc["memory_reserve"]))
     return Scenario(
-        name=doc.get("name", Path(path).stem), shape=model_shape(doc["model"]),
-        machine=machine(doc["machine"], doc.get("link_gbps", 100.0), doc.get("cost_per_hour", 1.0)),
+        name=doc.get("name", Path(path).stem), shape=model_shape(doc["model"]), machine=spec,
         workload=WorkloadSpec(**w), machines=tuple(doc.get("machines", [2, 4, 8])),
         microbatches=tuple(doc.get("microbatches", [2, 4, 8, 16, 32])), swapping=bool(doc.get("swapping", False)),
-        paper={int(k): v for k, v in (doc.get("paper") or {}).items()})
+        paper={int(k): v for k, v in (doc.get("paper") or {}).items()}, dispatch=doc.get("dispatch", "shared"))

@@ -40,11 +40,17 @@ SAMPLED = 0  # the token every simulated step "samples" (requests ignore EOS: le
 class Simulator:
     """One simulation run. `Simulator(config, perf, workload).run()` returns a `SimResult`."""
 
-    def __init__(self, config: SimConfig, perf: PerfModel, workload: Workload, log_batches: bool = False) -> None:
-        """`log_batches`: keep every pipeline's `batch_log` (what each batch ran), as the controller does."""
+    def __init__(self, config: SimConfig, perf: PerfModel, workload: Workload, log_batches: bool = False,
+                 token_perf: PerfModel | None = None) -> None:
+        """`log_batches`: keep every pipeline's `batch_log` (what each batch ran), as the controller does.
+        `token_perf`: the token pipelines' performance model when it differs from the prompt side's
+        (another tensor-parallel degree, DistServe-style placement); `perf` prices everything else."""
         if workload.n == 0:
             raise ValueError("workload has no requests")
+        if token_perf is not None and token_perf.shape != perf.shape:
+            raise ValueError("prompt and token performance models must serve the same model")
         self.config, self.perf, self.workload = config, perf, workload
+        self.token_perf = token_perf or perf
         self.log_batches = log_batches
         layout = config.layout
         self.arrival = workload.arrival.tolist()
@@ -71,22 +77,23 @@ class Simulator:
 
     def _group(self, spec: PipelineSpec, role: str) -> list[SimPipeline]:
         own = self.config.dispatch == "round_robin"
+        perf = self.token_perf if role == "token" else self.perf
         out = []
         for i in range(spec.count):
-            kv = KVCacheManager(self._pool_blocks(spec, role), self.config.block_size, self.config.prefix_caching)
+            kv = KVCacheManager(self._pool_blocks(spec, role, perf), self.config.block_size, self.config.prefix_caching)
             hook = (lambda req: self.handoff.reserve(req)) if role == "prompt" else None
             sched = Scheduler(self.config.scheduler_for(spec), kv, self.max_model_len, role, hook)
-            out.append(SimPipeline(role, i, spec, kv, sched, deque() if own else self.queue))
+            out.append(SimPipeline(role, i, spec, kv, sched, deque() if own else self.queue, perf))
         return out
 
-    def _pool_blocks(self, spec: PipelineSpec, role: str) -> int:
+    def _pool_blocks(self, spec: PipelineSpec, role: str, perf: PerfModel) -> int:
         """The configured pool, or what the most loaded stage's memory holds (`kv_capacity_tokens`)."""
         if self.config.kv_blocks is not None:
             return self.config.kv_blocks
         resident = min(2, spec.depth) if self.config.swapping and role != "prompt" else None
-        tokens = self.perf.kv_capacity_tokens(spec.depth, resident)
+        tokens = perf.kv_capacity_tokens(spec.depth, resident)
         if tokens < self.config.block_size:
-            raise ValueError(f"a {spec.depth}-stage pipeline of {self.perf.shape.name} on {self.perf.machine.name} "
+            raise ValueError(f"a {spec.depth}-stage pipeline of {perf.shape.name} on {perf.machine.name} "
                              f"has no memory left for KV")
         return tokens // self.config.block_size
 
@@ -179,7 +186,7 @@ class Simulator:
         seqs = [(s.num_new_tokens, s.end) for s in out.seqs]
         shape = BatchShape.of(seqs)
         t = self._step_time(shape, p)
-        hop = self._hop(shape.tokens) if p.depth > 1 else 0.0
+        hop = self._hop(shape.tokens, p) if p.depth > 1 else 0.0
         spans = p.place(now, t, hop)
         pas = Pass(out, t)
         if p.role == "prompt":  # what the token side's cached prefix lacks, as the controller streams
@@ -187,7 +194,7 @@ class Simulator:
             for s in out.seqs:
                 lo, hi = self.handoff.stream_range(s)
                 tokens += max(0, hi - lo)
-            pas.kv_done = p.stream(spans, [self.perf.kv_transfer_time(tokens, p.depth, k) for k in range(p.depth)])
+            pas.kv_done = p.stream(spans, [p.perf.kv_transfer_time(tokens, p.depth, k) for k in range(p.depth)])
         wire_id = next(self._wire_ids)
         p.in_flight[wire_id] = pas
         if self.log_batches:
@@ -198,18 +205,18 @@ class Simulator:
         key = (shape, p.depth, p.role)
         t = self._times.get(key)
         if t is None:
-            t = self.perf.step_time(shape, p.depth)
+            t = p.perf.step_time(shape, p.depth)
             if self.config.swapping and p.role != "prompt" and shape.decode_seqs and not shape.prefill_seqs:
                 ctx = -(-shape.decode_context // shape.decode_seqs)
-                t = max(t, self.perf.swap_in_time(shape.decode_seqs, ctx, p.depth))
+                t = max(t, p.perf.swap_in_time(shape.decode_seqs, ctx, p.depth))
             self._times[key] = t
         return t
 
-    def _hop(self, tokens: int) -> float:
-        key = ("hop", tokens)
+    def _hop(self, tokens: int, p: SimPipeline) -> float:
+        key = ("hop", tokens, p.role)
         h = self._times.get(key)
         if h is None:
-            h = self._times[key] = self.perf.hop_time(1, tokens)
+            h = self._times[key] = p.perf.hop_time(1, tokens)
         return h
 
     # --- disaggregation: the controller's hand-off ---------------------------------------------
@@ -294,18 +301,20 @@ class Simulator:
             for r in lost:
                 if self.handoff is not None:
                     self.handoff.forget_kv(r.request_id)
+            # From scratch: a workload index in the queue becomes a fresh request when offered.
+            again = {id(r) for r in lost} if rec.mode == "restart" and rec.from_scratch else set()
             if p.role == "token":
-                self.queue.extendleft(reversed(lost))
+                self.queue.extendleft(reversed([int(r.request_id) if id(r) in again else r for r in lost]))
             else:
-                p.queue.extendleft(reversed(p.sched.waiting))
+                p.queue.extendleft(reversed([int(r.request_id) if id(r) in again else r for r in p.sched.waiting]))
                 p.sched.waiting.clear()
             self._version += 1
         else:
             if rec.restore_s is not None:
                 restore = rec.restore_s
             else:
-                restore = self.perf.kv_transfer_time(sum(r.num_computed_tokens for r in p.sched.running), p.depth)
-        back = max(now, p.stage_free[0] if p.down else now) + rec.detect_s + rec.restart_s + restore
+                restore = p.perf.kv_transfer_time(sum(r.num_computed_tokens for r in p.sched.running), p.depth)
+        back = max(now, p.stage_free[0] if p.down else now) + rec.detect_s + rec.down_s + restore
         p.fail(back)
         self._idle.discard(p)
         return [Recovered(back, p)]
@@ -316,12 +325,12 @@ class Simulator:
         for wire_id in sorted(p.in_flight):  # resume: the voided passes run again, in order
             pas = p.in_flight[wire_id]
             shape = BatchShape.of((s.num_new_tokens, s.end) for s in pas.out.seqs)
-            spans = p.place(now, pas.stage_time, self._hop(shape.tokens) if p.depth > 1 else 0.0)
+            spans = p.place(now, pas.stage_time, self._hop(shape.tokens, p) if p.depth > 1 else 0.0)
             events.append(PassDone(spans[-1][1], p, wire_id))
         self._dirty.add(p)
         return events
 
 
-def simulate(config: SimConfig, perf: PerfModel, workload: Workload) -> SimResult:
-    """Run one simulation (convenience wrapper)."""
-    return Simulator(config, perf, workload).run()
+def simulate(config: SimConfig, perf: PerfModel, workload: Workload, token_perf: PerfModel | None = None) -> SimResult:
+    """Run one simulation (convenience wrapper); `token_perf` as in `Simulator`."""
+    return Simulator(config, perf, workload, token_perf=token_perf).run()

@@ -54,3 +54,21 @@ def test_simulate_takes_measured_recovery_costs(tmp_path):
     f = tmp_path / "none.json"
     f.write_text(json.dumps({"recovery_costs": {"resume": costs}}))
     assert main(base[:-1] + ["restart", "--recovery-costs", str(f)]) == 2
+
+
+def test_plan_goal_goodput(tmp_path, capsys):
+    """`--goal goodput`: DistServe's Algorithm 1 — per-phase configurations, replica counts for
+    --rate, the whole placement's simulated attainment, and the colocated comparison."""
+    out = tmp_path / "goodput.json"
+    assert main(["plan", "--goal", "goodput", "--model", "opt-13b", "--machine", "1xA100-80GB", "--machines", "8",
+                 "--rate", "6", "--ttft-slo", "0.4", "--tpot-slo", "0.06", "--prompt-len", "512",
+                 "--output", "constant:16", "--max-output", "16", "--microbatches", "1,4,16", "--max-depth", "1",
+                 "--trial-requests", "60", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["prefill"]["config"].startswith("(1p, 1tp") and doc["decode"]["config"].startswith("(1p, 1tp")
+    assert doc["prefill"]["instances"] >= -(-6 // doc["prefill"]["goodput"])
+    assert doc["devices"] == doc["prefill"]["instances"] + doc["decode"]["instances"] <= 8
+    assert doc["attainment"] >= 0.9 or doc["notes"]
+    assert doc["colocated"]["per_device"] > 0
+    assert "placement:" in capsys.readouterr().out
+    assert main(["plan", "--goal", "goodput", "--machines", "8", "--rate", "6"]) == 2  # SLOs missing

@@ -97,3 +97,32 @@ def test_measured_recovery_costs_differ_by_mode():
     assert finish["restart"] == pytest.approx(back + 1.0 + 4 * 0.1)
     with pytest.raises(ValueError):
         Recovery("resume", 0.0, 1.0, -1.0)
+
+
+def test_pipeline_restart_costs_apart_from_replacing_one_worker():
+    """Restart mode with `pipeline_restart_s` (every worker restarts, FasterTransformer) is down for
+    that long; resume still only replaces the failed worker (`restart_s`)."""
+    perf = ConstantPerf(1.0, 0.1)
+    finish = {}
+    for mode in ("resume", "restart"):
+        rec = Recovery(mode, detect_s=0.5, restart_s=2.0, restore_s=0.0, pipeline_restart_s=7.0)
+        cfg = SimConfig(Layout(PipelineSpec(1, 1)), failures=(Failure(1.55),), recovery=rec)
+        finish[mode] = simulate(cfg, perf, workload([0.0], [11])).finish[0]
+    assert finish["resume"] == pytest.approx(1.55 + 0.5 + 2.0 + 5 * 0.1)
+    assert finish["restart"] == pytest.approx(1.55 + 0.5 + 7.0 + 1.0 + 4 * 0.1)
+    # FasterTransformer restarts the request from scratch: its prompt again, then all 10 tokens.
+    rec = Recovery("restart", detect_s=0.5, restart_s=2.0, pipeline_restart_s=7.0, from_scratch=True)
+    res = simulate(SimConfig(Layout(PipelineSpec(1, 1)), failures=(Failure(1.55),), recovery=rec), perf,
+                   workload([0.0], [11]))
+    assert res.finish[0] == pytest.approx(1.55 + 0.5 + 7.0 + 1.0 + 10 * 0.1)
+    assert res.ttft[0] == pytest.approx(1.0) and res.completions[0] == 1
+
+
+def test_swap_in_uses_every_devices_host_link():
+    """A stage's KV is split over its tensor-parallel devices, each swapping over its own PCIe link."""
+    from kvflow.perf import AnalyticPerfModel, machine, model_shape
+
+    two = AnalyticPerfModel(model_shape("opt-30b"), machine("2xV100-16GB"))
+    nbytes = 8 * 1000 * two.shape.layers_per_stage(4) * two.shape.kv_bytes_per_token_layer
+    assert two.swap_in_time(8, 1000, 4) == pytest.approx(nbytes / (2 * 12e9))
+    assert two.with_tensor_parallel(1).swap_in_time(8, 1000, 4) == pytest.approx(2 * two.swap_in_time(8, 1000, 4))
