@@ -124,6 +124,15 @@ class PipelineSpec:
         return f"{self.name}-{i}"
 
 
+def pipeline_specs(mode: str, depth: int, prompt_depth: int, token_depth: int, microbatch_size: int,
+                   prompt_microbatch_size: int) -> list[PipelineSpec]:
+    """The pipelines of a cluster: one colocated pipeline, or a prompt and a token pipeline."""
+    if mode == "colocated":
+        return [PipelineSpec("colocated", "both", depth, microbatch_size)]
+    return [PipelineSpec("prompt", "prompt", prompt_depth, prompt_microbatch_size),
+            PipelineSpec("token", "token", token_depth, microbatch_size)]
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """How to lay the model out over worker processes.
@@ -197,10 +206,8 @@ class ClusterConfig:
             raise ValueError(f"kv_send_mode must be one of {KV_SEND_MODES}, got {self.kv_send_mode!r}")
 
     def pipelines(self) -> list[PipelineSpec]:
-        if self.mode == "colocated":
-            return [PipelineSpec("colocated", "both", self.depth, self.microbatch_size)]
-        return [PipelineSpec("prompt", "prompt", self.prompt_depth, self.prompt_microbatch_size),
-                PipelineSpec("token", "token", self.token_depth, self.microbatch_size)]
+        return pipeline_specs(self.mode, self.depth, self.prompt_depth, self.token_depth, self.microbatch_size,
+                              self.prompt_microbatch_size)
 
     def stage_names(self) -> list[str]:
         """Every worker's name, pipeline by pipeline, stage by stage (what launchers and placements use)."""

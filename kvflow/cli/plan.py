@@ -26,6 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-microbatches", default=None,
                    help="--goal goodput: decode batch sizes (default: --microbatches)")
     p.add_argument("--json", type=Path, help="write the plan as JSON here")
+    p.add_argument("--placement", type=Path, metavar="FILE",
+                   help="--goal makespan: write a Ray placement of the best configuration `kvflow serve` runs "
+                        "(one colocated pipeline, or one prompt + one token pipeline) for `kvflow serve --launcher ray --plan FILE`")
+    p.add_argument("--ray-nodes", default=None, metavar="IP,IP,...",
+                   help="with --placement: the Ray nodes' IPs, one stage per node in order")
     p.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("simulate", help="simulate a scenario (YAML) or one layout given by flags")
@@ -149,10 +154,41 @@ def cmd_plan(args) -> int:
         print(f"  goodput-optimal placement: {best[0]} {best[1]['layout']} "
               f"({best[1]['per_machine']:.4f} req/s per machine at {args.attainment:.0%} attainment)")
         print(f"  total time {time.perf_counter() - t0:.2f} s")
+    if args.placement:
+        doc["placement"] = _write_placement(args, plan.best)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))
     return 0
+
+
+def _write_placement(args, best: dict) -> dict:
+    """The Ray placement (which stage on which node) of the shortest-makespan configuration that one
+    `kvflow serve` runs, and the serve command that takes it."""
+    from kvflow.config import pipeline_specs
+    from kvflow.controller.ray_launcher import Placement
+
+    if not args.ray_nodes:
+        raise ValueError("--placement needs --ray-nodes (the Ray nodes' IPs, one stage per node)")
+    runnable = [e for e in best.values() if e.layout.prompt.count == 1 and (e.layout.token is None or e.layout.token.count == 1)]
+    if not runnable:
+        raise ValueError("no configuration of one pipeline per role was found; `kvflow serve` runs one of each")
+    e = min(runnable, key=lambda e: e.summary.makespan_s)
+    lay = e.layout
+    if lay.token is None:
+        specs = pipeline_specs("colocated", lay.prompt.depth, 0, 0, lay.prompt.microbatch, 0)
+        flags = f"--mode colocated --depth {lay.prompt.depth} --token-microbatch {lay.prompt.microbatch}"
+    else:
+        specs = pipeline_specs("disaggregated", 0, lay.prompt.depth, lay.token.depth, lay.token.microbatch, lay.prompt.microbatch)
+        flags = (f"--mode disaggregated --prompt-depth {lay.prompt.depth} --token-depth {lay.token.depth} "
+                 f"--prompt-microbatch {lay.prompt.microbatch} --token-microbatch {lay.token.microbatch}")
+    names = [sp.stage_name(i) for sp in specs for i in range(sp.depth)]
+    placement = Placement.spread(names, [ip.strip() for ip in args.ray_nodes.split(",") if ip.strip()])
+    args.placement.parent.mkdir(parents=True, exist_ok=True)
+    args.placement.write_text(json.dumps(placement.to_dict(), indent=1))
+    command = f"kvflow serve {flags} --launcher ray --ray-address auto --plan {args.placement}"
+    print(f"  placement of {lay.kind} {lay.label()} -> {args.placement}; serve it with:\n    {command}")
+    return {"layout": lay.label(), "kind": lay.kind, "file": str(args.placement), "command": command}
 
 
 def _plan_goodput(args) -> int:

@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +131,15 @@ class Placement:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read the placement file {path}: {e}") from e
         return cls.from_dict(d)
+
+    @classmethod
+    def spread(cls, stage_names: Sequence[str], node_ips: Sequence[str]) -> "Placement":
+        """Stage i on node i of `node_ips` (in stage order: pipeline by pipeline), wrapping around
+        when there are more stages than nodes; STRICT_SPREAD when every stage has a node of its own."""
+        if not node_ips:
+            raise ValueError("a placement needs at least one node")
+        stages = {n: StagePlacement(node_ip=node_ips[i % len(node_ips)]) for i, n in enumerate(stage_names)}
+        return cls(stages, "STRICT_SPREAD" if len(stage_names) <= len(node_ips) else "PACK")
 
     def to_dict(self) -> dict[str, Any]:
         stages = {n: {k: v for k, v in dataclasses.asdict(s).items() if v} for n, s in self.stages.items()}

@@ -72,3 +72,32 @@ def test_plan_goal_goodput(tmp_path, capsys):
     assert doc["colocated"]["per_device"] > 0
     assert "placement:" in capsys.readouterr().out
     assert main(["plan", "--goal", "goodput", "--machines", "8", "--rate", "6"]) == 2  # SLOs missing
+
+
+def test_plan_writes_a_ray_placement_that_serve_takes(tmp_path, capsys):
+    import shlex
+
+    from kvflow.cli.main import build_parser
+    from kvflow.config import pipeline_specs
+    from kvflow.controller.ray_launcher import Placement
+
+    placement, plan_json = tmp_path / "placement.json", tmp_path / "plan.json"
+    nodes = [f"10.0.0.{i}" for i in range(1, 5)]
+    assert main(["plan", "--model", "opt-66b", "--machine", "2xA100-80GB", "--machines", "4", "--microbatches", "4,8,16",
+                 "--requests", "256", "--placement", str(placement), "--ray-nodes", ",".join(nodes),
+                 "--json", str(plan_json)]) == 0
+    doc = json.loads(plan_json.read_text())["placement"]
+    pl = Placement.load(placement)  # what `kvflow serve --plan` reads
+    argv = shlex.split(doc["command"])
+    flag = {argv[i]: argv[i + 1] for i in range(2, len(argv) - 1) if argv[i].startswith("--")}
+    assert argv[:2] == ["kvflow", "serve"] and flag["--launcher"] == "ray" and flag["--plan"] == str(placement)
+    build_parser().parse_args(argv[1:])  # the printed command is one `kvflow serve` accepts
+    if flag["--mode"] == "colocated":
+        specs = pipeline_specs("colocated", int(flag["--depth"]), 0, 0, int(flag["--token-microbatch"]), 0)
+    else:
+        specs = pipeline_specs("disaggregated", 0, int(flag["--prompt-depth"]), int(flag["--token-depth"]),
+                               int(flag["--token-microbatch"]), int(flag["--prompt-microbatch"]))
+    names = [s.stage_name(i) for s in specs for i in range(s.depth)]
+    assert list(pl.stages) == names  # every stage of the served configuration, in order
+    assert [pl.stages[n].node_ip for n in names] == [nodes[i % len(nodes)] for i in range(len(names))]
+    assert main(["plan", "--machines", "4", "--placement", str(placement)]) == 2  # no --ray-nodes: clear error
