@@ -2,26 +2,29 @@
 
   tcp        flush() through TcpSender to a TcpReceiver in another process that fetch()es
              (MAC, header and checksum verified) and releases every chunk
-  tcp rsv    the zero-copy staging path: a chunk already packed in `reserve()`d sender memory (as
-             scatter leaves it) is flushed; like the raw socket's, its packing is not timed
   raw zmq    the same bytes through a plain ZeroMQ PUSH -> PULL pair (no header, no check, no
              acknowledgement), the faster of copy=False and copy=True sends
+  raw sock   the same bytes through a plain TCP socket: sendall() from the tensor, recv_into() one
+             reused buffer (the wire TcpSender/TcpReceiver are built on)
   shm        flush() through ShmSender (payload copied into a slot of the mapped segment) to a
              ShmReceiver in another process that fetch()es and releases every chunk
   shm rsv    the zero-copy staging path scatter() uses: pack into `reserve()`d slot memory, then
              flush (the packing is timed: it is the copy memcpy measures)
   memcpy     the same bytes copied into one slot of a mapped shared-memory segment, nothing else
   memcpy+xxh3  that copy plus the checksum of the slot: what a checked shm send cannot go below
+  memcpy+msg   that copy plus one small message per chunk over a Unix socket to another process
+             (no acknowledgement): what an unchecked shm send with a control message costs at least
   file       flush() through FileSender (one file per chunk, temp name + rename)
   raw write  os.open / os.write / os.close of one file per chunk
-  tcp / shm unchecked   tcp and shm again with the payload checksum replaced by a constant in
-             both processes (header and MAC still checked): the difference is what checking costs
+  tcp / shm / file unchecked   the same transports with the payload checksum replaced by a constant
+             in both processes (header and MAC still checked): the difference is what checking costs
   xxh3       the payload checksum alone
 
 All variants of a round run in one process, in a shuffled order, for each chunk size; the table
 shows medians over rounds of GB/s and of each transport's ratio to its raw counterpart in the same
 round. Timed from the first send to the receiver's last release (network and shm) or the last
-close (files). One thread everywhere.
+close (files). One thread everywhere. Each process's CPU seconds are recorded too (`cpu_us` per
+chunk, sender + receiver): on a loaded machine they move less than wall time.
 
     python benchmarks/transports.py [--mbytes 128 --rounds 7]
 
@@ -35,10 +38,13 @@ import json
 import multiprocessing as mp
 import os
 import random
+import resource
 import shutil
+import socket
 import statistics
 import tempfile
 import time
+import uuid
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -53,22 +59,63 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 SECRET = b"transport-benchmark-secret"
 SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]
 SLOTS = 4
-PAIRS = [("tcp", "raw_zmq"), ("tcp_rsv", "raw_zmq"), ("shm", "memcpy"), ("shm_rsv", "memcpy"), ("shm", "memcpy_xxh3"), ("file", "raw_write")]
+PAIRS = [("tcp", "raw_zmq"), ("tcp", "raw_sock"), ("shm", "memcpy"), ("shm_rsv", "memcpy"), ("shm", "memcpy_xxh3"), ("shm", "memcpy_msg"), ("file", "raw_write")]
+CHECKED = {"tcp": "raw_zmq", "shm": "memcpy", "file": "raw_write"}  # transports timed unchecked too
 
 
 # ---------------------------------------------------------------- receiving processes
-def peer(kind: str, conn) -> None:
-    """Receive `n` chunks each time the parent sends n (None: exit), then answer "done"."""
-    torch.set_num_threads(1)
-    import zmq
+def _usage() -> tuple[float, int]:
+    """CPU seconds and minor page faults of this process so far."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime, ru.ru_minflt
 
+
+def _since(start: tuple[float, int]) -> tuple[float, int]:
+    now = _usage()
+    return now[0] - start[0], now[1] - start[1]
+
+
+def peer(kind: str, conn) -> None:
+    """Receive `n` chunks each time the parent sends n (None: exit), then answer the CPU seconds
+    and minor page faults that took."""
+    torch.set_num_threads(1)
     if kind == "raw_zmq":
+        import zmq
+
         sock = zmq.Context.instance().socket(zmq.PULL)
         conn.send(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
         while (n := conn.recv()) is not None:
+            c = _usage()
             for _ in range(n):
                 sock.recv(copy=False)
-            conn.send("done")
+            conn.send(_since(c))
+        return
+    if kind == "raw_sock":
+        listener = socket.create_server(("127.0.0.1", 0))
+        conn.send(f"127.0.0.1:{listener.getsockname()[1]}")
+        sock, _ = listener.accept()
+        while (msg := conn.recv()) is not None:
+            n, size = msg
+            buf = memoryview(bytearray(size))
+            c = _usage()
+            for _ in range(n):
+                got = 0
+                while got < size:
+                    got += sock.recv_into(buf[got:], size - got)
+            conn.send(_since(c))
+        return
+    if kind == "raw_msg":
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        name = f"kvflow-bench-{uuid.uuid4().hex}"
+        listener.bind("\0" + name)
+        listener.listen(1)
+        conn.send(name)
+        sock, _ = listener.accept()
+        while (n := conn.recv()) is not None:
+            c = _usage()
+            for _ in range(n):
+                sock.recv(256)
+            conn.send(_since(c))
         return
     if kind.endswith("_unchecked"):
         _no_checksum()
@@ -76,9 +123,11 @@ def peer(kind: str, conn) -> None:
     conn.send(rx.address)
     inp = InStream(rx, secret=SECRET)
     while (n := conn.recv()) is not None:
+        c = _usage()
         for _ in range(n):
             fetch(inp, 60).release()
-        conn.send("done")
+        (rx.flush_acks if hasattr(rx, "flush_acks") else rx.link.flush_acks)()  # held-back acks out before the answer
+        conn.send(_since(c))
     rx.close()
 
 
@@ -105,41 +154,48 @@ class Bench:
         import zmq
 
         self.tmp = tmp
-        self.peers = {k: start_peer(k) for k in ("raw_zmq", "tcp", "shm", "tcp_unchecked", "shm_unchecked")}
+        self.peers = {k: start_peer(k) for k in ("raw_zmq", "raw_sock", "raw_msg", "tcp", "shm", "tcp_unchecked", "shm_unchecked")}
         self.raw = zmq.Context.instance().socket(zmq.PUSH)
         self.raw.connect(self.peers["raw_zmq"][2])
+        host, port = self.peers["raw_sock"][2].rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.msg = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.msg.connect("\0" + self.peers["raw_msg"][2])
         self.tcp = OutStream(TcpSender(self.peers["tcp"][2], timeout=60), "bench-tcp", SECRET)
         self.shm = OutStream(ShmSender(self.peers["shm"][2], slots=SLOTS, slot_bytes=max(SIZES), timeout=60), "bench-shm", SECRET)
         self.tcp_u = OutStream(TcpSender(self.peers["tcp_unchecked"][2], timeout=60), "bench-tcp-u", SECRET)
         self.shm_u = OutStream(ShmSender(self.peers["shm_unchecked"][2], slots=SLOTS, slot_bytes=max(SIZES), timeout=60), "bench-shm-u", SECRET)
         self.seg = shared_memory.SharedMemory(create=True, size=SLOTS * max(SIZES))
         self.file_index = 0
-        self.packed: dict[int, int] = {}
 
     def close(self) -> None:
         for out in (self.tcp, self.shm, self.tcp_u, self.shm_u):
             out.sender.close()
         self.raw.close(0)
+        self.sock.close()
+        self.msg.close()
         self.seg.close()
         self.seg.unlink()
         for proc, conn, _ in self.peers.values():
             conn.send(None)
             proc.join(10)
 
-    def _remote(self, kind: str, n: int, send) -> float:
+    def _remote(self, kind: str, n: int, send, job=None) -> tuple[float, float, int]:
+        """(wall seconds, CPU seconds, minor page faults; of both processes) to move n chunks to the `kind` peer."""
         conn = self.peers[kind][1]
-        t = time.perf_counter()
-        conn.send(n)
+        t, c = time.perf_counter(), _usage()
+        conn.send(n if job is None else job)
         for _ in range(n):
             send()
-        assert conn.recv() == "done"
-        return time.perf_counter() - t
+        peer_cpu, peer_faults = conn.recv()
+        cpu, faults = _since(c)
+        return time.perf_counter() - t, cpu + peer_cpu, faults + peer_faults
 
-    def _local(self, n: int, op) -> float:
-        t = time.perf_counter()
+    def _local(self, n: int, op) -> tuple[float, float, int]:
+        t, c = time.perf_counter(), _usage()
         for i in range(n):
             op(i)
-        return time.perf_counter() - t
+        return (time.perf_counter() - t, *_since(c))
 
     def _dir(self, name: str) -> Path:
         self.file_index += 1
@@ -147,50 +203,57 @@ class Bench:
         d.mkdir()
         return d
 
-    def run(self, variant: str, x: torch.Tensor, desc: ChunkDesc, n: int) -> float:
-        """Seconds to move n chunks of x with `variant`."""
+    def run(self, variant: str, x: torch.Tensor, desc: ChunkDesc, n: int) -> tuple[float, float, int]:
+        """(wall seconds, CPU seconds, minor page faults) to move n chunks of x with `variant`."""
         view = tensor_bytes(x)
         size = view.nbytes
         if variant == "raw_zmq":
             copy = self._remote("raw_zmq", n, lambda: self.raw.send(view, copy=True))
             nocopy = self._remote("raw_zmq", n, lambda: self.raw.send(view, copy=False))
             return min(copy, nocopy)
+        if variant == "raw_sock":
+            return self._remote("raw_sock", n, lambda: self.sock.sendall(view), job=(n, size))
         if variant == "tcp":
             return self._remote("tcp", n, lambda: flush(self.tcp, desc, x))
         if variant == "shm":
             return self._remote("shm", n, lambda: flush(self.shm, desc, x))
-        if variant in ("tcp_unchecked", "shm_unchecked"):
+        if variant in ("tcp_unchecked", "shm_unchecked", "file_unchecked"):
             import kvflow.streaming.chunk as chunk
 
-            out = self.tcp_u if variant == "tcp_unchecked" else self.shm_u
             saved = _no_checksum()
             try:
+                if variant == "file_unchecked":
+                    return self.run("file", x, desc, n)
+                out = self.tcp_u if variant == "tcp_unchecked" else self.shm_u
                 return self._remote(variant, n, lambda: flush(out, desc, x))
             finally:
                 chunk.checksum = saved
-        if variant in ("shm_rsv", "tcp_rsv"):
-            kind, out = ("shm", self.shm) if variant == "shm_rsv" else ("tcp", self.tcp)
+        if variant == "shm_rsv":
             src = x.view(-1).view(torch.uint8)
-            staging = torch.empty(size, dtype=torch.uint8)
-            holds = self.packed  # TCP: buffer address -> the chunk size whose bytes it holds
 
-            def packed():
-                room = out.sender.reserve(size)
-                room = staging if room is None else room  # a transport without reserve(): the caller's staging buffer
-                if kind == "shm" or holds.get(room.data_ptr()) != size:  # shm: the packing is what memcpy measures
-                    room.copy_(src)
-                    holds[room.data_ptr()] = size
-                flush(out, desc, room.view(x.dtype).view(x.shape))
+            def packed():  # the packing is timed: it is what memcpy measures
+                room = self.shm.sender.reserve(size)
+                room.copy_(src)
+                flush(self.shm, desc, room.view(x.dtype).view(x.shape))
 
-            return self._remote(kind, n, packed)
-        if variant == "memcpy":
+            return self._remote("shm", n, packed)
+        if variant in ("memcpy", "memcpy_xxh3"):
             slot = self.seg.buf[:size]
-            t = self._local(n, lambda i: slot.__setitem__(slice(None), view))
+            if variant == "memcpy":
+                t = self._local(n, lambda i: slot.__setitem__(slice(None), view))
+            else:
+                t = self._local(n, lambda i: (slot.__setitem__(slice(None), view), xxhash.xxh3_64_intdigest(slot)))
             slot.release()
             return t
-        if variant == "memcpy_xxh3":
+        if variant == "memcpy_msg":
             slot = self.seg.buf[:size]
-            t = self._local(n, lambda i: (slot.__setitem__(slice(None), view), xxhash.xxh3_64_intdigest(slot)))
+            note = bytes(24)
+
+            def copy_and_tell():
+                slot[:] = view
+                self.msg.send(note)
+
+            t = self._remote("raw_msg", n, copy_and_tell)
             slot.release()
             return t
         if variant == "xxh3":
@@ -215,7 +278,8 @@ class Bench:
         raise ValueError(variant)
 
 
-VARIANTS = ["raw_zmq", "tcp", "tcp_rsv", "tcp_unchecked", "memcpy", "memcpy_xxh3", "shm", "shm_rsv", "shm_unchecked", "raw_write", "file", "xxh3"]
+VARIANTS = ["raw_zmq", "raw_sock", "tcp", "tcp_unchecked", "memcpy", "memcpy_xxh3", "memcpy_msg", "shm", "shm_rsv", "shm_unchecked",
+            "raw_write", "file", "file_unchecked", "xxh3"]
 
 
 def measure(args) -> list[dict]:
@@ -232,9 +296,12 @@ def measure(args) -> list[dict]:
                     n = max(8, (args.mbytes << 20) // size)
                     order = VARIANTS[:]
                     rng.shuffle(order)
-                    row = {"round": r, "chunk_bytes": size, "count": n}
+                    row = {"round": r, "chunk_bytes": size, "count": n, "cpu_us": {}, "faults": {}}
                     for v in order:
-                        row[v] = n * size / bench.run(v, x, desc, n) / 1e9
+                        wall, cpu, faults = bench.run(v, x, desc, n)
+                        row[v] = n * size / wall / 1e9
+                        row["cpu_us"][v] = cpu / n * 1e6
+                        row["faults"][v] = faults / n
                     if r:
                         rounds.append(row)
                         print(f"  round {r} {_kb(size):>6}: " + " ".join(f"{v} {row[v]:.2f}" for v in VARIANTS), flush=True)
@@ -248,11 +315,12 @@ def summarize(rounds: list[dict]) -> list[dict]:
     for size in SIZES:
         rs = [r for r in rounds if r["chunk_bytes"] == size]
         row = {"chunk_bytes": size, **{f"{v}_GBps": statistics.median(r[v] for r in rs) for v in VARIANTS}}
+        row["cpu_us_per_chunk"] = {v: statistics.median(r["cpu_us"][v] for r in rs) for v in VARIANTS}
+        row["faults_per_chunk"] = {v: statistics.median(r["faults"][v] for r in rs) for v in VARIANTS}
         for ours, raw in PAIRS:
             row[f"{ours}_pct_of_{raw}"] = 100 * statistics.median(r[ours] / r[raw] for r in rs)
-        for t in ("tcp", "shm"):  # share of a chunk's time that checking takes: 1 - t_unchecked / t_checked
+        for t, raw in CHECKED.items():  # share of a chunk's time that checking takes: 1 - t_unchecked / t_checked
             row[f"checking_cost_{t}_pct"] = 100 * statistics.median(1 - r[t] / r[f"{t}_unchecked"] for r in rs)
-            raw = {"tcp": "raw_zmq", "shm": "memcpy"}[t]
             row[f"{t}_unchecked_pct_of_{raw}"] = 100 * statistics.median(r[f"{t}_unchecked"] / r[raw] for r in rs)
         rows.append(row)
     return rows
@@ -264,21 +332,28 @@ def _kb(size: int) -> str:
 
 def print_table(rows: list[dict]) -> None:
     print("\nGB/s (median over rounds); (%) = median of the per-round ratios to the raw counterpart")
-    print(f"{'chunk':>6} | {'raw zmq':>7} {'tcp':>12} {'tcp rsv':>12} | {'memcpy':>6} {'shm':>12} {'shm rsv':>12} {'cp+xxh3':>12} | {'raw write':>9} {'file':>12} | {'xxh3':>5}")
+    print(f"{'chunk':>6} | {'raw zmq':>7} {'raw sock':>8} {'tcp':>12} | {'memcpy':>6} {'shm':>12} {'shm rsv':>12} {'cp+xxh3':>12} {'cp+msg':>12} | {'raw write':>9} {'file':>12} | {'xxh3':>5}")
     for r in rows:
         cell = lambda v, raw: f"{r[v + '_GBps']:5.2f} ({r[f'{v}_pct_of_{raw}']:3.0f}%)"
-        ck = f"{r['memcpy_xxh3_GBps']:5.2f} ({100 * r['memcpy_xxh3_GBps'] / r['memcpy_GBps']:3.0f}%)"
+        rel = lambda v: f"{r[v + '_GBps']:5.2f} ({100 * r[v + '_GBps'] / r['memcpy_GBps']:3.0f}%)"
         print(
-            f"{_kb(r['chunk_bytes']):>6} | {r['raw_zmq_GBps']:7.2f} {cell('tcp', 'raw_zmq'):>12} {cell('tcp_rsv', 'raw_zmq'):>12} | {r['memcpy_GBps']:6.2f} {cell('shm', 'memcpy'):>12} "
-            f"{cell('shm_rsv', 'memcpy'):>12} {ck:>12} | {r['raw_write_GBps']:9.2f} {cell('file', 'raw_write'):>12} | {r['xxh3_GBps']:5.1f}"
+            f"{_kb(r['chunk_bytes']):>6} | {r['raw_zmq_GBps']:7.2f} {r['raw_sock_GBps']:8.2f} {cell('tcp', 'raw_zmq'):>12} | {r['memcpy_GBps']:6.2f} {cell('shm', 'memcpy'):>12} "
+            f"{cell('shm_rsv', 'memcpy'):>12} {rel('memcpy_xxh3'):>12} {rel('memcpy_msg'):>12} | {r['raw_write_GBps']:9.2f} {cell('file', 'raw_write'):>12} | {r['xxh3_GBps']:5.1f}"
         )
-    print("checking (XXH3 of every payload at both ends): the same transports with it replaced by a constant")
-    print(f"{'chunk':>6} | {'tcp':>5} {'unchecked':>15} {'cost':>5} | {'shm':>5} {'unchecked':>15} {'cost':>5} | shm vs memcpy+xxh3")
+    print("tcp vs the raw socket it is built on: " + ", ".join(f"{_kb(r['chunk_bytes'])} {r['tcp_pct_of_raw_sock']:.0f}%" for r in rows))
+    print("checking (XXH3 of every payload at both ends): the same transports with it replaced by a constant; cost = share of a checked chunk's time")
+    print(f"{'chunk':>6} | {'tcp':>5} {'unchecked':>15} {'cost':>5} | {'shm':>5} {'unchecked':>15} {'cost':>5} | {'file':>5} {'unchecked':>15} {'cost':>5}")
     for r in rows:
-        print(
-            f"{_kb(r['chunk_bytes']):>6} | {r['tcp_GBps']:5.2f} {r['tcp_unchecked_GBps']:5.2f} ({r['tcp_unchecked_pct_of_raw_zmq']:3.0f}% raw) {r['checking_cost_tcp_pct']:4.0f}% | "
-            f"{r['shm_GBps']:5.2f} {r['shm_unchecked_GBps']:5.2f} ({r['shm_unchecked_pct_of_memcpy']:3.0f}% raw) {r['checking_cost_shm_pct']:4.0f}% | {r['shm_pct_of_memcpy_xxh3']:3.0f}%"
-        )
+        cells = []
+        for t, raw in CHECKED.items():
+            cells.append(f"{r[t + '_GBps']:5.2f} {r[t + '_unchecked_GBps']:5.2f} ({r[f'{t}_unchecked_pct_of_{raw}']:3.0f}% raw) {r[f'checking_cost_{t}_pct']:4.0f}%")
+        print(f"{_kb(r['chunk_bytes']):>6} | " + " | ".join(cells))
+    show = ["raw_zmq", "raw_sock", "tcp", "memcpy", "memcpy_msg", "shm", "raw_write", "file"]
+    for key, title, fmt in (("cpu_us_per_chunk", "CPU microseconds per chunk", "10.1f"), ("faults_per_chunk", "minor page faults per chunk", "10.1f")):
+        print(f"{title}, sender + receiver (median over rounds)")
+        print(f"{'chunk':>6} | " + " ".join(f"{v:>10}" for v in show))
+        for r in rows:
+            print(f"{_kb(r['chunk_bytes']):>6} | " + " ".join(f"{r[key][v]:{fmt}}" for v in show))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -289,7 +364,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     labels = [_kb(r["chunk_bytes"]) for r in rows]
     fig, ax = plt.subplots(1, 2, figsize=(13, 4.5))
-    pairs = [("tcp", "raw_zmq", "#48c"), ("tcp_rsv", "raw_zmq", "#26a"), ("shm", "memcpy", "#c84"), ("shm_rsv", "memcpy", "#a62"), ("file", "raw_write", "#4a4")]
+    pairs = [("tcp", "raw_zmq", "#48c"), ("tcp", "raw_sock", "#26a"), ("shm", "memcpy", "#c84"), ("shm_rsv", "memcpy", "#a62"), ("file", "raw_write", "#4a4")]
     w = 0.16
     for i, (ours, raw, c) in enumerate(pairs):
         xs = [j + (i - 2) * w for j in range(len(rows))]
@@ -300,7 +375,8 @@ def plot(rows: list[dict], path: Path) -> None:
     ax[0].set_ylabel("% of raw (median of per-round ratios)")
     ax[0].set_title("transport vs its raw counterpart")
     ax[0].legend(fontsize=8)
-    for v, c, ls in [("raw_zmq", "#48c", "--"), ("tcp", "#48c", "-"), ("memcpy", "#c84", "--"), ("memcpy_xxh3", "#c84", ":"), ("shm", "#c84", "-"), ("raw_write", "#4a4", "--"), ("file", "#4a4", "-"), ("xxh3", "#888", ":")]:
+    for v, c, ls in [("raw_zmq", "#48c", "--"), ("raw_sock", "#26a", "--"), ("tcp", "#48c", "-"), ("memcpy", "#c84", "--"), ("memcpy_xxh3", "#c84", ":"),
+                     ("shm", "#c84", "-"), ("raw_write", "#4a4", "--"), ("file", "#4a4", "-"), ("xxh3", "#888", ":")]:
         ax[1].plot(labels, [r[f"{v}_GBps"] for r in rows], ls, color=c, marker="o", label=v)
     ax[1].set_yscale("log")
     ax[1].set_ylabel("GB/s (log)")

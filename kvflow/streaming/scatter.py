@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvflow.kv.cache import KVCache
-from kvflow.streaming.chunk import DTYPE_NAMES, ChunkDesc, Segment
+from kvflow.streaming.chunk import CHUNK_BYTES, DTYPE_NAMES, ChunkDesc, Segment
 from kvflow.streaming.errors import ChunkMismatch, DuplicateChunk
 from kvflow.streaming.primitives import Chunk, InStream, OutStream, fetch, flush
 from kvflow.streaming.region import KVRegion, SeqRegion, contiguous_pieces, flat_layers, piece_view, unpack
@@ -39,16 +39,17 @@ def scatter(
     mode: Mode = "buffered",
     coalesce: bool = True,
     staging: Staging | None = None,
-    max_chunk_bytes: int = 256 << 20,
+    max_chunk_bytes: int = CHUNK_BYTES,
     meta: dict | None = None,
 ) -> TransferStats:
     """Send `region` of `cache` through `out`.
 
     Contract: "naive" flushes every contiguous cache piece (per layer, K/V, sequence and block run;
     adjacent blocks merged when `coalesce`) as its own chunk straight from cache memory. "buffered"
-    packs the whole region into one reusable staging buffer (the transport's own memory when it
-    offers `reserve`, e.g. shared memory) and flushes it as one chunk, or as a few layer slices
-    when it would exceed `max_chunk_bytes`. Either way a `gather` on the other side reconstructs
+    packs the region into one reusable staging buffer (the transport's own memory when it offers
+    `reserve`, e.g. shared memory) and flushes it as one chunk, or as layer slices of at most
+    `max_chunk_bytes` (default `chunk.CHUNK_BYTES`, sized to this machine's cache; a single
+    layer larger than that still goes whole). Either way a `gather` on the other side reconstructs
     exactly the same KV. `meta` travels in every chunk's header. Returns how many chunks and payload
     bytes were sent.
     """

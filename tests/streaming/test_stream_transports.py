@@ -12,9 +12,9 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
-import zmq
 
 from kvflow.kv.cache import KVLayout
 from kvflow.streaming.chunk import ChunkDesc, Segment, decode_header, encode_header, make_header, payload_tensor, tensor_bytes
@@ -204,7 +204,7 @@ def test_shm_payload_changed_in_the_segment_after_send_is_rejected():
 
 @pytest.mark.parametrize("kind", ["tcp", "shm", "file"])
 def test_received_payload_is_a_view_of_transport_memory(kind, tmp_path):
-    """Zero-copy receive: the chunk's tensor points into the ZeroMQ frame / mapped segment / mapped
+    """Zero-copy receive: the chunk's tensor points into the receive buffer / mapped segment / mapped
     file the transport received into; no intermediate bytes object."""
     tx, rx = pairs(kind, tmp_path)
     out, inp = OutStream(tx), InStream(rx)
@@ -215,7 +215,8 @@ def test_received_payload_is_a_view_of_transport_memory(kind, tmp_path):
     c = Chunk(decode_header(raw.header), payload_tensor(decode_header(raw.header), raw.payload), raw)
     assert c.data.data_ptr() == buffer_address(raw.payload) and torch.equal(c.data, x)
     if kind == "tcp":
-        assert isinstance(raw.payload.obj, zmq.Frame)  # the received message itself, not a copy of it
+        buf = raw.payload.obj  # the buffer the socket was read into, not a copy of it
+        assert isinstance(buf, np.ndarray) and buffer_address(buf) == c.data.data_ptr()
     if kind == "file":
         assert isinstance(raw.payload.obj, mmap.mmap)
     if kind == "shm":
@@ -223,16 +224,18 @@ def test_received_payload_is_a_view_of_transport_memory(kind, tmp_path):
         base = buffer_address(memoryview(seg))
         assert base <= c.data.data_ptr() < base + len(seg)
     c.release()
+    if kind == "tcp":
+        assert rx.pool.free[buf.size][-1] is buf  # back in the receiver's pool, for the next chunk
     out.drain()
     tx.close()
     rx.close()
 
 
-@pytest.mark.parametrize("kind", ["tcp", "shm"])
-def test_reserved_buffer_is_sent_in_place(kind, tmp_path):
-    """Zero-copy send: a payload packed into `reserve()`d memory is what the transport sends (TCP:
-    the ZeroMQ frame is that buffer; shm: the chunk lands at the reserved offset)."""
-    tx, rx = pairs(kind, tmp_path)
+def test_reserved_buffer_is_sent_in_place():
+    """Zero-copy send (shm): a payload packed into `reserve()`d memory is not copied again, the
+    chunk lands at the reserved offset."""
+    rx = ShmReceiver()
+    tx = ShmSender(rx.address, slots=2, slot_bytes=1 << 20)
     out, inp = OutStream(tx), InStream(rx)
     nbytes = 5000 * 2 * 2 * 8 * 4
     room = tx.reserve(nbytes)
@@ -242,10 +245,7 @@ def test_reserved_buffer_is_sent_in_place(kind, tmp_path):
     expect = x.clone()
     flush(out, ChunkDesc((Segment("r", 0, 5000),), 0, 1), x)
     (token, _), = tx.link.inflight.values()
-    if kind == "tcp":
-        assert token.data_ptr() == room.data_ptr()
-    else:
-        assert token[0] == room.data_ptr() - buffer_address(tx.shm.buf)
+    assert token[0] == room.data_ptr() - buffer_address(tx.shm.buf)
     with fetch(inp, 5) as c:
         assert torch.equal(c.data, expect)
     out.drain()
@@ -273,6 +273,42 @@ def test_coalesced_acks_never_hold_up_a_drain(kind, tmp_path):
     start = time.monotonic()
     out.drain()
     assert not tx.link.inflight and time.monotonic() - start < 5
+    tx.close()
+    rx.close()
+
+
+class _SendSpy:
+    """A socket whose sendmsg records the address of every buffer it is given."""
+
+    def __init__(self, sock, seen: list) -> None:
+        self.sock, self.seen = sock, seen
+
+    def sendmsg(self, parts, *args):
+        self.seen.extend(buffer_address(p) for p in parts)
+        return self.sock.sendmsg(parts, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+@pytest.mark.parametrize("tokens", [3, 5000, 40000])
+def test_tcp_sends_straight_from_the_callers_memory(tokens):
+    """Zero-copy send (TCP): the payload handed to the kernel is the caller's tensor itself."""
+    rx = TcpReceiver()
+    tx = TcpSender(rx.address)
+    out, inp = OutStream(tx), InStream(rx)
+    desc = ChunkDesc((Segment("r", 0, tokens),), 0, 1)
+    x = torch.randn(1, 2, tokens, 2, 8)
+    flush(out, ChunkDesc((Segment("r", 0, 1),), 0, 1), x[:, :, :1].contiguous())  # connects
+    fetch(inp, 5).release()
+    seen = []
+    tx.sock = _SendSpy(tx.sock, seen)
+    t = threading.Thread(target=lambda: fetch(inp, 10).release())  # a 5 MB chunk needs a reader to go out
+    t.start()
+    flush(out, desc, x)
+    t.join(10)
+    assert x.data_ptr() in seen
+    out.drain()
     tx.close()
     rx.close()
 
@@ -359,3 +395,41 @@ def test_shm_receiver_serves_several_senders_and_survives_one_dying():
     b.close()
     c.close()
     rx.close()
+
+
+def test_tcp_receiver_drops_a_sender_that_dies_mid_chunk_and_serves_the_others():
+    """A connection that closes halfway through a chunk is dropped with its partial message; a
+    header claiming an absurd payload is not allocated (the chunk comes out empty, so rejected)."""
+    from kvflow.streaming.transports.tcp import _MSG, MAX_PAYLOAD
+
+    rx = TcpReceiver()
+    host, port = rx.address[len("tcp://") :].rsplit(":", 1)
+    inp = InStream(rx)
+    desc = ChunkDesc((Segment("r", 0, 3),), 0, 1)
+    x = torch.randn(1, 2, 3, 2, 8)
+    head = encode_header(make_header("s", 0, desc, x))
+    with socket.create_connection((host, int(port))) as dying:
+        dying.sendall(_MSG.pack(0, len(head), 1 << 20) + head + bytes(1000))  # then dies
+    with pytest.raises(TimeoutError):
+        fetch(inp, 0.3)
+    with socket.create_connection((host, int(port))) as liar:
+        liar.sendall(_MSG.pack(0, len(head), MAX_PAYLOAD + 1) + head)
+        with pytest.raises(ChunkTruncated):
+            fetch(inp, 5)
+    out = OutStream(TcpSender(rx.address), "good")
+    flush(out, desc, x)
+    with fetch(inp, 5) as c:
+        assert c.header.stream == "good" and torch.equal(c.data, x)
+    out.drain()
+    out.sender.close()
+    rx.close()
+
+
+def test_chunk_size_follows_the_last_level_cache():
+    from kvflow.streaming.chunk import CHUNK_BYTES, preferred_chunk_bytes
+
+    assert preferred_chunk_bytes(32 << 20) == 4 << 20  # the development VM's L3
+    assert preferred_chunk_bytes(36 << 20) == 4 << 20  # a power of two within an eighth
+    assert preferred_chunk_bytes(2 << 20) == 1 << 20 and preferred_chunk_bytes(1 << 30) == 16 << 20  # clamped
+    assert preferred_chunk_bytes(0) == 4 << 20  # unknown
+    assert 1 << 20 <= CHUNK_BYTES <= 16 << 20

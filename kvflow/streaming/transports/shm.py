@@ -20,6 +20,7 @@ from kvflow.streaming.transport import ChunkReceiver, ChunkSender, RawChunk, buf
 from kvflow.streaming.transports.unix_link import UnixLinkReceiver, UnixLinkSender
 
 ALIGN = 64
+WINDOW_BYTES = 4 << 20  # payload bytes in flight beyond two chunks (see ShmSender)
 _WHERE = struct.Struct("<QQB")  # offset, nbytes, length of the segment name that follows; then the chunk header
 
 
@@ -61,21 +62,28 @@ class _Ring:
 class ShmSender(ChunkSender):
     """Owns a segment of `slots` x `slot_bytes` (named uniquely per instance, unlinked on close);
     a chunk is at most `slot_bytes`. Chunks take consecutive ranges of the segment (a ring: many
-    small chunks or a few large ones in flight, at most `window`), each free again once the
-    receiver acknowledged it. `reserve(n)` hands out the next range so callers can pack straight
-    into shared memory (no copy on send)."""
+    small chunks or a few large ones in flight, at most `window` and, beyond two, `window_bytes`),
+    each free again once the receiver acknowledged it. `reserve(n)` hands out the next range so
+    callers can pack straight into shared memory (no copy on send).
 
-    def __init__(self, address: str, slots: int = 4, slot_bytes: int = 64 << 20, timeout: float = 10.0, window: int = 64) -> None:
+    `window_bytes` keeps the ring's working set in cache: with the whole segment in flight (256 MB
+    by default) a sender ahead of its receiver walks all of it and every copy runs at DRAM speed,
+    where a few MB still let it write the next chunk while the receiver checks the last one."""
+
+    def __init__(self, address: str, slots: int = 4, slot_bytes: int = 64 << 20, timeout: float = 10.0, window: int = 64,
+                 window_bytes: int = WINDOW_BYTES) -> None:
         if slots <= 0 or slot_bytes <= 0:
             raise ValueError(f"slots and slot_bytes must be positive ({slots}, {slot_bytes})")
         self.slot_bytes = slot_bytes
         self.timeout = timeout
         self.shm = shared_memory.SharedMemory(name=f"kvflow-{uuid.uuid4().hex[:16]}", create=True, size=slots * slot_bytes)
         self.ring = _Ring(slots * slot_bytes)
-        self.link = UnixLinkSender(address, max(window, slots), timeout, on_ack=self.ring.free, window_bytes=slots * slot_bytes)
+        self.link = UnixLinkSender(address, max(window, slots), timeout, on_ack=self.ring.free, window_bytes=min(window_bytes, slots * slot_bytes))
         self._reserved: list | None = None
         self._name = self.shm.name.encode()
         self._base = buffer_address(self.shm.buf)
+        self._bytes = np.frombuffer(self.shm.buf, dtype=np.uint8)  # the segment, viewed once (a view per chunk costs ~20 us)
+        self._tensor = torch.from_numpy(self._bytes)
 
     def _take(self, nbytes: int) -> list:
         while (r := self.ring.alloc(nbytes)) is None:
@@ -90,7 +98,7 @@ class ShmSender(ChunkSender):
             self._reserved = None
         if self._reserved is None:
             self._reserved = self._take(max(nbytes, 1))
-        return torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes, offset=self._reserved[0]) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return self._tensor[self._reserved[0] : self._reserved[0] + nbytes]
 
     def send(self, header: bytes, payload: memoryview) -> None:
         n = payload.nbytes
@@ -103,7 +111,7 @@ class ShmSender(ChunkSender):
         if r is None:
             r = self._take(max(n, 1))
         if n and buffer_address(payload) != self._base + r[0]:
-            np.frombuffer(self.shm.buf, dtype=np.uint8, count=n, offset=r[0])[:] = np.frombuffer(payload, dtype=np.uint8)
+            self._bytes[r[0] : r[0] + n] = np.frombuffer(payload, dtype=np.uint8)
         try:
             self.link.send(_WHERE.pack(r[0], n, len(self._name)) + self._name + header, token=r, nbytes=r[1] - r[0])
         except BaseException:
@@ -116,6 +124,7 @@ class ShmSender(ChunkSender):
     def close(self) -> None:
         self.link.close()
         self.shm.unlink()
+        self._bytes = self._tensor = None
         try:
             self.shm.close()
         except BufferError:  # a reserved view is still referenced; the mapping goes with the process

@@ -2,10 +2,10 @@
 written and read by the calling threads themselves.
 
 Only small messages cross it ([tag + slot + header] one way, coalesced acks the other, both as in
-`zmq_link`), so what it costs is wake-ups: here a message wakes the receiving thread once, where
-ZeroMQ hands it from the caller to its I/O thread, over TCP to the peer's I/O thread, then to the
-peer's caller (three wake-ups a message, each tens of microseconds on a busy host). A peer that
-exits or is killed closes its end, so the other side sees it at once.
+`link`), so what it costs is wake-ups: a message wakes the receiving thread once (a ZeroMQ socket
+would hand it from the caller to its I/O thread, to the peer's I/O thread, then to the peer's
+caller: three wake-ups a message, each tens of microseconds on a busy host). A peer that exits or
+is killed closes its end, so the other side sees it at once.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import msgpack
 
-from kvflow.streaming.errors import PeerGone, PeerRejected, PeerTimeout
-from kvflow.streaming.transports.zmq_link import _TAG, URGENT, CoalescedAcks
+from kvflow.streaming.errors import PeerGone, PeerTimeout
+from kvflow.streaming.transports.link import _TAG, CoalescedAcks, Window
 
 MAX_MESSAGE = 1 << 16  # a control message: tag, slot and chunk header (the header's meta included)
 _PREFIX = "unix:@"
@@ -33,23 +33,13 @@ def _sockaddr(address: str) -> str:
     return "\0" + address[len(_PREFIX) :]  # Linux abstract namespace: nothing to clean up on disk
 
 
-class UnixLinkSender:
-    """Same contract as `zmq_link.LinkSender`: at most `window` messages and (beyond the first
-    two) `window_bytes` unacknowledged, `on_ack(token)` per acknowledged message, PeerGone when
-    the receiver is unreachable or went away, PeerTimeout when acks stop for `timeout` seconds."""
+class UnixLinkSender(Window):
+    """The `link.Window` contract over a Unix socket: PeerGone when the receiver is unreachable or
+    went away, PeerTimeout when acks stop for `timeout` seconds."""
 
     def __init__(self, address: str, window: int, timeout: float, on_ack=None, window_bytes: int | None = None) -> None:
-        if window <= 0 or timeout <= 0 or (window_bytes is not None and window_bytes <= 0):
-            raise ValueError(f"window, window_bytes and timeout must be positive ({window}, {window_bytes}, {timeout})")
-        self.address = address
+        super().__init__(address, window, timeout, on_ack, window_bytes)
         self._sockaddr = _sockaddr(address)
-        self.window = window
-        self.window_bytes = window_bytes or 1 << 62
-        self.timeout = timeout
-        self.on_ack = on_ack
-        self.inflight: dict[int, tuple[Any, int]] = {}
-        self.inflight_bytes = 0
-        self._next_tag = 0
         self.sock: socket.socket | None = None  # connected on the first send
 
     def _connect(self) -> socket.socket:
@@ -72,17 +62,7 @@ class UnixLinkSender:
     def _apply(self, body: bytes) -> None:
         if not body:
             raise self._gone("end of stream")
-        error = None
-        for tag, err in msgpack.unpackb(body):
-            if tag not in self.inflight:
-                continue
-            token, nbytes = self.inflight.pop(tag)
-            self.inflight_bytes -= nbytes
-            if self.on_ack is not None:
-                self.on_ack(token)
-            error = error or err
-        if error is not None:
-            raise PeerRejected(f"receiver at {self.address} rejected a chunk: {error}")
+        self._acked(msgpack.unpackb(body))
 
     def _take_acks(self) -> None:
         """Apply every ack already here, without waiting."""
@@ -107,32 +87,27 @@ class UnixLinkSender:
             raise self._gone(str(e)) from None
         self._apply(body)
 
-    def _full(self, nbytes: int) -> bool:
-        n = len(self.inflight)
-        return n >= self.window or (n >= 2 and self.inflight_bytes + nbytes > self.window_bytes)
-
     def send(self, head: bytes, token: Any = None, nbytes: int = 0) -> None:
         sock = self._connect()
         if self.inflight:
             self._take_acks()
         while self._full(nbytes):
             self._wait_one_ack()
-        tag = self._next_tag
-        self._next_tag += 1
-        n = len(self.inflight) + 1
-        urgent = n >= self.window or (n >= 2 and self.inflight_bytes + 2 * nbytes > self.window_bytes)
-        msg = _TAG.pack(tag | URGENT if urgent else tag) + head
-        while True:
-            try:
-                sock.send(msg)
-                break
-            except BlockingIOError:  # its queue is full: wait (bounded) until it reads
-                if not select.select([], [sock], [], self.timeout)[1]:
-                    raise PeerTimeout(f"receiver at {self.address} took no message for {self.timeout}s") from None
-            except OSError as e:
-                raise self._gone(str(e)) from None
-        self.inflight[tag] = (token, nbytes)
-        self.inflight_bytes += nbytes
+        tag = self._open(token, nbytes)
+        msg = _TAG.pack(tag) + head
+        try:
+            while True:
+                try:
+                    sock.send(msg)
+                    return
+                except BlockingIOError:  # its queue is full: wait (bounded) until it reads
+                    if not select.select([], [sock], [], self.timeout)[1]:
+                        raise PeerTimeout(f"receiver at {self.address} took no message for {self.timeout}s") from None
+                except OSError as e:
+                    raise self._gone(str(e)) from None
+        except BaseException:
+            self._forget(tag)
+            raise
 
     def drain(self) -> None:
         while self.inflight:
@@ -228,11 +203,11 @@ class UnixLinkReceiver(CoalescedAcks):
         except OSError:  # (BlockingIOError included: nothing there)
             return False
 
-    def _send_ack_batch(self, ident: int, body: bytes) -> None:
+    def _send_ack_batch(self, ident: int, acks: list) -> None:
         conn = self.conns.get(ident)
         if conn is not None:
             try:
-                conn.send(body)
+                conn.send(msgpack.packb(acks))
             except OSError:  # gone, or its buffer is full because it stopped reading: it will time out
                 pass
 
