@@ -5,7 +5,9 @@ the controller keeps up to `depth` of its batches in flight (a batch queue, as v
 pipeline parallelism). One thread owns all state; per loop: handle messages (a batch's logits →
 sample → `scheduler.update`; KV arrivals; heartbeats), take new and aborted requests, check
 liveness, then `scheduler.schedule()` while a pipeline has a free slot and send each batch to its
-stage 0 as a delta `Step` with the current epoch.
+stage 0 as a delta `Step` with the current epoch. Scheduling also follows each result and KV
+arrival at once, so the decisions do not depend on how many results one loop turn drains (the
+simulator decides after each event, too).
 
 Colocated: one pipeline, role "both" (continuous batching with chunked prefill and preemption, or
 the "microbatch" baseline policy). Disaggregated: a prompt pipeline (role "prompt") whose admission
@@ -337,6 +339,8 @@ class Controller:
                     msg, tensor = self._decode(frames)
                     if msg is not None:
                         self._handle(msg, tensor)
+                        if isinstance(msg, (StepResult, KVArrived)) and self.failure is None:
+                            self._schedule()  # as the simulator: decide after each result, however they arrive
             self._store_events()
             self._take_submissions()
             self._check_liveness()
