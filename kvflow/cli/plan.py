@@ -121,6 +121,10 @@ def cmd_plan(args) -> int:
     from kvflow.planner.goodput import max_rate
     from kvflow.simulator import SLO
 
+    if (args.ttft_slo is None) != (args.tpot_slo is None):  # bad arguments fail before the search
+        raise ValueError("give both --ttft-slo and --tpot-slo")
+    if args.placement and not args.ray_nodes:
+        raise ValueError("--placement needs --ray-nodes (the Ray nodes' IPs, one stage per node)")
     perf, spec = _perf(args), _workload_spec(args)
     space = SearchSpace(spec.prompt_len, spec.max_tokens, spec.mean_output, _ints(args.microbatches),
                         args.swapping, replicate=True, max_depth=args.max_depth)
@@ -137,8 +141,6 @@ def cmd_plan(args) -> int:
     doc = {"machines": args.machines, "seconds": elapsed, "reasons": plan.reasons,
            "formulas": plan.formulas.__dict__,
            "best": {k: e.to_dict() for k, e in plan.best.items()}}
-    if (args.ttft_slo is None) != (args.tpot_slo is None):
-        raise ValueError("give both --ttft-slo and --tpot-slo")
     if args.ttft_slo is not None:
         slo = SLO(args.ttft_slo, args.tpot_slo)
         doc["goodput"] = {}
@@ -168,8 +170,6 @@ def _write_placement(args, best: dict) -> dict:
     from kvflow.config import pipeline_specs
     from kvflow.controller.ray_launcher import Placement
 
-    if not args.ray_nodes:
-        raise ValueError("--placement needs --ray-nodes (the Ray nodes' IPs, one stage per node)")
     runnable = [e for e in best.values() if e.layout.prompt.count == 1 and (e.layout.token is None or e.layout.token.count == 1)]
     if not runnable:
         raise ValueError("no configuration of one pipeline per role was found; `kvflow serve` runs one of each")

@@ -83,8 +83,8 @@ def test_plan_writes_a_ray_placement_that_serve_takes(tmp_path, capsys):
 
     placement, plan_json = tmp_path / "placement.json", tmp_path / "plan.json"
     nodes = [f"10.0.0.{i}" for i in range(1, 5)]
-    assert main(["plan", "--model", "opt-66b", "--machine", "2xA100-80GB", "--machines", "4", "--microbatches", "4,8,16",
-                 "--requests", "256", "--placement", str(placement), "--ray-nodes", ",".join(nodes),
+    assert main(["plan", "--model", "opt-66b", "--machine", "2xA100-80GB", "--machines", "4", "--microbatches", "4,8",
+                 "--requests", "32", "--output", "constant:16", "--placement", str(placement), "--ray-nodes", ",".join(nodes),
                  "--json", str(plan_json)]) == 0
     doc = json.loads(plan_json.read_text())["placement"]
     pl = Placement.load(placement)  # what `kvflow serve --plan` reads
