@@ -150,7 +150,7 @@ def test_serve_exits_1_when_a_lost_worker_cannot_be_replaced(tiny_ckpt_dir, tmp_
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--model", str(model), "--port", str(port), "--mode", "colocated",
-           "--depth", "1", "--threads", "1", "--served-model-name", "tiny", "--log-level", "info"]
+           "--depth", "1", "--threads", "1", "--served-model-name", "tiny", "--log-level", "info", "--max-restarts", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
