@@ -134,7 +134,8 @@ def sim_config(layout: str, cluster, backend) -> SimConfig:
                          kv_blocks=eng.kv_manager.num_blocks, block_size=eng.config.block_size,
                          max_model_len=eng.max_model_len)
     assert isinstance(cluster.engine, EngineConfig)
-    return SimConfig.from_cluster(cluster, max_model_len=backend.max_model_len)
+    # Every worker process of the replayed cluster runs on this host: steps beside a busy one are slower.
+    return SimConfig.from_cluster(cluster, max_model_len=backend.max_model_len, shared_host=True)
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -164,7 +165,8 @@ def main() -> None:
     perf_workers = ProfiledPerfModel(profile, executor=True)
     print(f"profile: prompt fit {perf.prompt_fit.coef} (max rel. error {perf.prompt_fit.max_rel_error:.0%}), "
           f"token fit {perf.token_fit.coef} (max rel. error {perf.token_fit.max_rel_error:.0%}), "
-          f"worker overhead per stage {profile.stage_overhead_s * 1e3:.1f} ms")
+          f"worker overhead per stage {profile.stage_overhead_s * 1e3:.1f} ms, beside a busy worker prefill "
+          f"x{profile.co_run[0]:.2f} decode x{profile.co_run[1]:.2f}")
     w = workload(args.requests, args.rate, args.seed)
     print(f"workload: {w.n} requests, Poisson {args.rate}/s, prompts {int(w.prompt_len.min())}-{int(w.prompt_len.max())} "
           f"(median {int(np.median(w.prompt_len))}), outputs {int(w.output_len.min())}-{int(w.output_len.max())} "

@@ -138,6 +138,61 @@ def executor_overhead(profile: Profile, model: str | None, batches: tuple[int, .
     return max(0.0, statistics.median(values))
 
 
+def co_runner(model: str | None, threads: int = 1) -> None:
+    """A busy neighbour (run in its own process by `co_run_slowdown`): an engine that keeps four
+    requests in flight (64-token prompts, 24 tokens each), as a worker of the same host would;
+    prints "ready" once loaded and runs until killed."""
+    import numpy as np
+
+    from kvflow.sched.sampling import SamplingParams
+
+    engine = _engine(model, 4, 256, threads)
+    rng = np.random.default_rng(2)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+    print("ready", flush=True)
+    while True:
+        while len(engine.requests) < 4:
+            engine.add_request(_prompts(rng, 1, 64, engine.model.cfg.vocab_size)[0], params)
+        engine.step()
+
+
+def co_run_slowdown(model: str | None, threads: int = 1, rounds: int = 3) -> tuple[float, float]:
+    """How much slower the engine's steps run while another worker process on the same host is
+    busy (`co_runner`): (prefill, decode) ratios of the median step times with and without the
+    neighbour (one process, paused and resumed), the two conditions alternated `rounds` times.
+    Shapes: prefill of 2 x 80 tokens, decode of 3 sequences at context ~160 (off the calibration
+    grid and the replays).
+    The simulator applies them to a stage's step while another stage of the same host computes
+    (`SimConfig.shared_host`): on a machine whose cores and memory bandwidth the workers share,
+    a step alone is not a step beside a busy neighbour."""
+    import signal
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    engine = _engine(model, 4, 512, threads)
+    rng = np.random.default_rng(3)
+    code = f"from kvflow.perf.calibrate import co_runner; co_runner({model!r}, {threads})"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    times: dict[tuple[str, bool], list[float]] = {}
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the co-running engine did not start")
+        time_prefill(engine, 2, 80, 1, rng)  # warm-up
+        for _ in range(rounds):
+            for busy in (False, True):  # the neighbour is paused (SIGSTOP) or running (SIGCONT)
+                proc.send_signal(signal.SIGCONT if busy else signal.SIGSTOP)
+                time.sleep(0.2)
+                times.setdefault(("prefill", busy), []).append(time_prefill(engine, 2, 80, 2, rng))
+                times.setdefault(("decode", busy), []).extend(s.seconds for s in time_decode(engine, 3, 160, 4, rng))
+    finally:
+        proc.kill()
+        proc.wait()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return med[("prefill", True)] / med[("prefill", False)], med[("decode", True)] / med[("decode", False)]
+
+
 # The calibration grid of the benchmarks that compare the simulator with real runs
 # (`benchmarks/fidelity.py`, `benchmarks/fault_tolerance.py`): whole prompts and decode contexts on
 # their own shapes, never the replayed requests'.
@@ -146,7 +201,8 @@ GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS = (1, 2, 4), (16, 48, 112), (24, 96, 2
 
 def calibrated_profile(path, model: str | None = None, reprofile: bool = False) -> Profile:
     """The profile saved at `path`; when missing (or `reprofile`), profile the engine on the grid
-    above (one torch thread) plus the per-stage overhead of worker processes, and save it there."""
+    above (one torch thread), the per-stage overhead of worker processes and the slowdown beside a
+    busy neighbour (`co_run_slowdown`), and save it there."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -155,7 +211,7 @@ def calibrated_profile(path, model: str | None = None, reprofile: bool = False) 
         t0 = time.perf_counter()
         print(f"profiling the engine and a one-stage worker pipeline -> {path} ...", flush=True)
         prof = profile_engine(model, GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS, repeats=3, threads=1)
-        prof = replace(prof, stage_overhead_s=executor_overhead(prof, model))
+        prof = replace(prof, stage_overhead_s=executor_overhead(prof, model), co_run=co_run_slowdown(model))
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.save(path)
         print(f"profiled in {time.perf_counter() - t0:.0f} s", flush=True)

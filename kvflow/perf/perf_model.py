@@ -99,6 +99,11 @@ class PerfModel(ABC):
         """KV bytes of one token over all layers."""
         return self.shape.kv_bytes_per_token
 
+    def co_run_factor(self, batch: "BatchShape") -> float:
+        """How much slower `batch` runs while another worker of the same host computes (1: machines
+        of their own, as the analytic model assumes; a profile measures it)."""
+        return 1.0
+
     def transfer_time(self, nbytes: float, bandwidth: float | None = None) -> float:
         """Seconds to move `nbytes` over a link (default: the machine's network link)."""
         if nbytes < 0:

@@ -11,6 +11,8 @@ work, both split among the stages; charging every stage the whole intercept made
 pipeline's steps about 1.5x too slow. What a stage pays whatever its share — messages, codec, the
 controller's share — is `stage_overhead_s` per stage and pass, measured by
 `calibrate.executor_overhead` through a one-stage worker pipeline; 0 for a profile without it.
+`co_run` is how much slower prefill and decode steps run while another worker process of the same
+host computes (`calibrate.co_run_slowdown`); the simulator applies it to stages that share a host.
 """
 
 from __future__ import annotations
@@ -88,10 +90,11 @@ class Profile:
     token: tuple[Sample, ...]
     meta: dict
     stage_overhead_s: float = 0.0
+    co_run: tuple[float, float] = (1.0, 1.0)  # (prefill, decode) slowdown beside a busy neighbour
 
     def save(self, path: str | Path) -> None:
         doc = {"shape": asdict(self.shape), "machine": self.machine, "meta": self.meta,
-               "stage_overhead_s": self.stage_overhead_s,
+               "stage_overhead_s": self.stage_overhead_s, "co_run": list(self.co_run),
                "prompt": [asdict(s) for s in self.prompt], "token": [asdict(s) for s in self.token]}
         Path(path).write_text(json.dumps(doc, indent=1))
 
@@ -99,7 +102,8 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         doc = json.loads(Path(path).read_text())
         return cls(ModelShape(**doc["shape"]), doc["machine"], tuple(Sample(**s) for s in doc["prompt"]),
-                   tuple(Sample(**s) for s in doc["token"]), doc.get("meta", {}), doc.get("stage_overhead_s", 0.0))
+                   tuple(Sample(**s) for s in doc["token"]), doc.get("meta", {}), doc.get("stage_overhead_s", 0.0),
+                   tuple(doc.get("co_run", (1.0, 1.0))))
 
 
 class ProfiledPerfModel(PerfModel):
@@ -151,3 +155,13 @@ class ProfiledPerfModel(PerfModel):
         weights = c0 + p1 * batch.prefill_tokens + q1 * batch.decode_seqs
         attention = p2 * batch.prefill_attention + q2 * batch.decode_context
         return w * weights + a * attention + self._overhead(depth)
+
+    def co_run_factor(self, batch: BatchShape) -> float:
+        """The profile's slowdown beside a busy neighbour on the same host, prefill and decode
+        factors weighted by the batch's prefill and decode work."""
+        kp, kd = self.profile.co_run
+        _, p1, p2 = self.prompt_fit.coef
+        _, q1, q2 = self.token_fit.coef
+        tp = p1 * batch.prefill_tokens + p2 * batch.prefill_attention
+        td = q1 * batch.decode_seqs + q2 * batch.decode_context
+        return (kp * tp + kd * td) / (tp + td) if tp + td > 0 else kd

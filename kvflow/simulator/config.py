@@ -149,6 +149,9 @@ class SimConfig:
     ever hits its own blocks (recomputed after a preemption), never another's.
     `rigid_rounds`: original FasterTransformer — a pipeline admits new microbatches only once all
     in flight have finished (the setting of DéjàVu eq. 4).
+    `shared_host`: every stage of every pipeline runs on one host (a local cluster of worker
+    processes): a stage's step that starts while another stage computes is slowed by the
+    performance model's `co_run_factor` for as long as they overlap.
     """
 
     layout: Layout
@@ -163,6 +166,7 @@ class SimConfig:
     block_size: int = BLOCK_SIZE
     max_model_len: int | None = None
     prefix_caching: bool = True
+    shared_host: bool = False
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("shared", "round_robin"):

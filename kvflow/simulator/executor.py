@@ -51,14 +51,15 @@ class SimPipeline:
     def microbatch(self) -> int:
         return self.spec.microbatch
 
-    def place(self, now: float, stage_time: float, hop: float) -> list[tuple[float, float]]:
-        """Place one pass sent to stage 0 at `now`; return each stage's (start, end)."""
+    def place(self, now: float, stage_time: float, hop: float, duration=None) -> list[tuple[float, float]]:
+        """Place one pass sent to stage 0 at `now`; return each stage's (start, end). `duration(k,
+        start)`, when given, is stage k's time for the pass starting at `start` (else `stage_time`)."""
         sf, spans, t = self.stage_free, [], now
         for k in range(self.depth):
             if k:
                 t += hop
             start = t if t > sf[k] else sf[k]
-            t = sf[k] = start + stage_time
+            t = sf[k] = start + (stage_time if duration is None else duration(k, start))
             spans.append((start, t))
         return spans
 

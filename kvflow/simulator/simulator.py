@@ -187,7 +187,7 @@ class Simulator:
         shape = BatchShape.of(seqs)
         t = self._step_time(shape, p)
         hop = self._hop(shape.tokens, p) if p.depth > 1 else 0.0
-        spans = p.place(now, t, hop)
+        spans = p.place(now, t, hop, self._co_run(p, t, p.perf.co_run_factor(shape)) if self.config.shared_host else None)
         pas = Pass(out, t)
         if p.role == "prompt":  # what the token side's cached prefix lacks, as the controller streams
             tokens = 0
@@ -211,6 +211,17 @@ class Simulator:
                 t = max(t, p.perf.swap_in_time(shape.decode_seqs, ctx, p.depth))
             self._times[key] = t
         return t
+
+    def _co_run(self, p: SimPipeline, t: float, factor: float):
+        """Shared host: stage k's time for a pass of `t` seconds alone starting at `start`, slowed by
+        `factor` while any other stage of the host is still busy (until the latest of their ends)."""
+        def duration(k: int, start: float) -> float:
+            busy = max((end for q in self.prompt + self.token for j, end in enumerate(q.stage_free)
+                        if not (q is p and j == k)), default=0.0) - start
+            if busy <= 0.0 or factor <= 1.0:
+                return t
+            return t * factor if busy >= t * factor else busy + (t - busy / factor)
+        return duration
 
     def _hop(self, tokens: int, p: SimPipeline) -> float:
         key = ("hop", tokens, p.role)

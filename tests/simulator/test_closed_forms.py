@@ -126,3 +126,23 @@ def test_swap_in_uses_every_devices_host_link():
     nbytes = 8 * 1000 * two.shape.layers_per_stage(4) * two.shape.kv_bytes_per_token_layer
     assert two.swap_in_time(8, 1000, 4) == pytest.approx(nbytes / (2 * 12e9))
     assert two.with_tensor_parallel(1).swap_in_time(8, 1000, 4) == pytest.approx(2 * two.swap_in_time(8, 1000, 4))
+
+
+class _Neighbourly(ConstantPerf):
+    """Constant stage times, twice as slow beside a busy stage of the same host."""
+
+    def co_run_factor(self, batch) -> float:
+        return 2.0
+
+
+def test_shared_host_slows_a_step_while_another_stage_computes():
+    """Two one-stage pipelines on one host, two requests at t=0, one token each (the prompt pass,
+    1 s alone). The first pass placed runs alone: 1 s. The second starts beside it: at half speed
+    while the first computes (0.5 s of work in its 1 s), then the remaining 0.5 s alone: 1.5 s.
+    Without `shared_host` both take 1 s; a factor of 1 changes nothing."""
+    w = workload([0.0, 0.0], [1, 1])
+    lay = Layout(PipelineSpec(1, 1, 2))
+    res = simulate(SimConfig(lay, shared_host=True), _Neighbourly(1.0, 0.1), w)
+    assert sorted(res.ttft) == pytest.approx([1.0, 1.5])
+    assert sorted(simulate(SimConfig(lay), _Neighbourly(1.0, 0.1), w).ttft) == pytest.approx([1.0, 1.0])
+    assert sorted(simulate(SimConfig(lay, shared_host=True), ConstantPerf(1.0, 0.1), w).ttft) == pytest.approx([1.0, 1.0])
