@@ -7,9 +7,10 @@ Split as in vLLM's KV connector, on DéjàVuLib's level-3 primitives:
   topologies, any depth pair). The controller attaches it to a prompt batch.
 - worker side, sending, `KVSender`: installed as the model's layer hook, it sends each layer's KV
   of the planned requests as soon as the layer has written it (`stream_out` restricted to that
-  layer). "naive" and "buffered" send on the compute thread; "overlap" packs the layer into a
-  pooled staging buffer (one copy, so the source blocks may be reused as soon as the step returns)
-  and a background thread flushes it while the next layers compute.
+  layer). "naive" and "buffered" send on the compute thread; "overlap" packs the layer (or, for
+  small transfers, a run of layers up to `COALESCE_BYTES`) into a pooled staging buffer (one copy,
+  so the source blocks may be reused as soon as the step returns) and a background thread flushes
+  it while the next layers compute.
 - worker side, receiving, `KVReceiver`: a background thread that fetches, verifies and writes chunks
   into the cache through a `KVSink`. Each chunk names its destination block table and the total
   token count of each request in its metadata, so the sink expects exactly the planned region
@@ -30,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from kvflow.kv.cache import KVCache
 from kvflow.streaming.errors import StreamingError
 from kvflow.streaming.primitives import InStream, OutStream, fetch, flush
@@ -40,6 +43,12 @@ from kvflow.streaming.topology import PipelineTopology, Transfer, plan_transfers
 
 SendMode = Literal["naive", "buffered", "overlap"]
 SEND_MODES = ("naive", "buffered", "overlap")
+# Overlap mode: consecutive layers of one transfer are packed into one chunk until it holds this
+# many bytes (or the transfer's last layer is written). A chunk costs a pack, a header, a checksum
+# and its share of an acknowledgement whatever its size (TCP moves 64 KB chunks at a third of the
+# raw socket's speed, 1 MB chunks at three quarters, docs/streaming.md); a short prompt's layer is
+# tens of KB, so sending it layer by layer spent more on chunks than on bytes.
+COALESCE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,8 @@ class KVSender:
     """
 
     def __init__(self, cache: KVCache, stage: int, outs: dict[int, OutStream], mode: SendMode = "overlap",
-                 pool_size: int = 4, timeout: float = 30.0, incremental: bool = False) -> None:
+                 pool_size: int = 4, timeout: float = 30.0, incremental: bool = False,
+                 coalesce_bytes: int = COALESCE_BYTES) -> None:
         if mode not in SEND_MODES:
             raise ValueError(f"mode must be one of {SEND_MODES}, got {mode!r}")
         self.cache, self.stage, self.outs, self.mode, self.timeout = cache, stage, outs, mode, timeout
@@ -83,6 +93,10 @@ class KVSender:
         # per-step appends), not the whole [0, total) (a hand-off, possibly in prefill chunks)
         self.incremental = incremental
         self.pool_size = pool_size
+        self.coalesce_bytes = coalesce_bytes
+        lay = cache.layout
+        self._token_layer_bytes = 2 * lay.num_kv_heads * lay.head_dim * torch.empty((), dtype=lay.dtype).element_size()
+        self._next: list[int] = []  # overlap: per planned transfer, its first layer not yet packed
         self.nbytes = 0
         self.chunks = 0
         self._requests: list[SeqRegion] = []
@@ -105,6 +119,7 @@ class KVSender:
         self._metas = [{"total": r.total, "blocks": list(r.dest_blocks), **({"start": a} if a else {})}
                        for r, a in zip(requests, starts)]
         self._plan = [t for t in plan if t.src == self.stage]
+        self._next = [t.layer_start for t in self._plan]
         self._epoch = epoch
 
     @property
@@ -114,16 +129,24 @@ class KVSender:
     def on_layer(self, layer: int, batch=None) -> None:
         """The layer hook: send `layer`'s KV of every planned request right after it was written."""
         self._raise_pending()
-        for t in self._plan:
+        for i, t in enumerate(self._plan):
             if not t.layer_start <= layer < t.layer_end:
                 continue
-            if self.mode == "overlap":
-                self._enqueue(t, layer, layer + 1)
+            if self.mode == "overlap":  # layers coalesced up to `coalesce_bytes` per chunk
+                lo = self._next[i]
+                if layer + 1 == t.layer_end or (layer + 1 - lo) * self._layer_bytes(t) >= self.coalesce_bytes:
+                    self._enqueue(t, lo, layer + 1)
+                    self._next[i] = layer + 1
                 continue
             meta = self._meta(t)
             st = stream_out(self.stage, self.cache, self._requests, [t], self.outs, self.mode, (layer, layer + 1), meta)
             for s in st.values():
                 self.chunks, self.nbytes = self.chunks + s.chunks, self.nbytes + s.nbytes
+
+    def _layer_bytes(self, t: Transfer) -> int:
+        """Bytes of one layer of transfer `t`'s requests."""
+        reqs = self._requests[t.request_start:t.request_end]
+        return sum(r.token_end - r.token_start for r in reqs) * self._token_layer_bytes
 
     def _meta(self, t: Transfer) -> dict:
         reqs = self._requests[t.request_start:t.request_end]

@@ -75,21 +75,27 @@ def test_streamed_engine_matches_and_destination_equals_source(mode):
         assert torch.equal(src, seq_kv(sink.cache, tables[rid], 0, n, range(4)))
 
 
-def test_connector_receiver_reports_each_request_once_its_planned_kv_is_in():
-    # the worker-side pair the disaggregated server uses: KVSender (overlap) -> TCP -> KVReceiver
+@pytest.mark.parametrize("coalesce", [0, 1 << 20])
+def test_connector_receiver_reports_each_request_once_its_planned_kv_is_in(coalesce):
+    # the worker-side pair the disaggregated server uses: KVSender (overlap) -> TCP -> KVReceiver;
+    # coalesce 0: one chunk per layer; 1 MB: these small prompts' layers all go in one chunk per step
     engine = tiny_engine()
     dst = KVCache(engine.kv_cache.layout)
     rx = TcpReceiver()
     done, errors = [], []
     receiver = KVReceiver(dst, InStream(rx), lambda rids, spans: done.extend(rids), errors.append)
     receiver.start()
-    sender = KVSender(engine.kv_cache, 0, {0: OutStream(TcpSender(rx.address))}, mode="overlap")
+    sender = KVSender(engine.kv_cache, 0, {0: OutStream(TcpSender(rx.address))}, mode="overlap", coalesce_bytes=coalesce)
     src_tables = stream_engine(engine, sender)
     for i, p in enumerate(PROMPTS):
         engine.add_request(p, SamplingParams(max_tokens=1, temperature=0), request_id=f"q{i}")
+    steps = 0
     while engine.has_unfinished():
         engine.step()  # prompts only: each one is a whole hand-off of tokens [0, len)
+        steps += 1
     sender.finish()
+    layers = engine.kv_cache.layout.num_layers
+    assert sender.chunks == (steps * layers if coalesce == 0 else steps)
     end = time.monotonic() + 30
     while len(done) < len(PROMPTS) and time.monotonic() < end:
         time.sleep(0.01)
