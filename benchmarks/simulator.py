@@ -97,7 +97,10 @@ def appendix(requests: int | None, variants: list[str], only: str | None = None)
         for name in variants:
             sc = variant(base, name, requests)
             t0 = time.perf_counter()
-            rows = sweep(sc, AnalyticPerfModel(sc.shape, sc.machine))
+            print(f"{sc.name} [{name}]: sweeping D = {list(sc.machines)} ...", flush=True)
+            rows = sweep(sc, AnalyticPerfModel(sc.shape, sc.machine), lambda r, s: print(
+                f"  D = {r.machines}: " + ", ".join(f"{k} {e.layout.label()} {e.summary.makespan_s:.0f} s"
+                                                    for k, e in sorted(r.best.items())) + f" ({s:.0f} s)", flush=True))
             ratios = {k: mean_ratio(rows, k) for k in PAPER_RATIOS}
             ratios4 = {k: mean_ratio(rows, k, min_machines=4) for k in PAPER_RATIOS}
             match = {k: matches(rows, sc.paper, k) for k in ("baseline", "baseline-dp", "disaggregated")}

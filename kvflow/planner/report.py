@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +24,18 @@ class SweepRow:
                 "best": {k: e.to_dict() for k, e in self.best.items()}}
 
 
-def sweep(scenario: Scenario, perf: PerfModel) -> list[SweepRow]:
-    """For every cluster size of the scenario: the shortest-makespan configuration of each kind."""
+def sweep(scenario: Scenario, perf: PerfModel, progress=None) -> list[SweepRow]:
+    """For every cluster size of the scenario: the shortest-makespan configuration of each kind.
+    `progress(row, seconds)`, when given, is called after each cluster size (long sweeps)."""
     w = scenario.workload
     space = SearchSpace(w.prompt_len, w.max_tokens, w.mean_output, scenario.microbatches, scenario.swapping)
-    return [SweepRow(d, best_per_kind(perf, d, space, lambda b: w.build(b), scenario.dispatch))
-            for d in scenario.machines]
+    rows = []
+    for d in scenario.machines:
+        t0 = time.perf_counter()
+        rows.append(SweepRow(d, best_per_kind(perf, d, space, lambda b: w.build(b), scenario.dispatch)))
+        if progress is not None:
+            progress(rows[-1], time.perf_counter() - t0)
+    return rows
 
 
 def table(rows: list[SweepRow], paper: dict | None = None) -> str:
