@@ -255,23 +255,29 @@ def test_a_killed_worker_with_shared_cached_blocks_changes_no_token(tiny_ckpt_di
         await ctrl.start()
         try:
             outs = await asyncio.gather(_collect(ctrl, phases[0][0], p(0), "r0"))
-            count, enough = 0, asyncio.Event()
+            # The kill happens on the controller's loop thread, in the result handler that brings
+            # phase 2's 24th token: the requests are mid-generation then however loaded the machine
+            # is (an event loop woken after the 24th token could find them all finished).
+            base, seen = ctrl.generated, {}
+            on_result = ctrl._on_result
+
+            def kill_at_24th_token(msg, logits):
+                on_result(msg, logits)
+                if not seen and ctrl.generated - base >= 24:
+                    seen["shared"] = sum(1 for p_ in ctrl.pipelines for r in p_.kv.pool.ref if r > 1)
+                    os.kill(ctrl.stages[victim].process.pid, signal.SIGKILL)
+
+            ctrl._on_result = kill_at_24th_token
 
             async def one(j):
-                nonlocal count
                 toks = []
                 async for out in ctrl.generate(phases[1][j - 1], p(j), f"r{j}"):
                     toks += out.new_token_ids
-                    count += len(out.new_token_ids)
-                    if count >= 24:
-                        enough.set()
                 return toks
 
             tasks = [asyncio.ensure_future(one(j)) for j in range(1, 5)]
-            await asyncio.wait_for(enough.wait(), 120)  # an event: tokens are out, the SYS blocks are shared
-            shared = sum(1 for p_ in ctrl.pipelines for r in p_.kv.pool.ref if r > 1)
-            os.kill(ctrl.stages[victim].process.pid, signal.SIGKILL)
             outs += await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            shared = seen.get("shared", 0)
             deadline = asyncio.get_running_loop().time() + 120
             while ctrl.recoveries < 1:
                 assert asyncio.get_running_loop().time() < deadline
