@@ -49,6 +49,25 @@ async def recovered(ctrl: Controller, n: int) -> None:
         await asyncio.sleep(0.01)
 
 
+def on_loop_thread(ctrl: Controller, *steps) -> list:
+    """Each (condition, action) of `steps`, in turn, runs once on the controller's loop thread right
+    after the first message it handles after which `condition()` holds. The moment is a point of the
+    controller's own state (e.g. its n-th sampled token), so a loaded machine that wakes the test's
+    event loop late cannot move the failure past the end of the requests. Returns the list of
+    `ctrl.generated` at each action (what has fired)."""
+    fired: list[int] = []
+    handle = ctrl._handle
+
+    def hooked(msg, tensor) -> None:
+        handle(msg, tensor)
+        if len(fired) < len(steps) and steps[len(fired)][0]():
+            fired.append(ctrl.generated)
+            steps[len(fired) - 1][1]()
+
+    ctrl._handle = hooked
+    return fired
+
+
 def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, after_tokens: int, replicated: bool = False):
     """Stream all requests; once `after_tokens` tokens have been streamed in all (and, if
     `replicated`, the victim's replica holds some KV of every request it runs), SIGKILL (or SIGSTOP
@@ -60,36 +79,33 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
         await ctrl.start()
         streamed = [[] for _ in PROMPTS]
         finals = [None] * len(PROMPTS)
-        hit = asyncio.Event()
-        count = 0
         counters.clear()
 
         async def one(i):
-            nonlocal count
             async for out in ctrl.generate(PROMPTS[i], params(i), f"r{i}"):
                 streamed[i] += out.new_token_ids
-                count += len(out.new_token_ids)
-                if count >= after_tokens:
-                    hit.set()
                 finals[i] = out
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
+        name = victim_name or random.Random(len(cfg.pipelines())).choice(sorted(ctrl.stages))
+        s = ctrl.stages[name]
+        p = next(p for p in ctrl.pipelines if s in p.stages)
         stopped = None
+
+        def due() -> bool:  # enough tokens sampled; replicated: the victim's replica holds KV of all it runs
+            return ctrl.generated >= after_tokens and (not replicated or bool(p.sched.running) and all(
+                p.watermark.get(s.stage, {}).get(r.request_id, 0) > 0 for r in p.sched.running))
+
+        def strike() -> None:
+            nonlocal stopped
+            os.kill(s.process.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            if how != "kill":
+                stopped = s.process
+
+        fired = on_loop_thread(ctrl, (due, strike))
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
         try:
-            await asyncio.wait_for(hit.wait(), 120)  # an event, not a timer: enough tokens are out
-            name = victim_name or random.Random(len(cfg.pipelines())).choice(sorted(ctrl.stages))
-            if replicated:  # an event: the replication watermark of the victim's stage covers its requests
-                s = ctrl.stages[name]
-                p = next(p for p in ctrl.pipelines if s in p.stages)
-                while not (p.sched.running and all(p.watermark.get(s.stage, {}).get(r.request_id, 0) > 0 for r in p.sched.running)):
-                    await asyncio.sleep(0.005)
-            proc = ctrl.stages[name].process
-            if how == "kill":
-                os.kill(proc.pid, signal.SIGKILL)
-            else:
-                os.kill(proc.pid, signal.SIGSTOP)
-                stopped = proc
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            assert fired, "the failure was meant to strike while requests were running"
             await recovered(ctrl, 1)
             counters.update(failures=ctrl.failures, recoveries=ctrl.recoveries, resumed=ctrl.resumed,
                             lost=ctrl.lost_tokens, recomputed=ctrl.recomputed_tokens)
@@ -161,25 +177,20 @@ def test_two_failures_in_a_row(tiny_ckpt_dir):
         ctrl = Controller(cfg)
         await ctrl.start()
         streamed = [[] for _ in PROMPTS]
-        marks = {20: asyncio.Event(), 80: asyncio.Event()}
-        count = 0
 
         async def one(i):
-            nonlocal count
             async for out in ctrl.generate(PROMPTS[i], params(i), f"r{i}"):
                 streamed[i] += out.new_token_ids
-                count += len(out.new_token_ids)
-                for k, ev in marks.items():
-                    if count >= k:
-                        ev.set()
 
+        def kill(name):
+            return lambda: os.kill(ctrl.stages[name].process.pid, signal.SIGKILL)
+
+        fired = on_loop_thread(ctrl, (lambda: ctrl.generated >= 20, kill("token-0")),
+                               (lambda: ctrl.generated >= 80, kill("prompt-0")))
         tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
         try:
-            await asyncio.wait_for(marks[20].wait(), 120)
-            os.kill(ctrl.stages["token-0"].process.pid, signal.SIGKILL)
-            await asyncio.wait_for(marks[80].wait(), 120)
-            os.kill(ctrl.stages["prompt-0"].process.pid, signal.SIGKILL)
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            assert len(fired) == 2, fired
             await recovered(ctrl, 2)
             return streamed, ctrl.failures, ctrl.recoveries
         finally:
@@ -213,22 +224,17 @@ def test_a_failure_during_recovery_is_retried(tiny_ckpt_dir):
         ctrl = Controller(cfg, launcher=launcher)
         await ctrl.start()
         streamed = [[] for _ in PROMPTS]
-        hit = asyncio.Event()
-        count = 0
 
         async def one(i):
-            nonlocal count
             async for out in ctrl.generate(PROMPTS[i], params(i), f"r{i}"):
                 streamed[i] += out.new_token_ids
-                count += len(out.new_token_ids)
-                if count >= 20:
-                    hit.set()
 
+        fired = on_loop_thread(ctrl, (lambda: ctrl.generated >= 20,
+                                      lambda: os.kill(ctrl.stages["colocated-0"].process.pid, signal.SIGKILL)))
         tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
         try:
-            await asyncio.wait_for(hit.wait(), 120)
-            os.kill(ctrl.stages["colocated-0"].process.pid, signal.SIGKILL)
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            assert fired
             return streamed, ctrl.failures, ctrl.recoveries, launcher.starts
         finally:
             await ctrl.shutdown()
