@@ -153,3 +153,22 @@ def tiny_ckpt_dir(tmp_path_factory) -> Path:
 def tiny4_ckpt_dir(tmp_path_factory) -> Path:
     """A 4-layer tiny model (pipelines of depth 3 and 4); its engine is `tiny_engine(tiny_config(num_layers=4))`."""
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny4-ckpt"), tiny_config(num_layers=4))
+
+
+def on_loop_thread(ctrl, *steps) -> list:
+    """Each (condition, action) of `steps`, in turn, runs once on the controller's loop thread right
+    after the first message it handles after which `condition()` holds. The moment is a point of the
+    controller's own state (e.g. its n-th sampled token), so a loaded machine that wakes the test's
+    event loop late cannot move the failure past the end of the requests. Returns the list of
+    `ctrl.generated` at each action (what has fired)."""
+    fired: list[int] = []
+    handle = ctrl._handle
+
+    def hooked(msg, tensor) -> None:
+        handle(msg, tensor)
+        if len(fired) < len(steps) and steps[len(fired)][0]():
+            fired.append(ctrl.generated)
+            steps[len(fired) - 1][1]()
+
+    ctrl._handle = hooked
+    return fired

@@ -15,7 +15,7 @@ from kvflow.sched.request import Request
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Scheduler, SchedulerConfig
 
-from conftest import run_to_completion, tiny_engine
+from conftest import on_loop_thread, run_to_completion, tiny_engine
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
@@ -259,15 +259,12 @@ def test_a_killed_worker_with_shared_cached_blocks_changes_no_token(tiny_ckpt_di
             # phase 2's 24th token: the requests are mid-generation then however loaded the machine
             # is (an event loop woken after the 24th token could find them all finished).
             base, seen = ctrl.generated, {}
-            on_result = ctrl._on_result
 
-            def kill_at_24th_token(msg, logits):
-                on_result(msg, logits)
-                if not seen and ctrl.generated - base >= 24:
-                    seen["shared"] = sum(1 for p_ in ctrl.pipelines for r in p_.kv.pool.ref if r > 1)
-                    os.kill(ctrl.stages[victim].process.pid, signal.SIGKILL)
+            def kill() -> None:
+                seen["shared"] = sum(1 for p_ in ctrl.pipelines for r in p_.kv.pool.ref if r > 1)
+                os.kill(ctrl.stages[victim].process.pid, signal.SIGKILL)
 
-            ctrl._on_result = kill_at_24th_token
+            on_loop_thread(ctrl, (lambda: ctrl.generated - base >= 24, kill))
 
             async def one(j):
                 toks = []

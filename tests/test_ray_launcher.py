@@ -26,7 +26,7 @@ from kvflow.controller.controller import Controller  # noqa: E402
 from kvflow.controller.ray_launcher import Placement, RayConfig, RayLauncher, RayWorkerHandle, StagePlacement  # noqa: E402
 from kvflow.sched.sampling import SamplingParams  # noqa: E402
 
-from conftest import run_to_completion, tiny_engine  # noqa: E402
+from conftest import on_loop_thread, run_to_completion, tiny_engine  # noqa: E402
 
 PROMPTS = [[5, 6, 7], list(range(10, 41)), [40] * 9, [3, 1, 4, 1, 5, 9, 2, 6], list(range(50, 70)), [11, 12]]
 LENGTHS = [12, 3, 9, 1, 6, 10]
@@ -62,13 +62,11 @@ def _cfg(tiny_ckpt_dir, **kw) -> ClusterConfig:
     return ClusterConfig(**base)
 
 
-async def _collect(ctrl, prompt, params, rid, on_token=None):
+async def _collect(ctrl, prompt, params, rid):
     toks, last = [], None
     async for out in ctrl.generate(prompt, params, rid):
         toks += out.new_token_ids
         last = out
-        if on_token is not None:
-            on_token(len(out.new_token_ids))
     return toks, last
 
 
@@ -141,32 +139,30 @@ def test_a_killed_actor_is_detected_and_replaced_by_the_launcher(cluster, tiny_c
     async def main():
         ctrl = Controller(cfg, launcher=launcher)
         await ctrl.start()
-        count, hit = 0, asyncio.Event()
+        s = ctrl.stages[victim]
+        pipe = next(q for q in ctrl.pipelines if s in q.stages)
+        before = s.process
+        assert isinstance(before, RayWorkerHandle)
+        old = before.where
 
-        def on_token(n):
-            nonlocal count
-            count += n
-            if count >= 20:
-                hit.set()
+        def due() -> bool:  # 20 tokens are out and the victim's replica holds KV of every request it runs
+            return ctrl.generated >= 20 and bool(pipe.sched.running) and all(
+                pipe.watermark.get(s.stage, {}).get(r.request_id, 0) > 0 for r in pipe.sched.running)
 
-        tasks = [asyncio.ensure_future(_collect(ctrl, p, _greedy(n), f"r{i}", on_token))
-                 for i, (p, n) in enumerate(zip(PROMPTS_FT, LENGTHS_FT))]
-        try:
-            await asyncio.wait_for(hit.wait(), 120)  # an event: 20 tokens are out
-            s = ctrl.stages[victim]
-            p = next(p for p in ctrl.pipelines if s in p.stages)
-            while not (p.sched.running and all(p.watermark.get(s.stage, {}).get(r.request_id, 0) > 0 for r in p.sched.running)):
-                await asyncio.sleep(0.005)  # an event: the victim's replica holds KV of every request it runs
-            before = s.process
-            assert isinstance(before, RayWorkerHandle)
-            old = before.where
+        def strike() -> None:
             if how == "sigkill":
                 os.kill(old.pid, signal.SIGKILL)
             elif how == "sigstop":
                 os.kill(old.pid, signal.SIGSTOP)  # hung: alive to Ray, silent to the controller
             else:
                 ray.kill(before.actor)
+
+        fired = on_loop_thread(ctrl, (due, strike))  # on the controller's thread: requests are mid-generation
+        tasks = [asyncio.ensure_future(_collect(ctrl, p, _greedy(n), f"r{i}"))
+                 for i, (p, n) in enumerate(zip(PROMPTS_FT, LENGTHS_FT))]
+        try:
             results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            assert fired, "the failure was meant to strike while requests were running"
             deadline = time.monotonic() + 120
             while ctrl.recoveries < 1 and ctrl.failure is None:
                 assert time.monotonic() < deadline, "no recovery after 120 s"

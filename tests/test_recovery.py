@@ -16,7 +16,7 @@ from kvflow.controller.controller import Controller
 from kvflow.controller.launcher import SubprocessLauncher
 from kvflow.sched.sampling import SamplingParams
 
-from conftest import run_to_completion, tiny_config, tiny_engine
+from conftest import on_loop_thread, run_to_completion, tiny_config, tiny_engine
 
 PROMPTS = [[5, 6, 7], list(range(10, 41)), [40] * 9, [3, 1, 4, 1, 5, 9, 2, 6], list(range(50, 70)), [11, 12]]
 LENGTHS = [40, 25, 60, 35, 50, 45]
@@ -47,25 +47,6 @@ async def recovered(ctrl: Controller, n: int) -> None:
     while ctrl.recoveries < n and ctrl.failure is None:
         assert time.monotonic() < deadline, f"{ctrl.recoveries} of {n} recoveries after 120 s"
         await asyncio.sleep(0.01)
-
-
-def on_loop_thread(ctrl: Controller, *steps) -> list:
-    """Each (condition, action) of `steps`, in turn, runs once on the controller's loop thread right
-    after the first message it handles after which `condition()` holds. The moment is a point of the
-    controller's own state (e.g. its n-th sampled token), so a loaded machine that wakes the test's
-    event loop late cannot move the failure past the end of the requests. Returns the list of
-    `ctrl.generated` at each action (what has fired)."""
-    fired: list[int] = []
-    handle = ctrl._handle
-
-    def hooked(msg, tensor) -> None:
-        handle(msg, tensor)
-        if len(fired) < len(steps) and steps[len(fired)][0]():
-            fired.append(ctrl.generated)
-            steps[len(fired) - 1][1]()
-
-    ctrl._handle = hooked
-    return fired
 
 
 def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, after_tokens: int, replicated: bool = False):
