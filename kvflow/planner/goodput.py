@@ -94,7 +94,7 @@ class Goodput:
 
 def attainment_at(perf: PerfModel, layout: Layout, rate: float, workload_at: Callable[[float], Workload],
                   slo: SLO, swapping: bool = False) -> float:
-    return simulate(SimConfig(layout, swapping=swapping), perf, workload_at(rate)).slo_attainment(slo)
+    return simulate(SimConfig(layout, swapping=swapping, prefix_caching=False), perf, workload_at(rate)).slo_attainment(slo)
 
 
 def max_rate(perf: PerfModel, layout: Layout, workload_at: Callable[[float], Workload], slo: SLO,

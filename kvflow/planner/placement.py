@@ -135,7 +135,7 @@ def sim_config(layout: Layout, prompt: PhaseConfig, token: PhaseConfig | None, m
     b_max = max(prompt.microbatch, token.microbatch if token else 0)
     seqs = max(prompt.microbatch * prompt.depth, token.microbatch * token.depth if token else 0)
     sched = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=b_max * max_prompt, prefill_chunk_size=max_prompt)
-    return SimConfig(layout, policy="continuous", scheduler=sched)
+    return SimConfig(layout, policy="continuous", scheduler=sched, prefix_caching=False)
 
 
 class PlacementSearch:
