@@ -4,7 +4,8 @@
    shapes (`kvflow.perf.calibrate.GRID_*`: whole prompts in small batches, decode steps at a few
    contexts) — never the replay's requests or its mixed, chunked batches — plus the
    per-stage overhead of worker processes (`calibrate.executor_overhead`: decode steps of 1 and 4
-   requests through a one-stage worker pipeline, minus the engine's fit).
+   requests through a one-stage worker pipeline, minus the engine's fit) and the slowdown of a
+   prefill and a decode step beside another busy engine process (`calibrate.co_run_slowdown`).
 2. Replay one open-loop Poisson workload (prompt and output lengths from the Azure conversation
    trace in ../shared/traces, scaled to a 135M model on a shared 2-core CPU: prompts / 16 clipped
    to [8, 160] tokens, outputs / 8 clipped to [4, 40]; Poisson arrivals at --rate) through the real
@@ -12,8 +13,10 @@
    (`Controller` with real worker processes, one torch thread each). Greedy, `ignore_eos`, so every
    request produces exactly its trace output length.
 3. Simulate the same workload and configuration (`SimConfig.from_cluster`: policy, scheduler
-   settings, block pool) with the profiled model, and report the error of throughput (output
-   tokens/s over the makespan), median TTFT and median TPOT per layout.
+   settings, block pool) with the profiled model — the worker layouts with `shared_host` (every
+   worker on this host: a step beside a busy stage runs at the co-run slowdown) — and report the
+   error of throughput (output tokens/s over the makespan), median TTFT and median TPOT per layout,
+   and for comparison the error with a machine per worker.
 
     python benchmarks/fidelity.py [--profile results/profile.json] [--requests 48] [--rate 0.8]
 
