@@ -63,7 +63,11 @@ class EngineConfig:
     concrete dtype; the user-facing entry points (`kvflow serve/generate/chat`, `LLM`) default to it.
     The field's default stays float32 for code that builds a model by hand and passes its config.
     `enable_prefix_caching`: full KV blocks are kept after their request ends and shared by later
-    requests whose tokens start the same way (`kvflow.kv`), on by default as in vLLM."""
+    requests whose tokens start the same way (`kvflow.kv`), on by default as in vLLM.
+    `host_kv_bytes` / `disk_kv_bytes`: byte budgets of the prefix cache's lower tiers (0: off, the
+    default): blocks evicted from the device pool are kept in host memory, and below it in chunk
+    files under `disk_kv_path` (a fresh temporary directory when None; a disk tier needs a host
+    tier). Each budget counts the KV of every layer (a pipeline's stages share it by their layers)."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -74,6 +78,9 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     enable_prefix_caching: bool = True
+    host_kv_bytes: int = 0
+    disk_kv_bytes: int = 0
+    disk_kv_path: str | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self) -> None:
@@ -91,6 +98,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for key in ("host_kv_bytes", "disk_kv_bytes"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{key} must be a non-negative integer, got {v!r}")
+        if self.disk_kv_bytes and not self.host_kv_bytes:
+            raise ValueError("a disk KV tier (disk_kv_bytes) needs a host tier above it (host_kv_bytes)")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         if self.device.startswith("cuda"):
@@ -102,6 +115,14 @@ class EngineConfig:
     def kv_blocks(self, bytes_per_block: int) -> int:
         """The number of KV blocks: `num_kv_blocks`, or as many as fit in the memory budget."""
         return self.num_kv_blocks or max(1, int(self.kv_cache_memory_gb * 2**30 // bytes_per_block))
+
+    def tier_sizes(self, block_bytes: int, stages: int = 1):
+        """The prefix cache's host and disk tiers for blocks of `block_bytes` (all layers) over `stages`."""
+        from kvflow.kv.tiers import TierSizes
+
+        if not self.enable_prefix_caching:
+            return TierSizes()
+        return TierSizes.from_budgets(self.host_kv_bytes, self.disk_kv_bytes, block_bytes, stages)
 
     @property
     def torch_dtype(self):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflow.kv.manager import KVCacheManager, PrefixHit, blocks_for
+from kvflow.kv.tiers import TierPlan
 from kvflow.sched.request import Request, RequestStatus
 
 POLICIES = ("continuous", "microbatch")
@@ -78,12 +79,15 @@ class ScheduledSeq:
 @dataclass(frozen=True)
 class SchedulerOutput:
     """One batch. `freed`: requests whose blocks were released since the previous batch (finished,
-    aborted or preempted): an executor that mirrors block tables drops them before running it."""
+    aborted or preempted): an executor that mirrors block tables drops them before running it.
+    `tiers`: the copies between KV tiers the executor performs before the batch's forward (it may
+    carry copies with no sequences: an executor runs such an output too)."""
 
     batch_id: int
     seqs: list[ScheduledSeq]
     preempted: list[Request] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)
+    tiers: TierPlan = field(default_factory=TierPlan)
 
     @property
     def num_tokens(self) -> int:
@@ -160,6 +164,7 @@ class Scheduler:
         self._reset: set[str] = set()  # requests whose next batch must carry the whole table
         self._ids = itertools.count()
         self._batches = 0  # scheduled batches not yet returned through update()
+        self._loading: set[str] = set()  # waiting requests whose cached prefix is being loaded from disk
 
     # ------------------------------------------------------------------ admission
     def add(self, request: Request) -> None:
@@ -198,7 +203,13 @@ class Scheduler:
         return self._batches
 
     # ------------------------------------------------------------------ the batch
+    # Waiting requests (from the front of the queue) whose disk-tier blocks are prefetched into the
+    # host tier before they are admitted.
+    PREFETCH_AHEAD = 8
+
     def schedule(self) -> SchedulerOutput:
+        self._loading = {r.request_id for r in itertools.islice(self.waiting, self.PREFETCH_AHEAD)
+                         if self.kv.prefetch(r.token_ids, r.block_hashes, r.num_tokens - 1)}
         if self.config.policy == "microbatch":
             seqs, preempted = self._schedule_microbatch(), []
         else:
@@ -208,7 +219,7 @@ class Scheduler:
         freed, self._freed = self._freed, []
         if seqs:
             self._batches += 1
-        return SchedulerOutput(next(self._ids), seqs, preempted, freed)
+        return SchedulerOutput(next(self._ids), seqs, preempted, freed, self.kv.take_plan())
 
     def _schedule_continuous(self) -> tuple[list[ScheduledSeq], list[Request]]:
         budget = self.config.max_num_batched_tokens
@@ -227,6 +238,8 @@ class Scheduler:
         while (self.role != "token" and self.waiting and not preempted and budget > 0 and len(seqs) < cap
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if req.request_id in self._loading:
+                break  # admitted once its prefix is back from disk (the next batch)
             hit = self._match(req)
             n = min(req.num_tokens - hit.num_tokens, budget, self.config.prefill_chunk_size)
             need = req.num_tokens if self.role == "prompt" else hit.num_tokens + n
@@ -291,6 +304,8 @@ class Scheduler:
         group: list[Request] = []
         while self.waiting and len(group) < self.config.microbatch_size:
             req = self.waiting[0]
+            if req.request_id in self._loading:
+                break
             total = req.num_prompt_tokens + req.params.max_tokens  # reserved up front: never preempted
             hit = self._match(req)
             if not self.kv.can_ensure(req.block_ids, total, hit):
@@ -320,6 +335,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply a returned batch: progress, sampled tokens, stop checks; frees what finished.
         Returns the requests that got a token or finished."""
+        self.kv.loads_done(out.tiers)
         if out.seqs:
             self._batches -= 1
         changed = []
