@@ -148,7 +148,11 @@ class KVCacheManager:
             return False
         pending = False
         for _, h in self._chain(token_ids, hashes, max_tokens):
-            if h in self.pool.by_hash or self.host.lookup(h) is not None:
+            if h in self.pool.by_hash:
+                continue
+            s = self.host.lookup(h)
+            if s is not None:
+                self.host.pin(s)  # its own later loads must not evict it (the host tier may be shorter than the chain)
                 continue
             if self.host.is_loading(h):
                 pending = True
@@ -157,7 +161,7 @@ class KVCacheManager:
             if f is None:
                 break
             got = self._host_alloc(h, loading=True)
-            if got is None:
+            if got is None:  # the host tier is full of this step's blocks: the rest is recomputed
                 break
             self.disk.pin(f)
             self.plan.from_disk.append((f, got))
