@@ -255,6 +255,8 @@ class WorkerSpec:
     replica_layer_start: int = -1  # layers of the previous stage whose KV replica this stage holds
     replica_layer_end: int = -1  # (-1: none)
     replicated: bool = False  # this stage's KV is replicated: it can have it restored after a failure
+    host_kv_slots: int = 0  # the prefix cache's lower tiers: slots (blocks) in host memory and on disk,
+    disk_kv_slots: int = 0  # each holding this stage's layers of a block (its pipeline's pools decide)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

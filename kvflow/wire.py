@@ -86,6 +86,8 @@ class Step:
     free: list[str] = field(default_factory=list)
     kv_out: list[KVOut] = field(default_factory=list)
     kv_plan: list[list[int]] = field(default_factory=list)
+    tier_ops: list[list[int]] = field(default_factory=list)  # kv.tiers.TierPlan.to_wire(): done before the forward
+    tier_failed: list[int] = field(default_factory=list)  # host slots whose disk block a stage rejected (so far)
 
 
 @dataclass
@@ -96,6 +98,7 @@ class StepResult:
     batch: int
     rids: list[str]
     busy_s: float = 0.0
+    tier_failed: list[int] = field(default_factory=list)  # host slots whose disk block any stage rejected
 
 
 @dataclass

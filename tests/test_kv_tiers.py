@@ -286,3 +286,48 @@ def test_engine_recomputes_a_corrupted_disk_block(reference, tmp_path):
     outs, eng = engine_waves(True, 3, 16, str(tmp_path), damage=corrupt_all)
     assert outs == reference  # the rejected blocks were recomputed, never used
     assert eng.kv_manager.disk.rejected > 0 and eng.kv_manager.tier_stats()["disk"].hits == 0
+
+
+# ---------------------------------------------------------------------------------- pipelines: same tokens
+@pytest.mark.parametrize("kw, host", [(dict(mode="colocated", depth=2), 3), (dict(mode="disaggregated", prompt_depth=1, token_depth=1), 6)],
+                         ids=["colocated-2", "disagg-1-1"])
+def test_pipelines_same_tokens_with_host_and_disk_tiers(reference, tiny_ckpt_dir, tmp_path, kw, host):
+    """(A prompt pipeline releases a whole batch's blocks at once, so its evictions come in bursts: a
+    host tier of 3 blocks would keep only 3 of them; it gets 6.)"""
+    import asyncio
+
+    from kvflow.config import ClusterConfig
+    from kvflow.controller.controller import Controller
+
+    bpb = KVLayout.for_model(tiny_config(), 1, TBS).bytes_per_block
+    depth = kw.get("depth", 1)
+    eng = EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=24, block_size=TBS, host_kv_bytes=host * bpb,
+                       disk_kv_bytes=16 * (bpb + DISK_SLOT_OVERHEAD * depth), disk_kv_path=str(tmp_path))
+    cfg = ClusterConfig(engine=eng, microbatch_size=4, prompt_microbatch_size=4, heartbeat_timeout_s=30.0, **kw)
+
+    async def main():
+        ctrl = Controller(cfg)
+        await ctrl.start()
+        outs, i = [], 0
+        try:
+            for wave in WAVES:
+                async def one(p, j):
+                    toks = []
+                    async for o in ctrl.generate(p, wave_params(j), f"r{j}"):
+                        toks += o.new_token_ids
+                    return toks
+                outs += await asyncio.gather(*[one(p, i + k) for k, p in enumerate(wave)])
+                i += len(wave)
+            return outs, ctrl.stats(), [p.kv for p in ctrl.pipelines]
+        finally:
+            await ctrl.shutdown()
+
+    outs, stats, pools = asyncio.run(main())
+    assert outs == reference
+    first = pools[0]  # the colocated or the prompt pipeline: the one with lower tiers
+    first.pool.check(), first.host.check(), first.disk.check()
+    name = cfg.pipelines()[0].name
+    assert stats.prefix_cache[(name, "host")].hits + stats.prefix_cache[(name, "disk")].hits >= 3 * TBS
+    if kw["mode"] == "colocated":
+        assert stats.prefix_cache[(name, "disk")].hits >= 3 * TBS
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(cfg.stage_names()[:depth])  # one store per stage

@@ -87,9 +87,13 @@ class Controller:
         self.secret = new_secret()
         self.epoch = 0
         self.pipelines: list[Pipeline] = []
+        block_bytes = KVLayout.for_model(mc, 1, ecfg.block_size, dtype=ecfg.torch_dtype).bytes_per_block
         for spec in cfg.pipelines():
             stages = [StageHandle(spec.stage_name(i), i, layers) for i, layers in enumerate(even_split(mc.num_layers, spec.depth))]
-            kv = KVCacheManager(ecfg.num_kv_blocks, ecfg.block_size, ecfg.enable_prefix_caching)
+            # lower tiers for the pipelines that prefill (a token pool's blocks are filled by the prompt
+            # side's stream, outside its own steps, so its evictions could not be copied out in order)
+            host, disk = ecfg.tier_sizes(block_bytes, spec.depth).pools() if spec.role != "token" else (None, None)
+            kv = KVCacheManager(ecfg.num_kv_blocks, ecfg.block_size, ecfg.enable_prefix_caching, host, disk)
             hook = (lambda req: self.handoff.reserve(req)) if spec.role == "prompt" else None
             sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role, hook)
             self.pipelines.append(Pipeline(spec, stages, kv, sched))
@@ -181,7 +185,9 @@ class Controller:
                 rl = p.stages[(s.stage - 1) % p.depth].layers if self.cfg.replicates(p.spec) == "ring" else (-1, -1)
                 spec = WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], roles[s.name], self.cfg.threads_per_worker,
                                   self.cfg.kv_send_mode, replica_layer_start=rl[0], replica_layer_end=rl[1],
-                                  replicated=self.cfg.replicates(p.spec) is not None)
+                                  replicated=self.cfg.replicates(p.spec) is not None,
+                                  host_kv_slots=p.kv.host.num_slots if p.kv.host else 0,
+                                  disk_kv_slots=p.kv.disk.num_slots if p.kv.disk else 0)
                 self._send_to(s.name, Setup(to_dict(spec), to_dict(self.cfg.engine), self.epoch))
             elif isinstance(msg, Ready) and msg.name in ready and msg.name not in hello:
                 self.stages[msg.name].kv_addr = msg.kv_addr
@@ -276,7 +282,7 @@ class Controller:
             replication_lag_tokens=self._replication_lag(),
             resumed_requests_total=self.resumed,
             recomputed_tokens_total=self.recomputed_tokens,
-            prefix_cache={(p.name, "device"): p.kv.stats for p in self.pipelines},
+            prefix_cache={(p.name, tier): c for p in self.pipelines for tier, c in p.kv.tier_stats().items()},
         )
 
     def _replication_lag(self) -> int:
@@ -409,10 +415,10 @@ class Controller:
                 self.preemptions += len(out.preempted)
                 for r in out.preempted:
                     self._preempted(p, r)
-                if out.is_empty:
+                if out.is_empty and not out.tiers:
                     p.pending_free += out.freed
                     break
-                self._send(p, out)
+                self._send(p, out)  # (copies between KV tiers alone make a step too: disk loads)
 
     def _send(self, p: Pipeline, out: SchedulerOutput) -> None:
         seqs, ids = [], []
@@ -443,13 +449,14 @@ class Controller:
         wire_id = next(self._batch_ids)  # unique across pipelines (each scheduler numbers its own batches)
         p.in_flight[wire_id] = out
         p.batch_log.append((out.batch_id, [(s.request.request_id, s.num_new_tokens) for s in out.seqs]))
-        self._send_to(p.stages[0].name, Step(self.epoch, wire_id, seqs, ids, free, kv_out, kv_plan))
+        self._send_to(p.stages[0].name, Step(self.epoch, wire_id, seqs, ids, free, kv_out, kv_plan, out.tiers.to_wire()))
 
     def _on_result(self, msg: StepResult, logits: torch.Tensor) -> None:
         p = next((p for p in self.pipelines if msg.batch in p.in_flight), None)
         if p is None:
             return
         out = p.in_flight.pop(msg.batch)
+        out.tiers.failed = list(msg.tier_failed)  # disk blocks some stage rejected: recomputed
         p.step_log.append((sum(s.num_new_tokens for s in out.seqs), msg.busy_s))
         rows = [i for i, s in enumerate(out.seqs) if s.completes_prompt and not s.request.is_finished]
         sampled: dict[str, int] = {}

@@ -34,11 +34,13 @@ import zmq
 
 from kvflow.config import WorkerSpec, engine_from_dict
 from kvflow.kv.cache import KVCache, KVLayout
+from kvflow.kv.tiers import TierPlan
 from kvflow.model.batch import ForwardBatch, SeqSlice
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
 from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender, send_restore
 from kvflow.streaming.primitives import InStream, OutStream
+from kvflow.streaming.tier_store import TierStore
 from kvflow.streaming.topology import Transfer
 from kvflow.wire import (
     SECRET_ENV, Heartbeat, Hello, KVArrived, Ready, Replicated, Reset, Restore, Setup, Shutdown, Step, StepResult, Wire,
@@ -101,6 +103,10 @@ class Worker:
             rl = KVLayout.for_model(ck.config, ecfg.num_kv_blocks, ecfg.block_size,
                                     (spec.replica_layer_start, spec.replica_layer_end), dtype=ecfg.torch_dtype)
             self.replica = KVCache(rl, "cpu")
+        self.tiers = None  # the prefix cache's host and disk slots of this stage's layers
+        if spec.host_kv_slots:
+            path = os.path.join(ecfg.disk_kv_path, spec.name) if ecfg.disk_kv_path else None
+            self.tiers = TierStore(self.cache, spec.host_kv_slots, spec.disk_kv_slots, path)
 
     def run(self) -> None:
         self.step_in = self.ctx.socket(zmq.PULL)
@@ -237,6 +243,11 @@ class Worker:
 
     def _step(self, msg: Step, hidden: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
+        if msg.tier_ops:  # copies between KV tiers first; a rejected disk block travels on to the controller
+            msg.tier_failed = sorted(set(msg.tier_failed) | set(self.tiers.apply(TierPlan.from_wire(msg.tier_ops))))
+        if not msg.seqs:  # tier copies only
+            self._forward(msg, None, torch.empty(0), t0)
+            return
         batch = self._apply(msg)
         if self.model.is_first:
             hidden = self.model.embed(torch.tensor(msg.token_ids, dtype=torch.long, device=self.device))
@@ -257,17 +268,22 @@ class Worker:
             st = self.spec.stage
             self.replicator.begin(reqs, [Transfer(st, st + 1, lay.layer_start, lay.layer_end, 0, len(reqs), 0, 0)], msg.epoch)
         hidden = self.model.run_layers(hidden, batch, self.cache, hook)
-        if self.model.is_last:
-            logits = self.model.logits(hidden, batch).float()
-            dt = time.perf_counter() - t0
-            self.out.send_multipart(encode(StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], dt), self.secret, logits))
-        else:
-            msg.token_ids = []
-            self.out.send_multipart(encode(msg, self.secret, hidden))
+        self._forward(msg, batch, hidden, t0)
         if self.replicator is not None and msg.seqs:
             self.replicator.send_all()  # one chunk, after the output left: sent while the next step computes
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
+
+    def _forward(self, msg: Step, batch: ForwardBatch | None, hidden: torch.Tensor, t0: float) -> None:
+        """The step's output: to the next stage, or (last stage) its logits to the controller."""
+        if self.model.is_last:
+            logits = self.model.logits(hidden, batch).float() if batch is not None else torch.empty(0)
+            dt = time.perf_counter() - t0
+            res = StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], dt, msg.tier_failed)
+            self.out.send_multipart(encode(res, self.secret, logits))
+        else:
+            msg.token_ids = []
+            self.out.send_multipart(encode(msg, self.secret, hidden if batch is not None else None))
 
     # ------------------------------------------------------------------ token role: KV arrivals
     def _kv_complete(self, rids: list[str], spans: list[tuple[int, int]]) -> None:
