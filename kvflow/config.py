@@ -177,6 +177,10 @@ class ClusterConfig:
     produced;
     after `max_restarts` failed replacements in a row the controller gives up. "none": fail-stop,
     every request fails with the worker's name and the backend stays unhealthy.
+    `swapping` (colocated, microbatch policy; DéjàVu §4.2.2): `engine.num_kv_blocks` is each stage's
+    device budget, split into min(2, depth) regions; only the microbatch computing on a stage and the
+    next one keep their KV on its device, the others' lives in host memory, so the pipeline's pool
+    holds depth / min(2, depth) times the blocks (`swap_layout`).
     """
 
     engine: EngineConfig = EngineConfig(num_kv_blocks=2048)
@@ -195,6 +199,7 @@ class ClusterConfig:
     recovery: str = "recompute"
     max_restarts: int = 3
     replication: str = "ring"
+    swapping: bool = False
 
     def replicates(self, p: "PipelineSpec") -> str | None:
         """Where `p`'s stages replicate the KV they append: "ring" (to the next stage; depth >= 2),
@@ -204,7 +209,21 @@ class ClusterConfig:
             return None
         return "ring" if self.replication == "ring" and p.depth >= 2 else "store"
 
+    def swap_layout(self, p: "PipelineSpec") -> tuple[int, int, int]:
+        """(device regions, blocks per region, blocks of the pipeline's pool) of pipeline `p`: with
+        swapping min(2, depth) regions sharing the device budget and depth regions' worth of blocks
+        in host memory, else (0, 0, num_kv_blocks)."""
+        n = self.engine.num_kv_blocks
+        if not self.swapping or p.role != "both":
+            return 0, 0, n
+        regions = min(2, p.depth)
+        per = n // regions
+        return regions, per, per * p.depth
+
     def __post_init__(self) -> None:
+        if self.swapping and (self.mode != "colocated" or self.policy != "microbatch"):
+            raise ValueError("swapping is implemented for colocated pipelines with the microbatch policy "
+                             "(--mode colocated --policy microbatch)")
         if self.replication not in REPLICATION:
             raise ValueError(f"replication must be one of {REPLICATION}, got {self.replication!r}")
         if self.recovery not in RECOVERY:
@@ -236,8 +255,9 @@ class ClusterConfig:
 
     def scheduler_for(self, p: PipelineSpec) -> SchedulerConfig:
         """A pipeline's scheduler: `depth` batches in flight of at most `microbatch_size` requests."""
+        regions, per, _ = self.swap_layout(p)
         return replace(self.engine.scheduler, policy=self.policy, microbatch_size=p.microbatch_size,
-                       max_in_flight=p.depth)
+                       max_in_flight=p.depth, swap_regions=regions, swap_region_blocks=per)
 
 
 @dataclass(frozen=True)
@@ -257,6 +277,9 @@ class WorkerSpec:
     replicated: bool = False  # this stage's KV is replicated: it can have it restored after a failure
     host_kv_slots: int = 0  # the prefix cache's lower tiers: slots (blocks) in host memory and on disk,
     disk_kv_slots: int = 0  # each holding this stage's layers of a block (its pipeline's pools decide)
+    swap_regions: int = 0  # microbatch swapping: device regions of `swap_region_blocks` blocks each,
+    swap_region_blocks: int = 0  # and the KV of the pool's `pool_blocks` blocks in host memory
+    pool_blocks: int = 0  # blocks of the pipeline's pool (0: engine.num_kv_blocks)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

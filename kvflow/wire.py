@@ -51,6 +51,7 @@ class SeqStep:
     num_new: int
     new_blocks: list[int]
     reset: bool = False
+    device_blocks: list[int] = field(default_factory=list)  # swapping: its blocks in the step's device region
 
     @property
     def context_len(self) -> int:
@@ -88,6 +89,7 @@ class Step:
     kv_plan: list[list[int]] = field(default_factory=list)
     tier_ops: list[list[int]] = field(default_factory=list)  # kv.tiers.TierPlan.to_wire(): done before the forward
     tier_failed: list[int] = field(default_factory=list)  # host slots whose disk block a stage rejected (so far)
+    swap_region: int = -1  # microbatch swapping: the device region the step computes in (-1: none)
 
 
 @dataclass

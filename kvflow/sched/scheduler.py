@@ -12,6 +12,7 @@ in-flight batch, so `schedule()` never picks a request whose previous batch has 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -33,7 +34,12 @@ class SchedulerConfig:
     free). max_num_batched_tokens: tokens one batch may process; prefill_chunk_size: most prompt
     tokens one request gets per batch; max_num_seqs: running requests at once (continuous);
     microbatch_size: requests per batch (required by "microbatch"; a per-batch cap for "continuous",
-    where a pipeline's `max_in_flight` batches share the running requests)."""
+    where a pipeline's `max_in_flight` batches share the running requests).
+    swap_regions > 0: microbatch swapping (DéjàVu §4.2.2, "microbatch" policy): the pool's block ids
+    are KV in host memory, and each stage's device holds `swap_regions` regions of
+    `swap_region_blocks` blocks; batch n computes in region n mod swap_regions, into which its KV is
+    swapped in before the step (while the previous batch computes) and out of which the KV the step
+    appended is written back (`ScheduledSeq.device_block_ids`, `SchedulerOutput.swap_region`)."""
 
     policy: str = "continuous"
     max_num_seqs: int = 64
@@ -41,10 +47,17 @@ class SchedulerConfig:
     prefill_chunk_size: int = 512
     microbatch_size: int | None = None
     max_in_flight: int = 1
+    swap_regions: int = 0
+    swap_region_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.swap_regions:
+            if self.policy != "microbatch":
+                raise ValueError("microbatch swapping needs the microbatch policy (fixed microbatches)")
+            if self.swap_regions < 0 or self.swap_region_blocks <= 0:
+                raise ValueError(f"bad swap regions ({self.swap_regions} of {self.swap_region_blocks} blocks)")
         keys = ["max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_in_flight"]
         if self.policy == "microbatch" or self.microbatch_size is not None:
             keys.append("microbatch_size")
@@ -65,6 +78,7 @@ class ScheduledSeq:
     start: int
     new_block_ids: tuple[int, ...] = ()
     reset: bool = False
+    device_block_ids: tuple[int, ...] = ()  # swapping: where its table's blocks sit in the batch's device region
 
     @property
     def completes_prompt(self) -> bool:
@@ -88,6 +102,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)
     tiers: TierPlan = field(default_factory=TierPlan)
+    swap_region: int = -1  # swapping: the device region the batch computes in (-1: no swapping)
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +119,7 @@ class Limits:
 
     max_model_len: int
     vocab_size: int | None = None
+    max_blocks: int | None = None  # most blocks one request may hold (swapping: a device region)
 
 
 def validate(request: Request, limits: Limits, pools: list[KVCacheManager]) -> None:
@@ -121,6 +137,9 @@ def validate(request: Request, limits: Limits, pools: list[KVCacheManager]) -> N
     if total > limits.max_model_len:
         raise ValueError(f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
                          f"exceeds the context length {limits.max_model_len}")
+    if limits.max_blocks is not None and pools and blocks_for(total, pools[0].block_size) > limits.max_blocks:
+        raise ValueError(f"request needs up to {blocks_for(total, pools[0].block_size)} KV blocks ({total} tokens) but "
+                         f"a device region of the swapping pipeline holds {limits.max_blocks}; raise the KV cache size")
     for kv in pools:
         need = blocks_for(total, kv.block_size)
         if need > kv.num_blocks:
@@ -165,6 +184,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._batches = 0  # scheduled batches not yet returned through update()
         self._loading: set[str] = set()  # waiting requests whose cached prefix is being loaded from disk
+        self._swapped = 0  # swapping: batches given a device region so far
 
     # ------------------------------------------------------------------ admission
     def add(self, request: Request) -> None:
@@ -217,9 +237,24 @@ class Scheduler:
         for s in seqs:
             self.in_flight.add(s.request.request_id)
         freed, self._freed = self._freed, []
+        region = -1
         if seqs:
             self._batches += 1
-        return SchedulerOutput(next(self._ids), seqs, preempted, freed, self.kv.take_plan())
+            if self.config.swap_regions:
+                seqs, region = self._place(seqs)
+        return SchedulerOutput(next(self._ids), seqs, preempted, freed, self.kv.take_plan(), region)
+
+    def _place(self, seqs: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], int]:
+        """Swapping: the next device region, and each request's blocks laid out in it in order."""
+        region = self._swapped % self.config.swap_regions
+        self._swapped += 1
+        base, out = region * self.config.swap_region_blocks, []
+        for s in seqs:
+            n = len(s.request.block_ids)
+            out.append(dataclasses.replace(s, device_block_ids=tuple(range(base, base + n))))
+            base += n
+        assert base <= (region + 1) * self.config.swap_region_blocks, "a microbatch larger than its device region"
+        return out, region
 
     def _schedule_continuous(self) -> tuple[list[ScheduledSeq], list[Request]]:
         budget = self.config.max_num_batched_tokens
@@ -302,6 +337,7 @@ class Scheduler:
         if len(self.groups) >= self.config.max_in_flight or self.role == "token":
             return []
         group: list[Request] = []
+        room = self.config.swap_region_blocks if self.config.swap_regions else None  # device blocks of a region
         while self.waiting and len(group) < self.config.microbatch_size:
             req = self.waiting[0]
             if req.request_id in self._loading:
@@ -310,6 +346,10 @@ class Scheduler:
             hit = self._match(req)
             if not self.kv.can_ensure(req.block_ids, total, hit):
                 break
+            if room is not None:
+                if blocks_for(total, self.kv.block_size) > room:
+                    break
+                room -= blocks_for(total, self.kv.block_size)
             if self.admit_hook is not None and not self.admit_hook(req):
                 break
             self.waiting.popleft()

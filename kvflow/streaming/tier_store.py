@@ -20,7 +20,7 @@ from kvflow.streaming.chunk import ChunkDesc, Segment, encode_header, make_heade
 from kvflow.streaming.errors import ChunkError, ChunkMismatch
 from kvflow.streaming.primitives import verify
 from kvflow.streaming.region import KVRegion, SeqRegion, unpack
-from kvflow.streaming.staging import Staging
+from kvflow.streaming.staging import Staging, transfer
 from kvflow.streaming.transports.file import SUFFIX, FileSender, chunk_path, read_chunk_file
 
 
@@ -90,13 +90,7 @@ class TierStore:
 
     def _copy(self, src: KVCache, src_blocks: list[int], dst: KVCache, dst_blocks: list[int], staging: Staging) -> None:
         """Blocks of `src` into blocks of `dst`: one packed buffer (coalesced runs), one scatter into `dst`."""
-        bs = src.layout.block_size
-        region = self._region(src_blocks)
-        data, event = staging.pack(src, region, region.slot_tensor(bs))
-        if event is not None:
-            event.synchronize()
-        lay = dst.layout
-        unpack(dst, lay.layer_start, lay.layer_end, "kv", self._region(dst_blocks).slot_tensor(bs, dst.device), data)
+        transfer(src, self._region(src_blocks), dst, self._region(dst_blocks), staging)
 
     def _desc(self, disk_slot: int) -> ChunkDesc:
         lay = self.cache.layout
