@@ -45,6 +45,10 @@ def register(sub) -> None:
     s.add_argument("--token-microbatch", type=int, default=None, help="token microbatch size")
     s.add_argument("--policy", default="continuous", choices=["continuous", "microbatch"],
                    help="pipeline modes: continuous batching with chunked prefill (default), or DejaVu's microbatch baseline")
+    s.add_argument("--swapping", action="store_true",
+                   help="colocated --policy microbatch: keep the KV of microbatches not computing on a stage in host "
+                        "memory, swapped in while the previous one computes (DejaVu microbatch swapping); --kv-cache-gb "
+                        "is then each stage's device budget, and the pipeline holds depth/min(2, depth) times more KV")
     s.add_argument("--internal-host", default=None,
                    help="pipeline modes: interface the controller and workers bind for their internal sockets "
                         "(default 127.0.0.1, whatever --host the HTTP server uses)")
@@ -157,7 +161,7 @@ def _controller(args):
         args.internal_host = args.internal_host or connect(args.ray_address)
     kw = dict(engine=engine, mode=args.mode, threads_per_worker=args.threads or 1, host=args.internal_host or "127.0.0.1",
               policy=args.policy, recovery=args.recovery, replication=args.replication,
-              heartbeat_timeout_s=args.heartbeat_timeout, max_restarts=args.max_restarts)
+              heartbeat_timeout_s=args.heartbeat_timeout, max_restarts=args.max_restarts, swapping=args.swapping)
     if args.mode == "colocated":
         kw["depth"] = args.depth or 2
     else:
@@ -201,6 +205,8 @@ def run_serve(args) -> int:
     args.dtype, why = resolve_dtype(args.dtype, args.device)  # once, here: every worker gets the same
     print(f"[kvflow] dtype {args.dtype} ({why})", file=sys.stderr)
 
+    if args.mode == "engine" and args.swapping:
+        raise SystemExit("--swapping is for pipeline modes (--mode colocated --policy microbatch)")
     if args.mode == "engine":
         from kvflow.config import EngineConfig
         from kvflow.engine.engine import LLMEngine
