@@ -150,6 +150,7 @@ class Heartbeat:
     kv_bytes_received: int
     dropped_messages: int = 0
     replica_bytes_sent: int = 0
+    swap: dict = field(default_factory=dict)  # microbatch swapping: the worker's `Swapper.stats`
 
 
 @dataclass

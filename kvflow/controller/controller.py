@@ -393,7 +393,7 @@ class Controller:
             if s is not None:
                 s.last_heartbeat = time.monotonic()
                 s.busy_s, s.kv_bytes_sent, s.dropped_messages = msg.busy_s, msg.kv_bytes_sent, msg.dropped_messages
-                s.replica_bytes_sent = msg.replica_bytes_sent
+                s.replica_bytes_sent, s.swap = msg.replica_bytes_sent, msg.swap
         elif isinstance(msg, Replicated):
             s = self.stages.get(msg.name)
             if s is not None:

@@ -163,6 +163,8 @@ class Worker:
         finally:
             self.stop.set()
             hb.join(2.0)
+            if getattr(self, "_intake_thread", None) is not None:
+                self._intake_thread.join(2.0)  # it polls the step socket: done before the context goes
             for t in (self.sender, self.replicator, self.receiver, self.replica_rx, self.swapper):
                 if t is not None:
                     t.close()
@@ -236,7 +238,8 @@ class Worker:
         parent = os.getppid()
         if self.swapper is not None:
             self._inbox: queue.Queue = queue.Queue()
-            threading.Thread(target=self._intake, name="intake", daemon=True).start()
+            self._intake_thread = threading.Thread(target=self._intake, name="intake", daemon=True)
+            self._intake_thread.start()
         while True:
             msg, tensor, prep = self._next()
             if msg is None:
@@ -289,7 +292,6 @@ class Worker:
         metadata (over the device region's blocks when swapping) and what to swap in and back."""
         if msg.tier_ops:
             msg.tier_failed = sorted(set(msg.tier_failed) | set(self.tiers.apply(TierPlan.from_wire(msg.tier_ops))))
-            msg.tier_ops = []
         for rid in msg.free:  # (a token worker's KV receiver forgets a request by itself once its KV is in)
             self.tables.pop(rid, None)
         slices, start, tables, swap = [], 0, {}, []
@@ -387,7 +389,8 @@ class Worker:
             sent = self.sender.nbytes if self.sender is not None else 0
             got = self.receiver.nbytes if self.receiver is not None else 0
             replicated = self.replicator.nbytes if self.replicator is not None else 0
-            self._to_controller(Heartbeat(self.name, self.busy_s, self.steps, sent, got, self.dropped, replicated))
+            swap = dict(self.swapper.stats) if self.swapper is not None else {}
+            self._to_controller(Heartbeat(self.name, self.busy_s, self.steps, sent, got, self.dropped, replicated, swap))
 
 
 def run_worker(controller_addr: str, name: str, host: str, secret: bytes | None = None) -> None:
