@@ -17,6 +17,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from kvflow.kv.cache import KVCache
 from kvflow.kv.manager import blocks_for
 from kvflow.streaming.region import KVRegion, SeqRegion
@@ -57,6 +59,9 @@ class Swapper:
         self._lock = threading.Lock()
         self._in_staging = Staging("cpu")  # host -> device: packed in host memory, then copied over
         self._out_staging = Staging(device.device)
+        # On CUDA the swap-in runs on its own stream (the host cache is pinned), so it overlaps the
+        # compute stream's kernels; the swap thread waits for its event before the step may start.
+        self._stream = torch.cuda.Stream(device.device) if device.device.type == "cuda" else None
         self.stats = {"swap_in_bytes": 0, "swap_in_s": 0.0, "wait_s": 0.0, "write_back_bytes": 0, "write_back_s": 0.0}
         self._thread = threading.Thread(target=self._run, name="swap-in", daemon=True)
         self._thread.start()
@@ -95,7 +100,13 @@ class Swapper:
             t0 = time.perf_counter()
             try:
                 pair = self._regions(seqs, computed=True)
-                if pair is not None:
+                if pair is not None and self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        transfer(self.host, pair[0], self.device, pair[1], self._in_staging)
+                        done = torch.cuda.Event()
+                        done.record(self._stream)
+                    done.synchronize()
+                elif pair is not None:
                     transfer(self.host, pair[0], self.device, pair[1], self._in_staging)
                     self.stats["swap_in_bytes"] += pair[0].num_tokens * 2 * self.host.layout.num_layers * \
                         self.host.layout.num_kv_heads * self.host.layout.head_dim * self.host.layout.dtype_bytes
