@@ -16,7 +16,7 @@ from kvflow.kv.cache import KVLayout
 from kvflow.kv.manager import KVCacheManager
 from kvflow.kv.prefix_hash import extend_hashes
 from kvflow.kv.tiers import DISK_SLOT_OVERHEAD, TierPlan, TierPool, TierSizes
-from kvflow.streaming.tier_store import TierStore, host_tensor_bytes
+from kvflow.streaming.tier_store import TierStore
 
 from conftest import run_to_completion, tiny_cache, tiny_config, tiny_model
 
@@ -177,7 +177,7 @@ def test_store_moves_blocks_through_host_and_disk_bit_exact(tmp_path):
     cfg = tiny_config()
     cache = filled_cache(cfg)
     store = TierStore(cache, 2, 3, str(tmp_path))
-    assert host_tensor_bytes(store) == 2 * cache.layout.bytes_per_block
+    assert store.host_bytes == 2 * cache.layout.bytes_per_block
     want = cache.data[:, :, [5, 6]].clone()
     store.apply(TierPlan(to_host=[(5, 0), (6, 1)]))
     store.apply(TierPlan(to_disk=[(0, 2), (1, 0)]))

@@ -58,6 +58,11 @@ class TierStore:
         self.moved = {ph: [0, 0.0] for ph in PHASES}  # phase -> [bytes, seconds]
 
     @property
+    def host_bytes(self) -> int:
+        """Bytes the host slots occupy (within the host tier's budget: slots x a block's bytes)."""
+        return self.host.data.numel() * self.host.data.element_size() if self.host is not None else 0
+
+    @property
     def root(self) -> Path | None:
         return self.files.root if self.files is not None else None
 
@@ -127,9 +132,3 @@ class TierStore:
                 slots = self._region([s]).slot_tensor(lay.block_size)
                 unpack(self.host, lay.layer_start, lay.layer_end, "kv", slots, chunk.data)
         return failed
-
-
-def host_tensor_bytes(store: TierStore) -> int:
-    """Bytes the host tier of `store` occupies (for budget checks in tests and benchmarks)."""
-    return store.host.data.numel() * store.host.data.element_size() if store.host is not None else 0
-
