@@ -331,3 +331,18 @@ def test_pipelines_same_tokens_with_host_and_disk_tiers(reference, tiny_ckpt_dir
     if kw["mode"] == "colocated":
         assert stats.prefix_cache[(name, "disk")].hits >= 3 * TBS
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(cfg.stage_names()[:depth])  # one store per stage
+
+
+def test_metrics_report_hits_and_hit_rate_per_tier(tmp_path):
+    from kvflow.api.metrics import APIMetrics
+
+    _, eng = engine_waves(True, 3, 16, str(tmp_path))
+    stats = eng.kv_manager.tier_stats()
+    from kvflow.serving.backend import BackendStats
+
+    text = APIMetrics().render(BackendStats(prefix_cache={("engine", t): c for t, c in stats.items()}), True)
+    for tier in ("device", "host", "disk"):
+        c = stats[tier]
+        assert f'kvflow_prefix_cache_hits_total{{pool="engine",tier="{tier}"}} {c.hits}' in text
+        assert f'kvflow_prefix_cache_hit_rate{{pool="engine",tier="{tier}"}} {c.hit_rate:.6f}' in text
+    assert stats["disk"].hits > 0 and stats["device"].queries == stats["disk"].queries
