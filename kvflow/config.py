@@ -177,10 +177,10 @@ class ClusterConfig:
     produced;
     after `max_restarts` failed replacements in a row the controller gives up. "none": fail-stop,
     every request fails with the worker's name and the backend stays unhealthy.
-    `swapping` (colocated, microbatch policy; DéjàVu §4.2.2): `engine.num_kv_blocks` is each stage's
-    device budget, split into min(2, depth) regions; only the microbatch computing on a stage and the
-    next one keep their KV on its device, the others' lives in host memory, so the pipeline's pool
-    holds depth / min(2, depth) times the blocks (`swap_layout`).
+    `swapping` (colocated and token pipelines; DéjàVu §4.2.2): `engine.num_kv_blocks` is each stage's
+    device budget, split into min(2, depth) regions; only the batch computing on a stage and the next
+    one keep their KV on its device, the others' lives in host memory, so the pipeline's pool holds
+    depth / min(2, depth) times the blocks (`swap_layout`).
     """
 
     engine: EngineConfig = EngineConfig(num_kv_blocks=2048)
@@ -214,16 +214,16 @@ class ClusterConfig:
         swapping min(2, depth) regions sharing the device budget and depth regions' worth of blocks
         in host memory, else (0, 0, num_kv_blocks)."""
         n = self.engine.num_kv_blocks
-        if not self.swapping or p.role != "both":
+        if not self.swapping or p.role == "prompt":  # (a prompt pipeline's KV leaves after one pass)
             return 0, 0, n
         regions = min(2, p.depth)
         per = n // regions
         return regions, per, per * p.depth
 
     def __post_init__(self) -> None:
-        if self.swapping and (self.mode != "colocated" or self.policy != "microbatch"):
-            raise ValueError("swapping is implemented for colocated pipelines with the microbatch policy "
-                             "(--mode colocated --policy microbatch)")
+        if self.swapping and self.mode == "disaggregated" and self.policy == "microbatch":
+            raise ValueError("swapping a token pipeline needs the continuous policy (the microbatch policy does not "
+                             "grow a token request's blocks)")
         if self.replication not in REPLICATION:
             raise ValueError(f"replication must be one of {REPLICATION}, got {self.replication!r}")
         if self.recovery not in RECOVERY:

@@ -41,8 +41,8 @@ def test_batches_alternate_regions_and_a_microbatch_fits_its_region():
     assert [x.device_block_ids for x in outs[1].seqs] == [(6, 7, 8), (9, 10, 11)]
     with pytest.raises(ValueError, match="device region"):
         validate(Request("big", list(range(1, 30)), SamplingParams(max_tokens=4)), Limits(256, None, 6), [s.kv])
-    with pytest.raises(ValueError, match="microbatch policy"):
-        SchedulerConfig(swap_regions=2, swap_region_blocks=4)
+    with pytest.raises(ValueError, match="bad swap regions"):
+        SchedulerConfig(swap_regions=2, swap_region_blocks=0)
 
 
 def test_swapper_swaps_in_the_computed_kv_and_writes_back_only_the_new_tokens():
@@ -78,13 +78,6 @@ def test_swapper_swaps_in_the_computed_kv_and_writes_back_only_the_new_tokens():
         sw.close()
 
 
-def reference():
-    eng = tiny_engine(num_kv_blocks=256, block_size=4)
-    reqs = [eng.add_request(p, params(i)) for i, p in enumerate(PROMPTS)]
-    final = run_to_completion(eng)
-    return [final[r.request_id].token_ids for r in reqs]
-
-
 def serve(cfg: ClusterConfig):
     async def one(ctrl, i):
         toks = []
@@ -104,33 +97,51 @@ def serve(cfg: ClusterConfig):
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("depth", [2, 3])
-def test_colocated_same_tokens_with_swapping_on_and_off(tiny_ckpt_dir, tiny4_ckpt_dir, depth):
-    """Depth 2: two regions of 8 blocks, pool 16 blocks (swapping on and off); depth 3: two regions,
-    pool 24 blocks (three microbatches in flight, one of them in host memory at any time)."""
-    ckpt = tiny_ckpt_dir if depth == 2 else tiny4_ckpt_dir
-    if depth == 3:
-        ref_eng = tiny_engine(tiny_config(num_layers=4), num_kv_blocks=256, block_size=4)
-        reqs = [ref_eng.add_request(p, params(i)) for i, p in enumerate(PROMPTS)]
-        final = run_to_completion(ref_eng)
-        ref = [final[r.request_id].token_ids for r in reqs]
-    else:
-        ref = reference()
+CASES = {
+    # two regions of 8 blocks, pool 16 (no more than without swapping at depth 2: on and off compared)
+    "colocated-2-microbatch": (dict(mode="colocated", depth=2, policy="microbatch"), 2, [16]),
+    # three batches in flight, two regions of 8 blocks on each stage's device, pool 24 in host memory
+    "colocated-3-continuous": (dict(mode="colocated", depth=3), 4, [24]),
+    # the token pipeline swaps (one region of 16 at depth 1); its KV arrives from the prompt side into host memory
+    "disagg-1-1-continuous": (dict(mode="disaggregated", prompt_depth=1, token_depth=1), 2, [16, 16]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_tokens_with_swapping_on_and_off(tiny_ckpt_dir, tiny4_ckpt_dir, case):
+    kw, layers, pools = CASES[case]
+    ckpt = tiny_ckpt_dir if layers == 2 else tiny4_ckpt_dir
+    ref_eng = tiny_engine(tiny_config(num_layers=layers), num_kv_blocks=256, block_size=4)
+    reqs = [ref_eng.add_request(p, params(i)) for i, p in enumerate(PROMPTS)]
+    final = run_to_completion(ref_eng)
+    ref = [final[r.request_id].token_ids for r in reqs]
 
     def cfg(swapping: bool) -> ClusterConfig:
-        return ClusterConfig(engine=EngineConfig(model=str(ckpt), num_kv_blocks=16, block_size=4), mode="colocated", depth=depth,
-                             policy="microbatch", microbatch_size=2, heartbeat_timeout_s=30.0, swapping=swapping)
+        return ClusterConfig(engine=EngineConfig(model=str(ckpt), num_kv_blocks=16, block_size=4), microbatch_size=2,
+                             prompt_microbatch_size=2, heartbeat_timeout_s=30.0, swapping=swapping, **kw)
 
     on, free, blocks = serve(cfg(True))
     assert on == ref
-    assert blocks == [8 * depth] and free == blocks  # depth regions of 8 blocks in host memory; none leaked
-    if depth == 2:
+    assert blocks == pools and free == blocks  # the swapped pool lives in host memory; nothing leaked
+    if case == "colocated-2-microbatch":
         off, _, _ = serve(cfg(False))
         assert off == ref
 
 
 def test_swapping_is_refused_where_it_is_not_implemented():
-    with pytest.raises(ValueError, match="colocated pipelines with the microbatch policy"):
+    with pytest.raises(ValueError, match="needs the continuous policy"):
         ClusterConfig(mode="disaggregated", policy="microbatch", swapping=True)
-    with pytest.raises(ValueError, match="microbatch policy"):
-        ClusterConfig(mode="colocated", swapping=True)
+    p = ClusterConfig(mode="disaggregated", swapping=True, engine=EngineConfig(num_kv_blocks=10), token_depth=4).pipelines()
+    cfg = ClusterConfig(mode="disaggregated", swapping=True, engine=EngineConfig(num_kv_blocks=10), token_depth=4)
+    assert cfg.swap_layout(p[0]) == (0, 0, 10) and cfg.swap_layout(p[1]) == (2, 5, 20)  # prompt pipelines never swap
+
+
+def test_continuous_batches_take_only_what_fits_a_region():
+    cfg = SchedulerConfig(max_in_flight=2, swap_regions=2, swap_region_blocks=5, max_num_batched_tokens=64)
+    s = Scheduler(cfg, KVCacheManager(20, 4), 256)
+    for i in range(3):
+        s.add(Request(f"r{i}", list(range(1, 10)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
+    a = s.schedule()  # 9-token prompts: 3 blocks each, one per region of 5
+    b = s.schedule()
+    assert [x.request.request_id for x in a.seqs] == ["r0"] and [x.request.request_id for x in b.seqs] == ["r1"]
+    assert (a.swap_region, b.swap_region) == (0, 1) and b.seqs[0].device_block_ids == (5, 6, 7)

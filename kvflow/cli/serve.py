@@ -46,7 +46,7 @@ def register(sub) -> None:
     s.add_argument("--policy", default="continuous", choices=["continuous", "microbatch"],
                    help="pipeline modes: continuous batching with chunked prefill (default), or DejaVu's microbatch baseline")
     s.add_argument("--swapping", action="store_true",
-                   help="colocated --policy microbatch: keep the KV of microbatches not computing on a stage in host "
+                   help="colocated and token pipelines: keep the KV of batches not computing on a stage in host "
                         "memory, swapped in while the previous one computes (DejaVu microbatch swapping); --kv-cache-gb "
                         "is then each stage's device budget, and the pipeline holds depth/min(2, depth) times more KV")
     s.add_argument("--internal-host", default=None,
@@ -206,7 +206,7 @@ def run_serve(args) -> int:
     print(f"[kvflow] dtype {args.dtype} ({why})", file=sys.stderr)
 
     if args.mode == "engine" and args.swapping:
-        raise SystemExit("--swapping is for pipeline modes (--mode colocated --policy microbatch)")
+        raise SystemExit("--swapping is for pipeline modes (--mode colocated or disaggregated)")
     if args.mode == "engine":
         from kvflow.config import EngineConfig
         from kvflow.engine.engine import LLMEngine

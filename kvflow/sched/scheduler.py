@@ -35,11 +35,12 @@ class SchedulerConfig:
     tokens one request gets per batch; max_num_seqs: running requests at once (continuous);
     microbatch_size: requests per batch (required by "microbatch"; a per-batch cap for "continuous",
     where a pipeline's `max_in_flight` batches share the running requests).
-    swap_regions > 0: microbatch swapping (DéjàVu §4.2.2, "microbatch" policy): the pool's block ids
-    are KV in host memory, and each stage's device holds `swap_regions` regions of
-    `swap_region_blocks` blocks; batch n computes in region n mod swap_regions, into which its KV is
-    swapped in before the step (while the previous batch computes) and out of which the KV the step
-    appended is written back (`ScheduledSeq.device_block_ids`, `SchedulerOutput.swap_region`)."""
+    swap_regions > 0: microbatch swapping (DéjàVu §4.2.2): the pool's block ids are KV in host memory,
+    and each stage's device holds `swap_regions` regions of `swap_region_blocks` blocks; a batch takes
+    only requests whose blocks fit one region together, batch n computes in region n mod
+    swap_regions, into which its KV is swapped in before the step (while the previous batch
+    computes) and out of which the KV the step appended is written back
+    (`ScheduledSeq.device_block_ids`, `SchedulerOutput.swap_region`)."""
 
     policy: str = "continuous"
     max_num_seqs: int = 64
@@ -54,8 +55,6 @@ class SchedulerConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.swap_regions:
-            if self.policy != "microbatch":
-                raise ValueError("microbatch swapping needs the microbatch policy (fixed microbatches)")
             if self.swap_regions < 0 or self.swap_region_blocks <= 0:
                 raise ValueError(f"bad swap regions ({self.swap_regions} of {self.swap_region_blocks} blocks)")
         keys = ["max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_in_flight"]
@@ -261,15 +260,23 @@ class Scheduler:
         cap = self.config.microbatch_size or self.config.max_num_seqs
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
+        room = self.config.swap_region_blocks if self.config.swap_regions else None  # swapping: a batch fits a region
+        bs = self.kv.block_size
         for req in list(self.running):
             if budget <= 0 or len(seqs) >= cap:
                 break
             if req.request_id in self.in_flight or req.status is not RequestStatus.RUNNING:
                 continue
+            if room is not None:
+                n = min(req.num_pending_tokens, budget, self.config.prefill_chunk_size)
+                if max(len(req.block_ids), blocks_for(req.num_computed_tokens + n, bs)) > room:
+                    continue  # in a later batch (a fresh region)
             s = self._take(req, budget, preempted)
             if s is not None:
                 seqs.append(s)
                 budget -= s.num_new_tokens
+                if room is not None:
+                    room -= len(req.block_ids)
         while (self.role != "token" and self.waiting and not preempted and budget > 0 and len(seqs) < cap
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
@@ -280,6 +287,8 @@ class Scheduler:
             need = req.num_tokens if self.role == "prompt" else hit.num_tokens + n
             if not self.kv.can_ensure(req.block_ids, need, hit):
                 break
+            if room is not None and blocks_for(need, bs) > room:
+                break
             if self.admit_hook is not None and not self.admit_hook(req):
                 break
             self.waiting.popleft()
@@ -287,6 +296,8 @@ class Scheduler:
             s = self._take(req, budget, preempted)
             seqs.append(s)
             budget -= s.num_new_tokens
+            if room is not None:
+                room -= len(req.block_ids)
         return seqs, preempted
 
     def _take(self, req: Request, budget: int, preempted: list[Request]) -> ScheduledSeq | None:
