@@ -63,7 +63,11 @@ class EngineConfig:
     concrete dtype; the user-facing entry points (`kvflow serve/generate/chat`, `LLM`) default to it.
     The field's default stays float32 for code that builds a model by hand and passes its config.
     `enable_prefix_caching`: full KV blocks are kept after their request ends and shared by later
-    requests whose tokens start the same way (`kvflow.kv`), on by default as in vLLM."""
+    requests whose tokens start the same way (`kvflow.kv`), on by default as in vLLM.
+    `host_kv_bytes` / `disk_kv_bytes`: byte budgets of the prefix cache's lower tiers (0: off, the
+    default): blocks evicted from the device pool are kept in host memory, and below it in chunk
+    files under `disk_kv_path` (a fresh temporary directory when None; a disk tier needs a host
+    tier). Each budget counts the KV of every layer (a pipeline's stages share it by their layers)."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -74,6 +78,9 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     enable_prefix_caching: bool = True
+    host_kv_bytes: int = 0
+    disk_kv_bytes: int = 0
+    disk_kv_path: str | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self) -> None:
@@ -91,6 +98,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for key in ("host_kv_bytes", "disk_kv_bytes"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{key} must be a non-negative integer, got {v!r}")
+        if self.disk_kv_bytes and not self.host_kv_bytes:
+            raise ValueError("a disk KV tier (disk_kv_bytes) needs a host tier above it (host_kv_bytes)")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         if self.device.startswith("cuda"):
@@ -102,6 +115,14 @@ class EngineConfig:
     def kv_blocks(self, bytes_per_block: int) -> int:
         """The number of KV blocks: `num_kv_blocks`, or as many as fit in the memory budget."""
         return self.num_kv_blocks or max(1, int(self.kv_cache_memory_gb * 2**30 // bytes_per_block))
+
+    def tier_sizes(self, block_bytes: int, stages: int = 1):
+        """The prefix cache's host and disk tiers for blocks of `block_bytes` (all layers) over `stages`."""
+        from kvflow.kv.tiers import TierSizes
+
+        if not self.enable_prefix_caching:
+            return TierSizes()
+        return TierSizes.from_budgets(self.host_kv_bytes, self.disk_kv_bytes, block_bytes, stages)
 
     @property
     def torch_dtype(self):
@@ -156,6 +177,10 @@ class ClusterConfig:
     produced;
     after `max_restarts` failed replacements in a row the controller gives up. "none": fail-stop,
     every request fails with the worker's name and the backend stays unhealthy.
+    `swapping` (colocated and token pipelines; DéjàVu §4.2.2): `engine.num_kv_blocks` is each stage's
+    device budget, split into min(2, depth) regions; only the batch computing on a stage and the next
+    one keep their KV on its device, the others' lives in host memory, so the pipeline's pool holds
+    depth / min(2, depth) times the blocks (`swap_layout`).
     """
 
     engine: EngineConfig = EngineConfig(num_kv_blocks=2048)
@@ -174,6 +199,7 @@ class ClusterConfig:
     recovery: str = "recompute"
     max_restarts: int = 3
     replication: str = "ring"
+    swapping: bool = False
 
     def replicates(self, p: "PipelineSpec") -> str | None:
         """Where `p`'s stages replicate the KV they append: "ring" (to the next stage; depth >= 2),
@@ -183,7 +209,21 @@ class ClusterConfig:
             return None
         return "ring" if self.replication == "ring" and p.depth >= 2 else "store"
 
+    def swap_layout(self, p: "PipelineSpec") -> tuple[int, int, int]:
+        """(device regions, blocks per region, blocks of the pipeline's pool) of pipeline `p`: with
+        swapping min(2, depth) regions sharing the device budget and depth regions' worth of blocks
+        in host memory, else (0, 0, num_kv_blocks)."""
+        n = self.engine.num_kv_blocks
+        if not self.swapping or p.role == "prompt":  # (a prompt pipeline's KV leaves after one pass)
+            return 0, 0, n
+        regions = min(2, p.depth)
+        per = n // regions
+        return regions, per, per * p.depth
+
     def __post_init__(self) -> None:
+        if self.swapping and self.mode == "disaggregated" and self.policy == "microbatch":
+            raise ValueError("swapping a token pipeline needs the continuous policy (the microbatch policy does not "
+                             "grow a token request's blocks)")
         if self.replication not in REPLICATION:
             raise ValueError(f"replication must be one of {REPLICATION}, got {self.replication!r}")
         if self.recovery not in RECOVERY:
@@ -215,8 +255,9 @@ class ClusterConfig:
 
     def scheduler_for(self, p: PipelineSpec) -> SchedulerConfig:
         """A pipeline's scheduler: `depth` batches in flight of at most `microbatch_size` requests."""
+        regions, per, _ = self.swap_layout(p)
         return replace(self.engine.scheduler, policy=self.policy, microbatch_size=p.microbatch_size,
-                       max_in_flight=p.depth)
+                       max_in_flight=p.depth, swap_regions=regions, swap_region_blocks=per)
 
 
 @dataclass(frozen=True)
@@ -234,6 +275,11 @@ class WorkerSpec:
     replica_layer_start: int = -1  # layers of the previous stage whose KV replica this stage holds
     replica_layer_end: int = -1  # (-1: none)
     replicated: bool = False  # this stage's KV is replicated: it can have it restored after a failure
+    host_kv_slots: int = 0  # the prefix cache's lower tiers: slots (blocks) in host memory and on disk,
+    disk_kv_slots: int = 0  # each holding this stage's layers of a block (its pipeline's pools decide)
+    swap_regions: int = 0  # microbatch swapping: device regions of `swap_region_blocks` blocks each,
+    swap_region_blocks: int = 0  # and the KV of the pool's `pool_blocks` blocks in host memory
+    pool_blocks: int = 0  # blocks of the pipeline's pool (0: engine.num_kv_blocks)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

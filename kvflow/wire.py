@@ -51,6 +51,7 @@ class SeqStep:
     num_new: int
     new_blocks: list[int]
     reset: bool = False
+    device_blocks: list[int] = field(default_factory=list)  # swapping: its blocks in the step's device region
 
     @property
     def context_len(self) -> int:
@@ -86,6 +87,9 @@ class Step:
     free: list[str] = field(default_factory=list)
     kv_out: list[KVOut] = field(default_factory=list)
     kv_plan: list[list[int]] = field(default_factory=list)
+    tier_ops: list[list[int]] = field(default_factory=list)  # kv.tiers.TierPlan.to_wire(): done before the forward
+    tier_failed: list[int] = field(default_factory=list)  # host slots whose disk block a stage rejected (so far)
+    swap_region: int = -1  # microbatch swapping: the device region the step computes in (-1: none)
 
 
 @dataclass
@@ -96,6 +100,7 @@ class StepResult:
     batch: int
     rids: list[str]
     busy_s: float = 0.0
+    tier_failed: list[int] = field(default_factory=list)  # host slots whose disk block any stage rejected
 
 
 @dataclass
@@ -145,6 +150,7 @@ class Heartbeat:
     kv_bytes_received: int
     dropped_messages: int = 0
     replica_bytes_sent: int = 0
+    swap: dict = field(default_factory=dict)  # microbatch swapping: the worker's `Swapper.stats`
 
 
 @dataclass

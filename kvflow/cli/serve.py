@@ -28,6 +28,13 @@ def register(sub) -> None:
                    dest="enable_prefix_caching",
                    help="keep full KV blocks after a request and reuse them for prompts that start the same way "
                         "(default on; --no-prefix-caching turns it off)")
+    s.add_argument("--host-kv-bytes", type=parse_bytes, default=0, metavar="SIZE",
+                   help="prefix cache: keep KV blocks evicted from the device cache in host memory, up to SIZE "
+                        "(bytes, or with a K/M/G/T suffix; all layers counted; default 0: off)")
+    s.add_argument("--disk-kv-bytes", type=parse_bytes, default=0, metavar="SIZE",
+                   help="prefix cache: below the host tier, keep blocks in checksummed chunk files, up to SIZE (needs --host-kv-bytes)")
+    s.add_argument("--disk-kv-path", default=None,
+                   help="directory of the disk tier (default: a fresh temporary directory; files left by an earlier run are deleted)")
     s.add_argument("--mode", default="engine", choices=["engine", "colocated", "disaggregated"],
                    help="engine: one process; colocated: one pipeline of --depth worker processes doing prompts and "
                         "tokens (the DejaVu baseline); disaggregated: a prompt pipeline streaming KV into a token pipeline")
@@ -38,6 +45,10 @@ def register(sub) -> None:
     s.add_argument("--token-microbatch", type=int, default=None, help="token microbatch size")
     s.add_argument("--policy", default="continuous", choices=["continuous", "microbatch"],
                    help="pipeline modes: continuous batching with chunked prefill (default), or DejaVu's microbatch baseline")
+    s.add_argument("--swapping", action="store_true",
+                   help="colocated and token pipelines: keep the KV of batches not computing on a stage in host "
+                        "memory, swapped in while the previous one computes (DejaVu microbatch swapping); --kv-cache-gb "
+                        "is then each stage's device budget, and the pipeline holds depth/min(2, depth) times more KV")
     s.add_argument("--internal-host", default=None,
                    help="pipeline modes: interface the controller and workers bind for their internal sockets "
                         "(default 127.0.0.1, whatever --host the HTTP server uses)")
@@ -138,7 +149,8 @@ def _controller(args):
     per_block = KVLayout.for_model(mc, 1, 16, dtype=EngineConfig(dtype=args.dtype).torch_dtype).bytes_per_block
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           num_kv_blocks=max(1, int(args.kv_cache_gb * 2**30 // per_block)),
-                          enable_prefix_caching=args.enable_prefix_caching,
+                          enable_prefix_caching=args.enable_prefix_caching, host_kv_bytes=args.host_kv_bytes,
+                          disk_kv_bytes=args.disk_kv_bytes, disk_kv_path=args.disk_kv_path,
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
     ray_cfg = None
     if args.launcher == "ray":
@@ -149,7 +161,7 @@ def _controller(args):
         args.internal_host = args.internal_host or connect(args.ray_address)
     kw = dict(engine=engine, mode=args.mode, threads_per_worker=args.threads or 1, host=args.internal_host or "127.0.0.1",
               policy=args.policy, recovery=args.recovery, replication=args.replication,
-              heartbeat_timeout_s=args.heartbeat_timeout, max_restarts=args.max_restarts)
+              heartbeat_timeout_s=args.heartbeat_timeout, max_restarts=args.max_restarts, swapping=args.swapping)
     if args.mode == "colocated":
         kw["depth"] = args.depth or 2
     else:
@@ -193,6 +205,8 @@ def run_serve(args) -> int:
     args.dtype, why = resolve_dtype(args.dtype, args.device)  # once, here: every worker gets the same
     print(f"[kvflow] dtype {args.dtype} ({why})", file=sys.stderr)
 
+    if args.mode == "engine" and args.swapping:
+        raise SystemExit("--swapping is for pipeline modes (--mode colocated or disaggregated)")
     if args.mode == "engine":
         from kvflow.config import EngineConfig
         from kvflow.engine.engine import LLMEngine
@@ -201,7 +215,8 @@ def run_serve(args) -> int:
 
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
                               max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_gb,
-                              enable_prefix_caching=args.enable_prefix_caching,
+                              enable_prefix_caching=args.enable_prefix_caching, host_kv_bytes=args.host_kv_bytes,
+                              disk_kv_bytes=args.disk_kv_bytes, disk_kv_path=args.disk_kv_path,
                               scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
         engine = LLMEngine.from_config(config)
         backend = EngineBackend(engine, args.served_model_name or engine.model.cfg.name)
@@ -259,3 +274,18 @@ def run_bench_serve(args) -> int:
         print(f"max rate with median normalized latency <= {args.latency_bound:g} s/token: {best if best is not None else 'none'}")
     print(f"wrote {jpath} and {ppath}")
     return 0
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: "1048576", "512M", "4G", "1.5GiB" (K/M/G/T are powers of 1024)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = 1
+    if t and t[-1] in "KMGT":
+        scale, t = 1024 ** ("KMGT".index(t[-1]) + 1), t[:-1]
+    try:
+        n = float(t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4G, 512M, 1048576)") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a size cannot be negative: {text!r}")
+    return int(n)

@@ -82,16 +82,21 @@ class Controller:
         self.model_name = model_name or mc.name
         self.max_model_len = min(ecfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
-        self.limits = Limits(self.max_model_len, mc.vocab_size)
+        per_region = [cfg.swap_layout(p)[1] for p in cfg.pipelines() if cfg.swap_layout(p)[0]]
+        self.limits = Limits(self.max_model_len, mc.vocab_size, min(per_region) if per_region else None)
         eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.eos_token_ids = tuple(sorted(eos))
         self.launcher = launcher if launcher is not None else SubprocessLauncher()
         self.secret = new_secret()
         self.epoch = 0
         self.pipelines: list[Pipeline] = []
+        block_bytes = KVLayout.for_model(mc, 1, ecfg.block_size, dtype=ecfg.torch_dtype).bytes_per_block
         for spec in cfg.pipelines():
             stages = [StageHandle(spec.stage_name(i), i, layers) for i, layers in enumerate(even_split(mc.num_layers, spec.depth))]
-            kv = KVCacheManager(ecfg.num_kv_blocks, ecfg.block_size, ecfg.enable_prefix_caching)
+            # lower tiers for the pipelines that prefill (a token pool's blocks are filled by the prompt
+            # side's stream, outside its own steps, so its evictions could not be copied out in order)
+            host, disk = ecfg.tier_sizes(block_bytes, spec.depth).pools() if spec.role != "token" else (None, None)
+            kv = KVCacheManager(cfg.swap_layout(spec)[2], ecfg.block_size, ecfg.enable_prefix_caching, host, disk)
             hook = (lambda req: self.handoff.reserve(req)) if spec.role == "prompt" else None
             sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role, hook)
             self.pipelines.append(Pipeline(spec, stages, kv, sched))
@@ -101,7 +106,7 @@ class Controller:
             if cfg.replicates(p.spec) == "store":
                 self.store = self.store or ReplicaStore(cfg.host, self.secret)
                 for s in p.stages:
-                    self.store.add(p.name, s.stage, KVLayout.for_model(mc, ecfg.num_kv_blocks, ecfg.block_size, s.layers,
+                    self.store.add(p.name, s.stage, KVLayout.for_model(mc, p.kv.num_blocks, ecfg.block_size, s.layers,
                                                                        dtype=ecfg.torch_dtype))
         self.token = self.pipelines[-1] if cfg.mode == "disaggregated" else None
         self.handoff = Handoff([self.token]) if self.token is not None else None
@@ -183,7 +188,11 @@ class Controller:
                 rl = p.stages[(s.stage - 1) % p.depth].layers if self.cfg.replicates(p.spec) == "ring" else (-1, -1)
                 spec = WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], roles[s.name], self.cfg.threads_per_worker,
                                   self.cfg.kv_send_mode, replica_layer_start=rl[0], replica_layer_end=rl[1],
-                                  replicated=self.cfg.replicates(p.spec) is not None)
+                                  replicated=self.cfg.replicates(p.spec) is not None,
+                                  host_kv_slots=p.kv.host.num_slots if p.kv.host else 0,
+                                  disk_kv_slots=p.kv.disk.num_slots if p.kv.disk else 0,
+                                  swap_regions=self.cfg.swap_layout(p.spec)[0], swap_region_blocks=self.cfg.swap_layout(p.spec)[1],
+                                  pool_blocks=p.kv.num_blocks)
                 self._send_to(s.name, Setup(to_dict(spec), to_dict(self.cfg.engine), self.epoch))
             elif isinstance(msg, Ready) and msg.name in ready and msg.name not in hello:
                 self.stages[msg.name].kv_addr = msg.kv_addr
@@ -278,7 +287,7 @@ class Controller:
             replication_lag_tokens=self._replication_lag(),
             resumed_requests_total=self.resumed,
             recomputed_tokens_total=self.recomputed_tokens,
-            prefix_cache={(p.name, "device"): p.kv.stats for p in self.pipelines},
+            prefix_cache={(p.name, tier): c for p in self.pipelines for tier, c in p.kv.tier_stats().items()},
         )
 
     def _replication_lag(self) -> int:
@@ -388,7 +397,7 @@ class Controller:
             if s is not None:
                 s.last_heartbeat = time.monotonic()
                 s.busy_s, s.kv_bytes_sent, s.dropped_messages = msg.busy_s, msg.kv_bytes_sent, msg.dropped_messages
-                s.replica_bytes_sent = msg.replica_bytes_sent
+                s.replica_bytes_sent, s.swap = msg.replica_bytes_sent, msg.swap
         elif isinstance(msg, Replicated):
             s = self.stages.get(msg.name)
             if s is not None:
@@ -413,16 +422,16 @@ class Controller:
                 self.preemptions += len(out.preempted)
                 for r in out.preempted:
                     self._preempted(p, r)
-                if out.is_empty:
+                if out.is_empty and not out.tiers:
                     p.pending_free += out.freed
                     break
-                self._send(p, out)
+                self._send(p, out)  # (copies between KV tiers alone make a step too: disk loads)
 
     def _send(self, p: Pipeline, out: SchedulerOutput) -> None:
         seqs, ids = [], []
         for s in out.seqs:
             r = s.request
-            seqs.append(SeqStep(r.request_id, s.start, s.num_new_tokens, list(s.new_block_ids), s.reset))
+            seqs.append(SeqStep(r.request_id, s.start, s.num_new_tokens, list(s.new_block_ids), s.reset, list(s.device_block_ids)))
             if s.start == 0 and p.watermark:  # (re)computed from scratch, maybe in new blocks: no replica yet
                 for wm in p.watermark.values():
                     wm.pop(r.request_id, None)
@@ -447,13 +456,15 @@ class Controller:
         wire_id = next(self._batch_ids)  # unique across pipelines (each scheduler numbers its own batches)
         p.in_flight[wire_id] = out
         p.batch_log.append((out.batch_id, [(s.request.request_id, s.num_new_tokens) for s in out.seqs]))
-        self._send_to(p.stages[0].name, Step(self.epoch, wire_id, seqs, ids, free, kv_out, kv_plan))
+        self._send_to(p.stages[0].name, Step(self.epoch, wire_id, seqs, ids, free, kv_out, kv_plan, out.tiers.to_wire(),
+                                                 swap_region=out.swap_region))
 
     def _on_result(self, msg: StepResult, logits: torch.Tensor) -> None:
         p = next((p for p in self.pipelines if msg.batch in p.in_flight), None)
         if p is None:
             return
         out = p.in_flight.pop(msg.batch)
+        out.tiers.failed = list(msg.tier_failed)  # disk blocks some stage rejected: recomputed
         p.step_log.append((sum(s.num_new_tokens for s in out.seqs), msg.busy_s))
         rows = [i for i, s in enumerate(out.seqs) if s.completes_prompt and not s.request.is_finished]
         sampled: dict[str, int] = {}

@@ -37,6 +37,7 @@ class StageHandle:
     busy_s: float = 0.0
     kv_bytes_sent: int = 0
     dropped_messages: int = 0
+    swap: dict = field(default_factory=dict)  # its swapper's counters (microbatch swapping), from heartbeats
     alive: bool = True
 
 

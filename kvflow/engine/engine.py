@@ -18,6 +18,7 @@ from kvflow.config import EngineConfig
 from kvflow.sched.scheduler import Limits, Scheduler, validate
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.kv.manager import KVCacheManager
+from kvflow.streaming.tier_store import TierStore
 from kvflow.model.llama import LayerHook, LlamaModel
 from kvflow.model.loader import load_checkpoint
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -50,10 +51,15 @@ class LLMEngine:
         num_blocks = config.kv_blocks(layout.bytes_per_block)
         layout = KVLayout.for_model(mcfg, num_blocks, config.block_size, dtype=config.torch_dtype)
         self.kv_cache = KVCache(layout, config.device)
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        tiers = config.tier_sizes(layout.bytes_per_block)
+        host, disk = tiers.pools()
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, host, disk)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.limits = Limits(self.max_model_len, mcfg.vocab_size)
-        self.runner = ModelRunner(model, self.kv_cache, hook)
+        store = None
+        if host is not None:
+            store = TierStore(self.kv_cache, host.num_slots, disk.num_slots if disk else 0, config.disk_kv_path)
+        self.runner = ModelRunner(model, self.kv_cache, hook, store)
         eos = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

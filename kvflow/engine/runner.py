@@ -7,6 +7,7 @@ import torch
 from kvflow.sched.sampling import sample
 from kvflow.sched.scheduler import SchedulerOutput
 from kvflow.kv.cache import KVCache
+from kvflow.streaming.tier_store import TierStore
 from kvflow.model.batch import ForwardBatch, SeqSlice
 from kvflow.model.llama import LayerHook, LlamaModel
 
@@ -14,16 +15,19 @@ from kvflow.model.llama import LayerHook, LlamaModel
 class ModelRunner:
     """Runs a whole model (all layers) on one device for the single-process engine.
 
-    Contract: `run(out)` computes the scheduled tokens of every request in `out` (writing their KV)
-    and returns {request_id: next token} for the requests whose KV now covers all their tokens.
+    Contract: `run(out)` first performs the batch's copies between KV tiers (`out.tiers`, through
+    `tiers`, recording rejected disk blocks in `out.tiers.failed` for the scheduler), then computes
+    the scheduled tokens of every request in `out` (writing their KV) and returns {request_id: next
+    token} for the requests whose KV now covers all their tokens.
     """
 
-    def __init__(self, model: LlamaModel, kv: KVCache, hook: LayerHook | None = None) -> None:
+    def __init__(self, model: LlamaModel, kv: KVCache, hook: LayerHook | None = None, tiers: TierStore | None = None) -> None:
         if not (model.is_first and model.is_last):
             raise ValueError("ModelRunner needs a model holding all layers")
         self.model = model
         self.kv = kv
         self.hook = hook
+        self.tiers = tiers
         self.device = kv.device
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
@@ -39,6 +43,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[str, int]:
+        if out.tiers:
+            assert self.tiers is not None, "a batch with tier copies for an engine without tiers"
+            out.tiers.failed = self.tiers.apply(out.tiers)
         if out.is_empty:
             return {}
         token_ids, batch = self.prepare(out)

@@ -4,7 +4,7 @@ cache (by content hash) until the pool needs them back, least recently used firs
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class OutOfBlocks(RuntimeError):
@@ -40,6 +40,8 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, LRU first
         self.evictions = 0
+        # called with (block, hash) as a cached block is evicted, before anyone can write it (lower tiers)
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -72,8 +74,11 @@ class BlockPool:
                 b = self._free.popleft()
             else:
                 b, _ = self._cached.popitem(last=False)  # evict the least recently released
-                del self.by_hash[self.hash_of.pop(b)]
+                h = self.hash_of.pop(b)
+                del self.by_hash[h]
                 self.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(b, h)
             self.ref[b] = 1
             ids.append(b)
         return ids

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvflow.kv.block_pool import BlockPool
 from kvflow.kv.prefix_hash import extend_hashes
+from kvflow.kv.tiers import TierPlan, TierPool, TierStats
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -15,12 +16,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """The cached blocks holding a request's first `num_tokens` tokens (`blocks`, in order), found
-    by a lookup of `queried` tokens."""
+    """The cached blocks holding a request's first `num_tokens` tokens, found by a lookup of
+    `queried` tokens: `blocks` are in the device pool; `promote` are (position in the table, host
+    slot, hash) of blocks held by the host tier, copied back into new device blocks on admission."""
 
     blocks: tuple[int, ...] = ()
     num_tokens: int = 0
     queried: int = 0
+    promote: tuple[tuple[int, int, bytes], ...] = ()
 
 
 NO_HIT = PrefixHit()
@@ -41,7 +44,9 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    """Block-table bookkeeping for a paged cache, with prefix caching (`prefix_caching=True`).
+    """Block-table bookkeeping for a paged cache, with prefix caching (`prefix_caching=True`) over
+    up to three tiers: the device pool, and optionally a host pool and a disk pool below it
+    (`kvflow.kv.tiers`; the copies they need are collected in a `TierPlan`, `take_plan`).
 
     Contract: `match(tokens, hashes, max_tokens)` finds the longest cached prefix of `tokens` in
     whole blocks, at most `max_tokens` tokens (`hashes` is the caller's memo of the tokens' hash
@@ -52,14 +57,28 @@ class KVCacheManager:
     the full blocks of a table whose KV is now computed, so later requests can hit them. `release`
     drops the table's references (full blocks stay cached until evicted) and empties it.
     `reset_prefix_cache` forgets every cached prefix (the KV behind them was lost).
+
+    Tiers: a cached device block that is evicted is demoted to the host pool (its LRU victim to the
+    disk pool); `match` continues the hash chain in the host pool, and `ensure` promotes those blocks
+    into new device blocks; `prefetch` loads a waiting request's blocks found on disk into the host
+    pool (True while such a load is pending: admit it once it has returned, `loads_done`).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
+                 host: TierPool | None = None, disk: TierPool | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if disk is not None and host is None:
+            raise ValueError("a disk tier needs a host tier above it")
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.host = host if prefix_caching else None
+        self.disk = disk if prefix_caching else None
+        self.plan = TierPlan()
+        self._from_disk: set[int] = set()  # host slots loaded from disk not yet hit (their hits count as disk's)
+        if self.host is not None:
+            self.pool.on_evict = self._demote
         self.queries = 0
         self.hits = 0
 
@@ -78,19 +97,126 @@ class KVCacheManager:
 
     @property
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self.queries, self.hits, self.pool.evictions)
+        """The device tier's counters (`hits`: tokens of prefix hits served by device blocks)."""
+        return PrefixCacheStats(self.queries, self.hits - self._tier_hits("host") - self._tier_hits("disk"), self.pool.evictions)
+
+    def _tier_hits(self, name: str) -> int:
+        t = getattr(self, name)
+        return t.hits if t is not None else 0
+
+    def tier_stats(self) -> dict[str, PrefixCacheStats]:
+        """Per tier ("device", "host", "disk" — those that exist): tokens looked up, tokens hit in it, evictions."""
+        out = {"device": self.stats}
+        for t in (self.host, self.disk):
+            if t is not None:
+                out[t.name] = PrefixCacheStats(self.queries, t.hits, t.evictions)
+        return out
+
+    def tier_counters(self) -> dict[str, TierStats]:
+        return {t.name: t.stats for t in (self.host, self.disk) if t is not None}
+
+    def _chain(self, token_ids: Sequence[int], hashes: list[bytes], max_tokens: int):
+        """(position, hash) of the full blocks of the first `max_tokens` tokens, hashed lazily."""
+        for i in range(max(0, max_tokens) // self.block_size):
+            extend_hashes(hashes, token_ids, i + 1, self.block_size)
+            if i >= len(hashes):
+                return
+            yield i, hashes[i]
 
     def match(self, token_ids: Sequence[int], hashes: list[bytes], max_tokens: int) -> PrefixHit:
         if not self.prefix_caching:
             return NO_HIT
         blocks: list[int] = []
-        for i in range(max(0, max_tokens) // self.block_size):
-            extend_hashes(hashes, token_ids, i + 1, self.block_size)  # lazily: stop at the first miss
-            b = self.pool.by_hash.get(hashes[i]) if i < len(hashes) else None
-            if b is None:
+        promote: list[tuple[int, int, bytes]] = []
+        n = 0
+        for i, h in self._chain(token_ids, hashes, max_tokens):  # stop at the first block no tier holds
+            b = self.pool.by_hash.get(h)
+            if b is not None:
+                blocks.append(b)
+            else:
+                s = self.host.lookup(h) if self.host is not None else None
+                if s is None:
+                    break
+                promote.append((i, s, h))
+            n += 1
+        return PrefixHit(tuple(blocks), n * self.block_size, len(token_ids), tuple(promote))
+
+    def prefetch(self, token_ids: Sequence[int], hashes: list[bytes], max_tokens: int) -> bool:
+        """Plan disk -> host loads of the blocks of a waiting request's prefix that only the disk tier
+        holds (up to the first block no tier holds). True while a load of its prefix is pending."""
+        if self.disk is None or not self.prefix_caching:
+            return False
+        pending = False
+        for _, h in self._chain(token_ids, hashes, max_tokens):
+            if h in self.pool.by_hash:
+                continue
+            s = self.host.lookup(h)
+            if s is not None:
+                self.host.pin(s)  # its own later loads must not evict it (the host tier may be shorter than the chain)
+                continue
+            if self.host.is_loading(h):
+                pending = True
+                continue
+            f = self.disk.lookup(h)
+            if f is None:
                 break
-            blocks.append(b)
-        return PrefixHit(tuple(blocks), len(blocks) * self.block_size, len(token_ids))
+            got = self._host_alloc(h, loading=True)
+            if got is None:  # the host tier is full of this step's blocks: the rest is recomputed
+                break
+            self.disk.pin(f)
+            self.plan.from_disk.append((f, got))
+            self._from_disk.add(got)
+            pending = True
+        return pending
+
+    def loads_done(self, plan: TierPlan) -> None:
+        """An executor performed `plan`: its disk -> host loads become findable, or (listed in
+        `plan.failed`: corrupted or truncated) are dropped from both tiers, to be recomputed."""
+        failed = set(plan.failed)
+        for f, s in plan.from_disk:
+            if self.host is None or s not in self.host.loading:
+                continue  # forgotten meanwhile (reset)
+            self.host.loaded(s, s not in failed)
+            if s in failed:
+                self._from_disk.discard(s)
+                if self.disk is not None and f in self.disk.hash_of:
+                    self.disk.drop(f)
+                    self.disk.rejected += 1
+
+    def take_plan(self) -> TierPlan:
+        """The copies planned since the last call (attached to the batch being formed); the slots
+        they use become reusable by later steps' copies, which executors perform after these."""
+        plan, self.plan = self.plan, TierPlan()
+        for t in (self.host, self.disk):
+            if t is not None:
+                t.unpin_step()
+        return plan
+
+    def _host_alloc(self, h: bytes, loading: bool = False) -> int | None:
+        """A host slot for hash h; its LRU victim goes to the disk tier (host -> disk) when there is one."""
+        got = self.host.alloc(h, loading)
+        if got is None:
+            return None
+        slot, evicted = got
+        if evicted is not None:
+            self._from_disk.discard(slot)
+            if self.disk is not None and evicted not in self.disk.slot_of:
+                d = self.disk.alloc(evicted)
+                if d is not None:
+                    self.plan.to_disk.append((slot, d[0]))
+            elif self.disk is not None:
+                self.disk.touch(self.disk.slot_of[evicted])
+        return slot
+
+    def _demote(self, block: int, h: bytes) -> None:
+        """The device pool evicts cached `block`: keep its KV in the host tier (unless held there already)."""
+        s = self.host.slot_of.get(h)
+        if s is not None:
+            self.host.touch(s)
+            return
+        slot = self._host_alloc(h)
+        if slot is not None:
+            self.plan.to_host.append((block, slot))
 
     def missing_blocks(self, table: list[int], num_tokens: int) -> int:
         return max(0, blocks_for(num_tokens, self.block_size) - len(table))
@@ -100,7 +226,7 @@ class KVCacheManager:
         return new + self.pool.num_unreferenced(hit.blocks) <= self.pool.num_free
 
     def ensure(self, table: list[int], num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
-        if hit.blocks and table:
+        if (hit.blocks or hit.promote) and table:
             raise ValueError("a prefix hit starts a table: the table must be empty")
         if not self.can_ensure(table, num_tokens, hit):
             return False
@@ -108,7 +234,26 @@ class KVCacheManager:
             self.queries += hit.queried
             self.hits += hit.num_tokens
         self.pool.take(hit.blocks)
-        table.extend(hit.blocks)
+        if hit.promote:
+            for _, s, _ in hit.promote:  # no eviction below may reuse a slot we copy from
+                self.host.pin(s)
+            fresh = self.pool.allocate(len(hit.promote))
+            device = iter(hit.blocks)
+            by_pos = {i: (s, h, b) for (i, s, h), b in zip(hit.promote, fresh)}
+            for i in range(len(hit.blocks) + len(hit.promote)):
+                if i not in by_pos:
+                    table.append(next(device))
+                    continue
+                s, h, b = by_pos[i]
+                table.append(b)
+                self.plan.to_device.append((s, b))
+                self.pool.insert(b, h)
+                self.host.touch(s)
+                tier = self.disk if s in self._from_disk else self.host
+                self._from_disk.discard(s)
+                tier.hits += self.block_size
+        else:
+            table.extend(hit.blocks)
         table.extend(self.pool.allocate(self.missing_blocks(table, num_tokens)))
         return True
 
@@ -128,4 +273,10 @@ class KVCacheManager:
         table.clear()
 
     def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix in every tier, and any copy not yet handed to an executor."""
         self.pool.clear()
+        for t in (self.host, self.disk):
+            if t is not None:
+                t.clear()
+        self.plan = TierPlan()
+        self._from_disk.clear()

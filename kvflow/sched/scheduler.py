@@ -12,12 +12,14 @@ in-flight batch, so `schedule()` never picks a request whose previous batch has 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflow.kv.manager import KVCacheManager, PrefixHit, blocks_for
+from kvflow.kv.tiers import TierPlan
 from kvflow.sched.request import Request, RequestStatus
 
 POLICIES = ("continuous", "microbatch")
@@ -32,7 +34,13 @@ class SchedulerConfig:
     free). max_num_batched_tokens: tokens one batch may process; prefill_chunk_size: most prompt
     tokens one request gets per batch; max_num_seqs: running requests at once (continuous);
     microbatch_size: requests per batch (required by "microbatch"; a per-batch cap for "continuous",
-    where a pipeline's `max_in_flight` batches share the running requests)."""
+    where a pipeline's `max_in_flight` batches share the running requests).
+    swap_regions > 0: microbatch swapping (DéjàVu §4.2.2): the pool's block ids are KV in host memory,
+    and each stage's device holds `swap_regions` regions of `swap_region_blocks` blocks; a batch takes
+    only requests whose blocks fit one region together, batch n computes in region n mod
+    swap_regions, into which its KV is swapped in before the step (while the previous batch
+    computes) and out of which the KV the step appended is written back
+    (`ScheduledSeq.device_block_ids`, `SchedulerOutput.swap_region`)."""
 
     policy: str = "continuous"
     max_num_seqs: int = 64
@@ -40,10 +48,15 @@ class SchedulerConfig:
     prefill_chunk_size: int = 512
     microbatch_size: int | None = None
     max_in_flight: int = 1
+    swap_regions: int = 0
+    swap_region_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.swap_regions:
+            if self.swap_regions < 0 or self.swap_region_blocks <= 0:
+                raise ValueError(f"bad swap regions ({self.swap_regions} of {self.swap_region_blocks} blocks)")
         keys = ["max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_in_flight"]
         if self.policy == "microbatch" or self.microbatch_size is not None:
             keys.append("microbatch_size")
@@ -64,6 +77,7 @@ class ScheduledSeq:
     start: int
     new_block_ids: tuple[int, ...] = ()
     reset: bool = False
+    device_block_ids: tuple[int, ...] = ()  # swapping: where its table's blocks sit in the batch's device region
 
     @property
     def completes_prompt(self) -> bool:
@@ -78,12 +92,16 @@ class ScheduledSeq:
 @dataclass(frozen=True)
 class SchedulerOutput:
     """One batch. `freed`: requests whose blocks were released since the previous batch (finished,
-    aborted or preempted): an executor that mirrors block tables drops them before running it."""
+    aborted or preempted): an executor that mirrors block tables drops them before running it.
+    `tiers`: the copies between KV tiers the executor performs before the batch's forward (it may
+    carry copies with no sequences: an executor runs such an output too)."""
 
     batch_id: int
     seqs: list[ScheduledSeq]
     preempted: list[Request] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)
+    tiers: TierPlan = field(default_factory=TierPlan)
+    swap_region: int = -1  # swapping: the device region the batch computes in (-1: no swapping)
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +118,7 @@ class Limits:
 
     max_model_len: int
     vocab_size: int | None = None
+    max_blocks: int | None = None  # most blocks one request may hold (swapping: a device region)
 
 
 def validate(request: Request, limits: Limits, pools: list[KVCacheManager]) -> None:
@@ -117,6 +136,9 @@ def validate(request: Request, limits: Limits, pools: list[KVCacheManager]) -> N
     if total > limits.max_model_len:
         raise ValueError(f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
                          f"exceeds the context length {limits.max_model_len}")
+    if limits.max_blocks is not None and pools and blocks_for(total, pools[0].block_size) > limits.max_blocks:
+        raise ValueError(f"request needs up to {blocks_for(total, pools[0].block_size)} KV blocks ({total} tokens) but "
+                         f"a device region of the swapping pipeline holds {limits.max_blocks}; raise the KV cache size")
     for kv in pools:
         need = blocks_for(total, kv.block_size)
         if need > kv.num_blocks:
@@ -160,6 +182,8 @@ class Scheduler:
         self._reset: set[str] = set()  # requests whose next batch must carry the whole table
         self._ids = itertools.count()
         self._batches = 0  # scheduled batches not yet returned through update()
+        self._loading: set[str] = set()  # waiting requests whose cached prefix is being loaded from disk
+        self._swapped = 0  # swapping: batches given a device region so far
 
     # ------------------------------------------------------------------ admission
     def add(self, request: Request) -> None:
@@ -198,7 +222,13 @@ class Scheduler:
         return self._batches
 
     # ------------------------------------------------------------------ the batch
+    # Waiting requests (from the front of the queue) whose disk-tier blocks are prefetched into the
+    # host tier before they are admitted.
+    PREFETCH_AHEAD = 8
+
     def schedule(self) -> SchedulerOutput:
+        self._loading = {r.request_id for r in itertools.islice(self.waiting, self.PREFETCH_AHEAD)
+                         if self.kv.prefetch(r.token_ids, r.block_hashes, r.num_tokens - 1)}
         if self.config.policy == "microbatch":
             seqs, preempted = self._schedule_microbatch(), []
         else:
@@ -206,31 +236,58 @@ class Scheduler:
         for s in seqs:
             self.in_flight.add(s.request.request_id)
         freed, self._freed = self._freed, []
+        region = -1
         if seqs:
             self._batches += 1
-        return SchedulerOutput(next(self._ids), seqs, preempted, freed)
+            if self.config.swap_regions:
+                seqs, region = self._place(seqs)
+        return SchedulerOutput(next(self._ids), seqs, preempted, freed, self.kv.take_plan(), region)
+
+    def _place(self, seqs: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], int]:
+        """Swapping: the next device region, and each request's blocks laid out in it in order."""
+        region = self._swapped % self.config.swap_regions
+        self._swapped += 1
+        base, out = region * self.config.swap_region_blocks, []
+        for s in seqs:
+            n = len(s.request.block_ids)
+            out.append(dataclasses.replace(s, device_block_ids=tuple(range(base, base + n))))
+            base += n
+        assert base <= (region + 1) * self.config.swap_region_blocks, "a microbatch larger than its device region"
+        return out, region
 
     def _schedule_continuous(self) -> tuple[list[ScheduledSeq], list[Request]]:
         budget = self.config.max_num_batched_tokens
         cap = self.config.microbatch_size or self.config.max_num_seqs
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
+        room = self.config.swap_region_blocks if self.config.swap_regions else None  # swapping: a batch fits a region
+        bs = self.kv.block_size
         for req in list(self.running):
             if budget <= 0 or len(seqs) >= cap:
                 break
             if req.request_id in self.in_flight or req.status is not RequestStatus.RUNNING:
                 continue
+            if room is not None:
+                n = min(req.num_pending_tokens, budget, self.config.prefill_chunk_size)
+                if max(len(req.block_ids), blocks_for(req.num_computed_tokens + n, bs)) > room:
+                    continue  # in a later batch (a fresh region)
             s = self._take(req, budget, preempted)
             if s is not None:
                 seqs.append(s)
                 budget -= s.num_new_tokens
+                if room is not None:
+                    room -= len(req.block_ids)
         while (self.role != "token" and self.waiting and not preempted and budget > 0 and len(seqs) < cap
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if req.request_id in self._loading:
+                break  # admitted once its prefix is back from disk (the next batch)
             hit = self._match(req)
             n = min(req.num_tokens - hit.num_tokens, budget, self.config.prefill_chunk_size)
             need = req.num_tokens if self.role == "prompt" else hit.num_tokens + n
             if not self.kv.can_ensure(req.block_ids, need, hit):
+                break
+            if room is not None and blocks_for(need, bs) > room:
                 break
             if self.admit_hook is not None and not self.admit_hook(req):
                 break
@@ -239,6 +296,8 @@ class Scheduler:
             s = self._take(req, budget, preempted)
             seqs.append(s)
             budget -= s.num_new_tokens
+            if room is not None:
+                room -= len(req.block_ids)
         return seqs, preempted
 
     def _take(self, req: Request, budget: int, preempted: list[Request]) -> ScheduledSeq | None:
@@ -289,12 +348,19 @@ class Scheduler:
         if len(self.groups) >= self.config.max_in_flight or self.role == "token":
             return []
         group: list[Request] = []
+        room = self.config.swap_region_blocks if self.config.swap_regions else None  # device blocks of a region
         while self.waiting and len(group) < self.config.microbatch_size:
             req = self.waiting[0]
+            if req.request_id in self._loading:
+                break
             total = req.num_prompt_tokens + req.params.max_tokens  # reserved up front: never preempted
             hit = self._match(req)
             if not self.kv.can_ensure(req.block_ids, total, hit):
                 break
+            if room is not None:
+                if blocks_for(total, self.kv.block_size) > room:
+                    break
+                room -= blocks_for(total, self.kv.block_size)
             if self.admit_hook is not None and not self.admit_hook(req):
                 break
             self.waiting.popleft()
@@ -320,6 +386,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply a returned batch: progress, sampled tokens, stop checks; frees what finished.
         Returns the requests that got a token or finished."""
+        self.kv.loads_done(out.tiers)
         if out.seqs:
             self._batches -= 1
         changed = []

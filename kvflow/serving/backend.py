@@ -156,7 +156,7 @@ class EngineBackend:
             prompt_tokens_total=self._prompt_tokens,
             worker_busy_seconds={"engine": self._busy},
             workers_alive={"engine": self.healthy()},
-            prefix_cache={("engine", "device"): self.engine.kv_manager.stats},
+            prefix_cache={("engine", tier): c for tier, c in self.engine.kv_manager.tier_stats().items()},
         )
 
     def _post(self, job: Callable[[], None]) -> None:

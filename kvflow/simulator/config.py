@@ -198,5 +198,6 @@ class SimConfig:
             layout = Layout(PipelineSpec(cluster.prompt_depth, cluster.prompt_microbatch_size),
                             PipelineSpec(cluster.token_depth, cluster.microbatch_size))
         eng = cluster.engine
-        return cls(layout, policy=cluster.policy, scheduler=eng.scheduler, kv_blocks=eng.num_kv_blocks,
+        kw.setdefault("swapping", cluster.swapping)  # (the pool then holds depth / min(2, depth) times the device's blocks)
+        return cls(layout, policy=cluster.policy, scheduler=eng.scheduler, kv_blocks=cluster.swap_layout(cluster.pipelines()[0])[2],
                    block_size=eng.block_size, max_model_len=max_model_len, prefix_caching=eng.enable_prefix_caching, **kw)

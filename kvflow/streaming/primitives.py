@@ -122,13 +122,23 @@ def fetch(inp: InStream, timeout: float | None = None) -> Chunk:
     The caller copies `data` out and releases the chunk (or uses it as a context manager).
     """
     raw = inp.receiver.recv(timeout)
+    chunk = verify(raw, inp.max_chunk_bytes, inp.secret, inp.check_order)
+    inp.expected_seq[chunk.header.stream] = chunk.header.seq + 1
+    return chunk
+
+
+def verify(raw: RawChunk, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, secret: bytes | None = None,
+           check=None) -> Chunk:
+    """A raw chunk as a verified `Chunk` (header MAC when `secret`, header, size, checksum, then
+    `check(header)`), or the raw chunk released as rejected and the ChunkError raised. `fetch` is
+    this plus the stream's order; the KV tiers' disk store reads its slots with it."""
     try:
-        head = verified_header(raw.header, inp.secret) if inp.secret else raw.header
+        head = verified_header(raw.header, secret) if secret else raw.header
         header = decode_header(head)
-        verify_payload(header, raw.payload, inp.max_chunk_bytes)
-        inp.check_order(header)
+        verify_payload(header, raw.payload, max_chunk_bytes)
+        if check is not None:
+            check(header)
     except ChunkError as e:
         raw.release(f"{type(e).__name__}: {e}")
         raise
-    inp.expected_seq[header.stream] = header.seq + 1
     return Chunk(header, payload_tensor(header, raw.payload), raw)

@@ -9,7 +9,7 @@ import queue
 import torch
 
 from kvflow.kv.cache import KVCache
-from kvflow.streaming.region import KVRegion, pack
+from kvflow.streaming.region import KVRegion, pack, unpack
 
 
 class Staging:
@@ -68,3 +68,17 @@ class StagingPool:
 
     def release(self, staging: Staging) -> None:
         self._free.put(staging)
+
+
+def transfer(src: KVCache, src_region: KVRegion, dst: KVCache, dst_region: KVRegion, staging: Staging) -> None:
+    """Copy a region of `src` into `dst` at another region of the same shape (tokens in the same
+    order, other block ids): one packed buffer (`staging`, on `src`'s device; through pinned host
+    memory on a side stream when `src` is on CUDA), one scatter into `dst`. The copy mechanism of the
+    KV tiers and of microbatch swapping."""
+    if src_region.num_tokens != dst_region.num_tokens:
+        raise ValueError(f"regions of {src_region.num_tokens} and {dst_region.num_tokens} tokens")
+    bs = src.layout.block_size
+    data, event = staging.pack(src, src_region, src_region.slot_tensor(bs))
+    if event is not None:
+        event.synchronize()
+    unpack(dst, dst_region.layer_start, dst_region.layer_end, "kv", dst_region.slot_tensor(bs, dst.device), data)

@@ -26,19 +26,24 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
+from dataclasses import dataclass, replace
 
 import torch
 import zmq
 
 from kvflow.config import WorkerSpec, engine_from_dict
 from kvflow.kv.cache import KVCache, KVLayout
+from kvflow.kv.tiers import TierPlan
 from kvflow.model.batch import ForwardBatch, SeqSlice
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
 from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender, send_restore
 from kvflow.streaming.primitives import InStream, OutStream
+from kvflow.streaming.swapper import SwapSeq, Swapper
+from kvflow.streaming.tier_store import TierStore
 from kvflow.streaming.topology import Transfer
 from kvflow.wire import (
     SECRET_ENV, Heartbeat, Hello, KVArrived, Ready, Replicated, Reset, Restore, Setup, Shutdown, Step, StepResult, Wire,
@@ -46,6 +51,15 @@ from kvflow.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """A step ready to compute: its attention metadata, its requests' block tables, its swap list."""
+
+    batch: ForwardBatch | None
+    tables: dict[str, tuple[int, ...]]
+    swap: list[SwapSeq]
 
 
 class Worker:
@@ -95,12 +109,23 @@ class Worker:
         ck = load_checkpoint(ecfg.model, want=LlamaModel.tensor_filter(mc, layers))  # only this stage's tensors
         self.model = LlamaModel.from_state_dict(ck.config, ck.state_dict, layers, dtype=ecfg.torch_dtype, device=ecfg.device)
         self.device = torch.device(ecfg.device)
-        layout = KVLayout.for_model(ck.config, ecfg.num_kv_blocks, ecfg.block_size, layers, dtype=ecfg.torch_dtype)
-        self.cache = KVCache(layout, ecfg.device)
+        nblocks = spec.pool_blocks or ecfg.num_kv_blocks  # the block ids the pipeline's scheduler accounts
+        layout = KVLayout.for_model(ck.config, nblocks, ecfg.block_size, layers, dtype=ecfg.torch_dtype)
+        self.swapper: Swapper | None = None
+        if spec.swap_regions:  # microbatch swapping: the pool in host memory, regions of it on the device
+            self.cache = KVCache(layout, "cpu", pin_memory=self.device.type == "cuda")
+            self.compute_cache = KVCache(replace(layout, num_blocks=spec.swap_regions * spec.swap_region_blocks), ecfg.device)
+            self.swapper = Swapper(self.cache, self.compute_cache, spec.swap_regions)
+        else:
+            self.cache = self.compute_cache = KVCache(layout, ecfg.device)
         if spec.replica_layer_start >= 0:  # a host-memory replica of the previous stage's KV
-            rl = KVLayout.for_model(ck.config, ecfg.num_kv_blocks, ecfg.block_size,
+            rl = KVLayout.for_model(ck.config, nblocks, ecfg.block_size,
                                     (spec.replica_layer_start, spec.replica_layer_end), dtype=ecfg.torch_dtype)
             self.replica = KVCache(rl, "cpu")
+        self.tiers = None  # the prefix cache's host and disk slots of this stage's layers
+        if spec.host_kv_slots:
+            path = os.path.join(ecfg.disk_kv_path, spec.name) if ecfg.disk_kv_path else None
+            self.tiers = TierStore(self.cache, spec.host_kv_slots, spec.disk_kv_slots, path)
 
     def run(self) -> None:
         self.step_in = self.ctx.socket(zmq.PULL)
@@ -138,7 +163,9 @@ class Worker:
         finally:
             self.stop.set()
             hb.join(2.0)
-            for t in (self.sender, self.replicator, self.receiver, self.replica_rx):
+            if getattr(self, "_intake_thread", None) is not None:
+                self._intake_thread.join(2.0)  # it polls the step socket: done before the context goes
+            for t in (self.sender, self.replicator, self.receiver, self.replica_rx, self.swapper):
                 if t is not None:
                     t.close()
             self.ctx.destroy(linger=0)
@@ -180,10 +207,41 @@ class Worker:
             if msg is not None:
                 self.dropped += 1
 
+    def _intake(self) -> None:
+        """Swapping: receive messages ahead of the compute thread, mirror the block tables and start
+        each step's swap-in (in order) as soon as the step arrives, while earlier steps compute."""
+        while not self.stop.is_set():
+            msg, tensor = self._recv(self.step_in, 200)
+            prep = None
+            try:
+                if isinstance(msg, Step):
+                    prep = self._prepare(msg)
+                    if prep.swap:
+                        self.swapper.prefetch((msg.epoch, msg.batch), msg.swap_region, prep.swap)
+                elif isinstance(msg, Reset) and msg.tables:
+                    self.tables.clear()
+                    self.swapper.reset()
+            except Exception as e:
+                prep = e
+            self._inbox.put((msg, tensor, prep))
+
+    def _next(self):
+        if self.swapper is None:
+            msg, tensor = self._recv(self.step_in, 1000)
+            return msg, tensor, None
+        try:
+            return self._inbox.get(timeout=1.0)
+        except queue.Empty:
+            return None, None, None
+
     def _loop(self) -> None:
         parent = os.getppid()
+        if self.swapper is not None:
+            self._inbox: queue.Queue = queue.Queue()
+            self._intake_thread = threading.Thread(target=self._intake, name="intake", daemon=True)
+            self._intake_thread.start()
         while True:
-            msg, tensor = self._recv(self.step_in, 1000)
+            msg, tensor, prep = self._next()
             if msg is None:
                 if os.getppid() != parent:  # the controller that spawned us is gone: do not linger
                     log.warning("controller process exited; worker %s stops", self.name)
@@ -192,16 +250,23 @@ class Worker:
             if isinstance(msg, Step):
                 if msg.epoch < self.epoch:
                     self.dropped += 1  # from before a recovery: stale
+                    if self.swapper is not None:
+                        self.swapper.done((msg.epoch, msg.batch))
                     continue
                 self.epoch = msg.epoch
                 try:
-                    self._step(msg, tensor)
+                    if isinstance(prep, Exception):
+                        raise prep
+                    self._step(msg, tensor, prep if prep is not None else self._prepare(msg))
                 except Exception as e:  # report; the controller recovers or fails the batch's requests
                     log.exception("step failed")
                     self._to_controller(WorkerError(self.name, f"{type(e).__name__}: {e}", msg.epoch))
+                finally:
+                    if self.swapper is not None:
+                        self.swapper.done((msg.epoch, msg.batch))
             elif isinstance(msg, Reset):
                 self.epoch = max(self.epoch, msg.epoch)
-                if msg.tables:
+                if msg.tables and self.swapper is None:  # (the intake thread owns the tables when swapping)
                     self.tables.clear()
                 if msg.kv and self.receiver is not None:
                     self.receiver.reset(msg.epoch)
@@ -221,30 +286,43 @@ class Worker:
                 self.dropped += 1
 
     # ------------------------------------------------------------------ compute
-    def _apply(self, msg: Step) -> ForwardBatch:
-        """Update the mirrored block tables from the step's deltas; the batch's attention metadata."""
+    def _prepare(self, msg: Step) -> "Prepared":
+        """In step order: the copies between KV tiers (a rejected disk block travels on to the
+        controller), the mirrored block tables updated from the step's deltas, the batch's attention
+        metadata (over the device region's blocks when swapping) and what to swap in and back."""
+        if msg.tier_ops:
+            msg.tier_failed = sorted(set(msg.tier_failed) | set(self.tiers.apply(TierPlan.from_wire(msg.tier_ops))))
         for rid in msg.free:  # (a token worker's KV receiver forgets a request by itself once its KV is in)
             self.tables.pop(rid, None)
-        slices, start = [], 0
+        slices, start, tables, swap = [], 0, {}, []
         for s in msg.seqs:
             if s.reset:
                 self.tables[s.rid] = list(s.new_blocks)
             else:
                 self.tables.setdefault(s.rid, []).extend(s.new_blocks)
-            slices.append(SeqSlice(start, s.num_new, s.context_len, tuple(self.tables[s.rid])))
+            tables[s.rid] = table = tuple(self.tables[s.rid])
+            if msg.swap_region >= 0:
+                swap.append(SwapSeq(s.rid, table, tuple(s.device_blocks), s.start, s.context_len))
+            slices.append(SeqSlice(start, s.num_new, s.context_len, tuple(s.device_blocks) if swap else table))
             start += s.num_new
-        return ForwardBatch.build(slices, self.cache.layout.block_size, self.device)
+        batch = ForwardBatch.build(slices, self.cache.layout.block_size, self.device) if slices else None
+        return Prepared(batch, tables, swap)
 
-    def _step(self, msg: Step, hidden: torch.Tensor | None) -> None:
+    def _step(self, msg: Step, hidden: torch.Tensor | None, prep: "Prepared") -> None:
         t0 = time.perf_counter()
-        batch = self._apply(msg)
+        if not msg.seqs:  # tier copies only
+            self._forward(msg, None, torch.empty(0), t0)
+            return
+        batch = prep.batch
+        if prep.swap:
+            self.swapper.wait((msg.epoch, msg.batch))  # its KV is in the device region
         if self.model.is_first:
             hidden = self.model.embed(torch.tensor(msg.token_ids, dtype=torch.long, device=self.device))
         else:
             hidden = hidden.to(self.device, self.engine_cfg.torch_dtype)
         hook = None
         if self.sender is not None and msg.kv_plan:
-            reqs = [HandoffRequest(k.rid, k.token_start, k.token_end, k.total, tuple(self.tables[k.rid]), tuple(k.dest_blocks),
+            reqs = [HandoffRequest(k.rid, k.token_start, k.token_end, k.total, prep.tables[k.rid], tuple(k.dest_blocks),
                                    k.dest_start) for k in msg.kv_out]
             self.sender.begin(reqs, [Transfer(*t) for t in msg.kv_plan], msg.epoch)
             hook = self.sender.on_layer if self.sender.active else None
@@ -252,22 +330,29 @@ class Worker:
             # (from token 0 when the step carries the whole table: a request new to this pipeline, e.g.
             # handed off with KV the replica has never seen, or re-sent after a recovery)
             lay = self.cache.layout
-            reqs = [HandoffRequest(s.rid, 0 if s.reset else s.start, s.context_len, s.context_len, tuple(self.tables[s.rid]),
-                                   tuple(self.tables[s.rid])) for s in msg.seqs]
+            reqs = [HandoffRequest(s.rid, 0 if s.reset else s.start, s.context_len, s.context_len, prep.tables[s.rid],
+                                   prep.tables[s.rid]) for s in msg.seqs]
             st = self.spec.stage
             self.replicator.begin(reqs, [Transfer(st, st + 1, lay.layer_start, lay.layer_end, 0, len(reqs), 0, 0)], msg.epoch)
-        hidden = self.model.run_layers(hidden, batch, self.cache, hook)
-        if self.model.is_last:
-            logits = self.model.logits(hidden, batch).float()
-            dt = time.perf_counter() - t0
-            self.out.send_multipart(encode(StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], dt), self.secret, logits))
-        else:
-            msg.token_ids = []
-            self.out.send_multipart(encode(msg, self.secret, hidden))
+        hidden = self.model.run_layers(hidden, batch, self.compute_cache, hook)
+        if prep.swap:
+            self.swapper.write_back(prep.swap)  # only what this step appended
+        self._forward(msg, batch, hidden, t0)
         if self.replicator is not None and msg.seqs:
             self.replicator.send_all()  # one chunk, after the output left: sent while the next step computes
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
+
+    def _forward(self, msg: Step, batch: ForwardBatch | None, hidden: torch.Tensor, t0: float) -> None:
+        """The step's output: to the next stage, or (last stage) its logits to the controller."""
+        if self.model.is_last:
+            logits = self.model.logits(hidden, batch).float() if batch is not None else torch.empty(0)
+            dt = time.perf_counter() - t0
+            res = StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], dt, msg.tier_failed)
+            self.out.send_multipart(encode(res, self.secret, logits))
+        else:
+            msg.token_ids = []
+            self.out.send_multipart(encode(msg, self.secret, hidden if batch is not None else None))
 
     # ------------------------------------------------------------------ token role: KV arrivals
     def _kv_complete(self, rids: list[str], spans: list[tuple[int, int]]) -> None:
@@ -304,7 +389,8 @@ class Worker:
             sent = self.sender.nbytes if self.sender is not None else 0
             got = self.receiver.nbytes if self.receiver is not None else 0
             replicated = self.replicator.nbytes if self.replicator is not None else 0
-            self._to_controller(Heartbeat(self.name, self.busy_s, self.steps, sent, got, self.dropped, replicated))
+            swap = dict(self.swapper.stats) if self.swapper is not None else {}
+            self._to_controller(Heartbeat(self.name, self.busy_s, self.steps, sent, got, self.dropped, replicated, swap))
 
 
 def run_worker(controller_addr: str, name: str, host: str, secret: bytes | None = None) -> None:

@@ -35,11 +35,11 @@ class _Paced:
         return getattr(self.sock, name)
 
 
-def _paced_step(self, msg, hidden):
+def _paced_step(self, msg, hidden, *rest):
     if not isinstance(self.out, _Paced):  # (a Wire message replaces the socket)
         self.out = _Paced(self.out)
     self.out.deadline = time.perf_counter() + paced_seconds(BatchShape.of((s.num_new, s.context_len) for s in msg.seqs))
-    return _step(self, msg, hidden)
+    return _step(self, msg, hidden, *rest)
 
 
 _worker.Worker._step = _paced_step

@@ -40,17 +40,24 @@ class FileSender(ChunkSender):
         self._unsynced: list[str] = []
 
     def send(self, header: bytes, payload: memoryview) -> None:
-        final = os.path.join(self._dir, f"{self.next_index:012d}{SUFFIX}")
+        self.send_at(self.next_index, header, payload)
+        self.next_index += 1
+
+    def send_at(self, index: int, header: bytes, payload: memoryview) -> int:
+        """Write (or replace) chunk file `index` atomically; returns the file's size in bytes. The
+        KV tiers' disk store addresses its slots this way (`read_chunk_file(chunk_path(root, i))`)."""
+        final = os.path.join(self._dir, f"{index:012d}{SUFFIX}")
         tmp = final[: -len(SUFFIX)] + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        prefix = _PREFIX.pack(MAGIC, len(header)) + header
         try:
-            _write_all(fd, [_PREFIX.pack(MAGIC, len(header)) + header, payload])
+            _write_all(fd, [prefix, payload])
         finally:
             os.close(fd)
         os.replace(tmp, final)
         if self.fsync:
             self._unsynced.append(final)
-        self.next_index += 1
+        return len(prefix) + memoryview(payload).nbytes
 
     def drain(self) -> None:
         if self.fsync:
