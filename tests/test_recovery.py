@@ -142,6 +142,18 @@ def test_a_killed_worker_resumes_from_its_replica(tiny_ckpt_dir, tiny4_ckpt_dir,
     assert streamed == expected and [f.token_ids for f in finals] == expected
 
 
+@pytest.mark.parametrize("kw", [dict(replication="none"), dict()], ids=["recompute", "replica"])
+def test_a_killed_worker_of_a_swapping_pipeline_changes_no_token(tiny_ckpt_dir, kw):
+    """Microbatch swapping on (the pool in host memory, two device regions per stage): a worker killed
+    mid-generation is replaced and every stream is the engine's, recomputed or resumed."""
+    expected = reference()
+    cfg = _cfg(tiny_ckpt_dir, mode="colocated", depth=2, swapping=True, **kw)
+    streamed, finals, (failures, recoveries, healthy) = run_with_failure(cfg, "colocated-1", "kill", 20,
+                                                                          replicated="replication" not in kw)
+    assert failures == 1 and recoveries == 1 and healthy
+    assert streamed == expected and [f.token_ids for f in finals] == expected
+
+
 def test_a_hung_worker_is_fenced_and_replaced(tiny_ckpt_dir):
     expected = reference()
     cfg = _cfg(tiny_ckpt_dir, mode="colocated", depth=2, heartbeat_timeout_s=1.5)
