@@ -44,12 +44,13 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def vllm_worker(model_dir: str, dtype: str) -> None:
     """Reads {"prompts": [[ids]], "max_tokens": n} lines on stdin, answers {"seconds": t, "tokens": k}."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    out = os.fdopen(os.dup(1), "w")  # the protocol's channel; everything vLLM prints goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     import torch
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=2048, seed=0, enable_prefix_caching=False)
-    out = sys.stdout
-    sys.stdout = sys.stderr  # vLLM's prints must not corrupt the protocol
     print(json.dumps({"ready": True, "torch_threads": torch.get_num_threads(),
                       "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens}),
           file=out, flush=True)

@@ -122,7 +122,8 @@ def start_servers(args) -> dict[str, Server]:
     for s in servers.values():
         s.signal(signal.SIGCONT)
     else:
-        print(f"vLLM peer not installed ({PEER_PY}): kvflow only. Install it with: bash {PEER} install", flush=True)
+        print("kvflow only (--no-vllm)" if args.no_vllm else f"vLLM peer not installed ({PEER_PY}): kvflow only. "
+              f"Install it with: bash {PEER} install", flush=True)
     return servers
 
 
