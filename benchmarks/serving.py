@@ -119,11 +119,11 @@ def start_servers(args) -> dict[str, Server]:
         cmd = ["bash", str(PEER), "serve", str(model_dir), args.vllm_dtype, "8001"]
         servers["vllm"] = Server("vllm", "http://127.0.0.1:8001", cmd, RESULTS / "serving-vllm.log")
         print(f"vLLM-CPU ({args.vllm_dtype}) on {model_dir} ... ready in {servers['vllm'].wait_ready(900):.0f} s", flush=True)
-    for s in servers.values():
-        s.signal(signal.SIGCONT)
     else:
         print("kvflow only (--no-vllm)" if args.no_vllm else f"vLLM peer not installed ({PEER_PY}): kvflow only. "
               f"Install it with: bash {PEER} install", flush=True)
+    for s in servers.values():
+        s.signal(signal.SIGCONT)
     return servers
 
 
