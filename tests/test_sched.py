@@ -278,3 +278,15 @@ def test_handoff_joins_after_kv_and_first_token_and_frees_each_reservation_once(
     h.sampled(reqs[2])
     assert h.num_waiting == 1
     assert h.reset() == [reqs[2]] and b.kv.num_free_blocks == 8 and h.num_waiting == 0
+
+
+def test_serve_flags_reach_the_scheduler_config():
+    from kvflow.cli.main import build_parser
+    from kvflow.cli.serve import _scheduler_config
+
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "128", "--prefill-chunk-size", "64",
+                                      "--no-reserve-kv", "--max-num-seqs", "8"])
+    assert _scheduler_config(args) == SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=64,
+                                                      reserve_kv=False)
+    defaults = _scheduler_config(build_parser().parse_args(["serve"]))
+    assert (defaults.max_num_batched_tokens, defaults.prefill_chunk_size, defaults.reserve_kv) == (256, 256, True)
