@@ -12,7 +12,13 @@ TTFT p50 and TPOT p50 and the ratios kvflow / vLLM; without the peer, kvflow's s
 
     python benchmarks/serving.py [--rates 0.5,1,2,inf] [--num-requests 24] [--kvflow-args "--dtype float32"]
 
-Writes results/serving.json and results/serving.png.
+A sweep of kvflow settings runs every variant as its own server, paused like the peer while the
+others are measured, all interleaved in the same run; ratios are then against the first variant
+(or vLLM when it runs):
+
+    python benchmarks/serving.py --no-vllm --variants "b64=--max-num-batched-tokens 64 --prefill-chunk-size 64;b256=..."
+
+Writes results/serving[-TAG].json and .png.
 """
 
 from __future__ import annotations
@@ -80,24 +86,44 @@ class Server:
             self.signal(signal.SIGKILL)
 
 
+def variants(args) -> list[tuple[str, str]]:
+    """(name, extra `kvflow serve` flags) of each kvflow server: --variants, or one "kvflow" with --kvflow-args."""
+    if not args.variants:
+        return [("kvflow", args.kvflow_args)]
+    out = []
+    for item in filter(None, (v.strip() for v in args.variants.split(";"))):
+        name, sep, extra = item.partition("=")
+        if not sep or not name.strip() or name.strip() == "vllm":
+            raise SystemExit(f"--variants items are NAME=FLAGS (NAME not 'vllm'), got {item!r}")
+        out.append((name.strip(), f"{args.kvflow_args} {extra}".strip()))
+    return out
+
+
 def start_servers(args) -> dict[str, Server]:
     from kvflow.model.loader import load_config
 
     RESULTS.mkdir(exist_ok=True)
-    servers = {}
-    kv_cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", "8000", *shlex.split(args.kvflow_args)]
-    servers["kvflow"] = Server("kvflow", "http://127.0.0.1:8000", kv_cmd, RESULTS / "serving-kvflow.log")
-    print(f"kvflow: {' '.join(kv_cmd[1:])} ... ready in {servers['kvflow'].wait_ready(300):.0f} s", flush=True)
+    servers: dict[str, Server] = {}
+    for i, (name, extra) in enumerate(variants(args)):
+        port = 8000 + 2 * i  # 8001 is the peer's
+        kv_cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port), *shlex.split(extra)]
+        for s in servers.values():
+            s.signal(signal.SIGSTOP)  # an idle server must not slow the next one's start-up measurements
+        servers[name] = Server(name, f"http://127.0.0.1:{port}", kv_cmd, RESULTS / f"serving-{name}.log")
+        print(f"{name}: {' '.join(kv_cmd[1:])} ... ready in {servers[name].wait_ready(300):.0f} s", flush=True)
     if PEER_PY.exists() and not args.no_vllm:
         model_dir = load_config(None)[1]  # kvflow's converted copy of the default model: the same weights
-        servers["kvflow"].signal(signal.SIGSTOP)
+        for s in servers.values():
+            s.signal(signal.SIGSTOP)
         # the peer script's `serve` backgrounds the server in this (new) process group
         cmd = ["bash", str(PEER), "serve", str(model_dir), args.vllm_dtype, "8001"]
         servers["vllm"] = Server("vllm", "http://127.0.0.1:8001", cmd, RESULTS / "serving-vllm.log")
         print(f"vLLM-CPU ({args.vllm_dtype}) on {model_dir} ... ready in {servers['vllm'].wait_ready(900):.0f} s", flush=True)
-        servers["kvflow"].signal(signal.SIGCONT)
     else:
-        print(f"vLLM peer not installed ({PEER_PY}): kvflow only. Install it with: bash {PEER} install", flush=True)
+        print("kvflow only (--no-vllm)" if args.no_vllm else f"vLLM peer not installed ({PEER_PY}): kvflow only. "
+              f"Install it with: bash {PEER} install", flush=True)
+    for s in servers.values():
+        s.signal(signal.SIGCONT)
     return servers
 
 
@@ -125,9 +151,16 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-duration", type=float, default=300.0, help="seconds per rate and server")
     ap.add_argument("--kvflow-args", default="", help="extra `kvflow serve` flags, e.g. '--dtype float32'")
-    ap.add_argument("--vllm-dtype", default="bfloat16")
+    ap.add_argument("--vllm-dtype", default=None, help="default: what kvflow's dtype auto picks on this machine "
+                    "(bfloat16 with native bf16, else float32), so both sides run the same dtype")
     ap.add_argument("--no-vllm", action="store_true", help="kvflow only, even if the peer is installed")
+    ap.add_argument("--variants", default="", help="'NAME=FLAGS;NAME=FLAGS': several kvflow servers, interleaved (a sweep)")
+    ap.add_argument("--tag", default="", help="results/serving-TAG.json instead of results/serving.json")
     args = ap.parse_args()
+    if args.vllm_dtype is None:
+        from kvflow.config import resolve_dtype
+
+        args.vllm_dtype = resolve_dtype("auto")[0]
     rates = [float(r) for r in args.rates.split(",")]
     servers = start_servers(args)
     rows: dict[str, dict[str, dict]] = {n: {} for n in servers}
@@ -145,30 +178,34 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
+    ref = "vllm" if "vllm" in rows else next(iter(rows))
     print(f"\n{args.num_requests} requests per rate, {args.prompt_len} in / {args.output_len} out, ignore_eos; "
-          f"kvflow serve {args.kvflow_args or '(defaults)'} vs vLLM-CPU {args.vllm_dtype}")
-    head = f"{'rate':>6} | {'out tok/s':^22} | {'TTFT p50 ms':^22} | {'TPOT p50 ms':^22}"
-    print(head + "\n" + "-" * len(head))
-    ratios = {}
-    for rate in rates:
-        k = rows["kvflow"][str(rate)]
-        v = rows.get("vllm", {}).get(str(rate))
-        cells = []
-        for key, get in (("out_tok_s", lambda s: s["output_token_throughput"]), ("ttft_p50_s", lambda s: s["ttft_s"]["p50"]),
-                         ("tpot_p50_s", lambda s: s["tpot_s"]["p50"])):
-            a, b = get(k), get(v) if v else None
-            scale = 1 if key == "out_tok_s" else 1e3
-            r = a / b if a is not None and b else None
-            ratios.setdefault(str(rate), {})[key] = r
-            cells.append(f"{fmt(a, scale):>6} {fmt(b, scale):>6} {('x%.2f' % r) if r else '-':>7}")
-        print(f"{rate:>6g} | " + " | ".join(cells))
-    print("(columns: kvflow, vLLM, kvflow/vLLM; throughput wants >= x1.00, TTFT and TPOT <= x1.00)")
-    doc = {"config": vars(args), "rates": rates, "results": {n: {r: {k: v for k, v in s.items() if k != "requests"}
+          f"kvflow serve {args.kvflow_args or '(defaults)'}; ratios against {ref}"
+          + (f" (vLLM-CPU {args.vllm_dtype})" if ref == "vllm" else ""))
+    ratios: dict = {}
+    for name in (n for n in rows if n != ref or len(rows) == 1):
+        head = f"{name + ' / ' + ref:>14} {'rate':>5} | {'out tok/s':^22} | {'TTFT p50 ms':^22} | {'TPOT p50 ms':^22}"
+        print(head + "\n" + "-" * len(head))
+        for rate in rates:
+            k = rows[name][str(rate)]
+            v = rows[ref][str(rate)] if ref != name else None
+            cells = []
+            for key, get in (("out_tok_s", lambda s: s["output_token_throughput"]), ("ttft_p50_s", lambda s: s["ttft_s"]["p50"]),
+                             ("tpot_p50_s", lambda s: s["tpot_s"]["p50"])):
+                a, b = get(k), get(v) if v else None
+                scale = 1 if key == "out_tok_s" else 1e3
+                r = a / b if a is not None and b else None
+                ratios.setdefault(name, {}).setdefault(str(rate), {})[key] = r
+                cells.append(f"{fmt(a, scale):>6} {fmt(b, scale):>6} {('x%.2f' % r) if r else '-':>7}")
+            print(f"{'':>14} {rate:>5g} | " + " | ".join(cells))
+    print(f"(columns: variant, {ref}, ratio; throughput wants >= x1.00, TTFT and TPOT <= x1.00)")
+    doc = {"config": vars(args), "variants": dict(variants(args)), "reference": ref, "rates": rates, "results": {n: {r: {k: v for k, v in s.items() if k != "requests"}
                                                                      for r, s in by.items()} for n, by in rows.items()},
            "ratios": ratios}
-    (RESULTS / "serving.json").write_text(json.dumps(doc, indent=1))
-    plot(rows, rates, RESULTS / "serving.png")
-    print(f"wrote {RESULTS / 'serving.json'} and serving.png")
+    stem = f"serving-{args.tag}" if args.tag else "serving"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    plot(rows, rates, RESULTS / f"{stem}.png")
+    print(f"wrote {RESULTS / stem}.json and .png")
 
 
 def ms(v: float | None) -> str:

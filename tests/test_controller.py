@@ -89,8 +89,9 @@ LONG = [list(range(3, 3 + 30)), list(range(40, 68)), [7] * 26, list(range(60, 91
 def test_chunked_prefill_and_preemption_under_a_small_kv_budget(tiny_ckpt_dir, kw):
     # 4 requests of ~30 prompt + 14 output tokens = 11 blocks each of 4 tokens; 24 blocks cannot hold them
     # all, so running requests are preempted (recompute) and come back; prompts arrive in 8-token chunks.
+    # (admitted greedily: the default KV reservation would run them one after the other instead)
     lengths = [14, 14, 14, 14]
-    sched = SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)
+    sched = SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8, reserve_kv=False)
     cfg = ClusterConfig(engine=EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=24, block_size=4, scheduler=sched),
                         microbatch_size=4, prompt_microbatch_size=4, heartbeat_timeout_s=30.0, **kw)
 

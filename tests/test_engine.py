@@ -87,13 +87,16 @@ def test_request_that_can_never_fit_is_rejected_and_one_that_cannot_fit_now_wait
 def test_preemption_recomputes_and_gives_identical_tokens():
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [list(range(3, 15)), list(range(20, 32)), list(range(40, 52))]
-    eng = tiny_engine(num_kv_blocks=16, block_size=4)  # 64 token slots for 3 x 36 tokens: must preempt
-    reqs = [eng.add_request(p, params) for p in prompts]
-    final = run_to_completion(eng)
-    assert sum(r.num_preemptions for r in reqs) > 0
-    assert [final[r.request_id].token_ids for r in reqs] == _solo(prompts, params)
-    assert eng.kv_manager.num_free_blocks == 16
-    eng.kv_manager.pool.check()
+    # 64 token slots for 3 x 36 tokens: admitted greedily they must preempt; with the KV reservation
+    # (the default) they run one after the other and none is preempted; the tokens are the same
+    for reserve in (False, True):
+        eng = tiny_engine(num_kv_blocks=16, block_size=4, reserve_kv=reserve)
+        reqs = [eng.add_request(p, params) for p in prompts]
+        final = run_to_completion(eng)
+        assert (sum(r.num_preemptions for r in reqs) > 0) is not reserve
+        assert [final[r.request_id].token_ids for r in reqs] == _solo(prompts, params)
+        assert eng.kv_manager.num_free_blocks == 16
+        eng.kv_manager.pool.check()
 
 
 def test_sampling_with_seed_is_reproducible_whatever_the_batch():

@@ -92,7 +92,7 @@ def test_lru_eviction_takes_the_end_of_the_stalest_prefix_first():
 
 def test_preempting_one_of_two_sharers_keeps_the_blocks_for_the_other():
     kv = KVCacheManager(10, 4)
-    s = Scheduler(SchedulerConfig(), kv, 256)
+    s = Scheduler(SchedulerConfig(reserve_kv=False), kv, 256)
     a = req("a", SYS, max_tokens=30)
     s.add(a)
     out = s.schedule()

@@ -56,7 +56,8 @@ def test_block_tables_travel_as_deltas():
 
 
 def test_chunked_prefill_and_preemption_report_freed_requests():
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8, prefill_chunk_size=8), KVCacheManager(6, 4), 256)
+    cfg = SchedulerConfig(max_num_batched_tokens=8, prefill_chunk_size=8, reserve_kv=False)  # admit greedily, preempt
+    s = Scheduler(cfg, KVCacheManager(6, 4), 256)
     a, b = req("a", 12, max_tokens=6), req("b", 8, max_tokens=6)
     s.add(a)
     s.add(b)
@@ -72,6 +73,42 @@ def test_chunked_prefill_and_preemption_report_freed_requests():
     assert out.preempted == [b] and b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
     assert s.waiting[0] is b and not b.block_ids
     assert "b" in out.freed  # the executor is told, with this very batch, to drop b's mirrored table
+
+
+def test_reserve_kv_admits_only_what_can_finish_so_nothing_is_preempted():
+    """The same two requests as above with the default reservation: b (2 + 4 blocks of prompt + max_tokens)
+    waits while a holds its 5, is admitted when a finishes, and neither is ever preempted."""
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8, prefill_chunk_size=8), KVCacheManager(6, 4), 256)
+    a, b = req("a", 12, max_tokens=6), req("b", 8, max_tokens=6)
+    s.add(a)
+    s.add(b)
+    log = []
+    while s.has_unfinished:
+        out = s.schedule()
+        assert not out.preempted
+        log.append([(x.request.request_id, x.start, x.num_new_tokens) for x in out.seqs])
+        s.update(out, sampled_for(out))
+    assert log[:2] == [[("a", 0, 8)], [("a", 8, 4)]]  # b's first chunk would fit, but not b at full length
+    first_b = next(i for i, batch in enumerate(log) if any(rid == "b" for rid, _, _ in batch))
+    assert a.finish_reason == "length" and all(rid == "a" for batch in log[:first_b] for rid, _, _ in batch)
+    assert log[first_b] == [("b", 0, 8)] and b.finish_reason == "length" and a.num_preemptions == b.num_preemptions == 0
+
+
+def test_reserve_kv_counts_the_running_requests_whole_length():
+    """Up to `num_blocks` of prompt + max_tokens run at once: 3 requests of 2 blocks each fit 6 blocks, a 4th waits."""
+    s = Scheduler(SchedulerConfig(), KVCacheManager(6, 4), 256)
+    reqs = [req(f"r{i}", 4, max_tokens=4) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    out = s.schedule()
+    assert [x.request.request_id for x in out.seqs] == ["r0", "r1", "r2"] and list(s.waiting) == [reqs[3]]
+    assert SchedulerConfig(reserve_kv=False) != SchedulerConfig()
+    greedy = Scheduler(SchedulerConfig(reserve_kv=False), KVCacheManager(6, 4), 256)
+    for r in [req(f"g{i}", 4, max_tokens=4) for i in range(4)]:
+        greedy.add(r)
+    assert len(greedy.schedule().seqs) == 4  # without the reservation all four start (one block each for now)
+    with pytest.raises(ValueError, match="reserve_kv"):
+        SchedulerConfig(reserve_kv=1)
 
 
 def test_prompt_role_hands_off_and_never_preempts():
@@ -241,3 +278,15 @@ def test_handoff_joins_after_kv_and_first_token_and_frees_each_reservation_once(
     h.sampled(reqs[2])
     assert h.num_waiting == 1
     assert h.reset() == [reqs[2]] and b.kv.num_free_blocks == 8 and h.num_waiting == 0
+
+
+def test_serve_flags_reach_the_scheduler_config():
+    from kvflow.cli.main import build_parser
+    from kvflow.cli.serve import _scheduler_config
+
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "128", "--prefill-chunk-size", "64",
+                                      "--no-reserve-kv", "--max-num-seqs", "8"])
+    assert _scheduler_config(args) == SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=64,
+                                                      reserve_kv=False)
+    defaults = _scheduler_config(build_parser().parse_args(["serve"]))
+    assert (defaults.max_num_batched_tokens, defaults.prefill_chunk_size, defaults.reserve_kv) == (256, 256, True)

@@ -22,6 +22,13 @@ def register(sub) -> None:
     s.add_argument("--device", default="cpu")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step: decodes first, then prompt chunks (default: SchedulerConfig's, 256)")
+    s.add_argument("--prefill-chunk-size", type=int, default=None,
+                   help="most prompt tokens of one request per step (default: SchedulerConfig's, 256)")
+    s.add_argument("--reserve-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="admit a request only while every running request's prompt + max_tokens fits in the KV cache, "
+                        "so none is ever preempted (default on; --no-reserve-kv: admit greedily, preempt when full)")
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the checkpoint's)")
     s.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
     s.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -137,13 +144,19 @@ def _check_mode(args) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 
 
+def _scheduler_config(args):
+    from kvflow.sched.scheduler import SchedulerConfig
+
+    given = {k: getattr(args, k) for k in ("max_num_batched_tokens", "prefill_chunk_size") if getattr(args, k) is not None}
+    return SchedulerConfig(max_num_seqs=args.max_num_seqs, reserve_kv=args.reserve_kv, **given)
+
+
 def _controller(args):
     from kvflow.config import ClusterConfig, EngineConfig
     from kvflow.controller.controller import Controller
     from kvflow.controller.launcher import ExternalLauncher, SubprocessLauncher
     from kvflow.kv.cache import KVLayout
     from kvflow.model.loader import load_config
-    from kvflow.sched.scheduler import SchedulerConfig
 
     mc, _ = load_config(args.model)
     per_block = KVLayout.for_model(mc, 1, 16, dtype=EngineConfig(dtype=args.dtype).torch_dtype).bytes_per_block
@@ -151,7 +164,7 @@ def _controller(args):
                           num_kv_blocks=max(1, int(args.kv_cache_gb * 2**30 // per_block)),
                           enable_prefix_caching=args.enable_prefix_caching, host_kv_bytes=args.host_kv_bytes,
                           disk_kv_bytes=args.disk_kv_bytes, disk_kv_path=args.disk_kv_path,
-                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+                          scheduler=_scheduler_config(args))
     ray_cfg = None
     if args.launcher == "ray":
         from kvflow.controller.ray_launcher import Placement, RayConfig, connect
@@ -210,14 +223,13 @@ def run_serve(args) -> int:
     if args.mode == "engine":
         from kvflow.config import EngineConfig
         from kvflow.engine.engine import LLMEngine
-        from kvflow.sched.scheduler import SchedulerConfig
         from kvflow.serving.backend import EngineBackend
 
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
                               max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_gb,
                               enable_prefix_caching=args.enable_prefix_caching, host_kv_bytes=args.host_kv_bytes,
                               disk_kv_bytes=args.disk_kv_bytes, disk_kv_path=args.disk_kv_path,
-                              scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+                              scheduler=_scheduler_config(args))
         engine = LLMEngine.from_config(config)
         backend = EngineBackend(engine, args.served_model_name or engine.model.cfg.name)
     else:

@@ -40,16 +40,27 @@ class SchedulerConfig:
     only requests whose blocks fit one region together, batch n computes in region n mod
     swap_regions, into which its KV is swapped in before the step (while the previous batch
     computes) and out of which the KV the step appended is written back
-    (`ScheduledSeq.device_block_ids`, `SchedulerOutput.swap_region`)."""
+    (`ScheduledSeq.device_block_ids`, `SchedulerOutput.swap_region`).
+    Stall-free batching (Sarathi-Serve): "continuous" fills a batch with the running requests' decode
+    tokens first, then prompt chunks up to the token budget, so a prompt never stalls the decodes
+    for longer than `max_num_batched_tokens` tokens of compute. The budget trades TTFT (a prompt
+    needs ceil(len / budget) steps) against TPOT (every step carries up to a budget of prompt
+    tokens); the defaults (256/256) come from the sweep in docs/serving.md ("Token budget").
+    `reserve_kv` (continuous, role "both"): a concurrency cap derived from the KV budget — a waiting
+    request is admitted only while the blocks every running request may still need (prompt +
+    max_tokens, capped at the context) plus its own fit in the pool, so a running request never
+    has to be preempted and recomputed (on a CPU a recompute costs a whole prefill). Off: admit
+    while the next chunk fits and preempt the newest request when blocks run out (vLLM's way)."""
 
     policy: str = "continuous"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    prefill_chunk_size: int = 512
+    max_num_batched_tokens: int = 256
+    prefill_chunk_size: int = 256
     microbatch_size: int | None = None
     max_in_flight: int = 1
     swap_regions: int = 0
     swap_region_blocks: int = 0
+    reserve_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -64,6 +75,8 @@ class SchedulerConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"SchedulerConfig.{key} must be a positive integer, got {v!r}")
+        if not isinstance(self.reserve_kv, bool):
+            raise ValueError(f"SchedulerConfig.reserve_kv must be a bool, got {self.reserve_kv!r}")
 
 
 @dataclass(frozen=True)
@@ -289,6 +302,8 @@ class Scheduler:
                 break
             if room is not None and blocks_for(need, bs) > room:
                 break
+            if self._reserves() and self._reserved_blocks() + self._full_blocks(req) > self.kv.num_blocks:
+                break
             if self.admit_hook is not None and not self.admit_hook(req):
                 break
             self.waiting.popleft()
@@ -332,6 +347,17 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._reset.add(req.request_id)
+
+    def _reserves(self) -> bool:
+        return self.config.reserve_kv and self.role == "both"
+
+    def _full_blocks(self, req: Request) -> int:
+        """Blocks `req` holds when it has produced all its tokens (prompt + max_tokens, capped at the context)."""
+        return blocks_for(min(req.num_prompt_tokens + req.params.max_tokens, self.max_model_len), self.kv.block_size)
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the running requests hold or may still take (`reserve_kv`'s admission bound)."""
+        return sum(max(self._full_blocks(r), len(r.block_ids)) for r in self.running)
 
     def _blocks_needed(self, req: Request, n: int) -> int:
         """Tokens `req`'s table must hold to run `n` more. A prompt-role request holds its whole

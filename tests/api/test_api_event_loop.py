@@ -12,6 +12,7 @@ from api_helpers import MODEL, client, tiny_backend, wait_until
 from gated import GatedEngine, GatedTokenizer
 
 from kvflow.api.server import BackgroundServer
+from kvflow.model.tokenizer import Tokenizer
 from kvflow.serving.backend import EngineBackend
 
 HUGE = " ".join(["w7"] * 1_000_000)  # 3 MB, far beyond the 256-token context
@@ -51,6 +52,42 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(tiny_ckpt_dir, path, bo
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         # and the server is fine afterwards
         assert client(srv).completions.create(model=MODEL, prompt="w5", max_tokens=2, extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+
+
+class WatchedTokenizer(Tokenizer):
+    """The real tokenizer, not held: it only records when it starts (`entered`) and ends (`left`) a huge prompt."""
+
+    def __init__(self, directory) -> None:
+        super().__init__(directory)
+        self.entered, self.left = threading.Event(), threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) < 1_000_000:
+            return super().encode(text)
+        self.entered.set()
+        try:
+            return super().encode(text)
+        finally:
+            self.left.set()
+
+
+def test_a_small_request_is_served_while_a_10_mb_prompt_is_really_tokenized(tiny_ckpt_dir):
+    """The real tokenizer (no gate) on 10 MB: it must not hold the GIL, the event loop or the engine, so /health and
+    a small completion are answered while it works (and the huge prompt then gets its 400)."""
+    backend = tiny_backend(tiny_ckpt_dir)
+    tok = backend.tokenizer = WatchedTokenizer(tiny_ckpt_dir)
+    huge = " ".join(["w7"] * 3_400_000)  # 10.2 MB
+    with BackgroundServer(backend) as srv:
+        t, out = _in_thread(lambda: httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": huge,
+                                                                                   "max_tokens": 2}, timeout=300))
+        assert tok.entered.wait(120), "the huge prompt never reached the tokenizer"
+        assert httpx.get(f"{srv.url}/health", timeout=60).json() == {"status": "ok"}
+        small = client(srv).completions.create(model=MODEL, prompt="w5 w6", max_tokens=3, extra_body={"ignore_eos": True})
+        still_tokenizing = not tok.left.is_set()
+        assert small.usage.completion_tokens == 3
+        t.join(300)
+        assert out["r"].status_code == 400 and out["r"].json()["error"]["code"] == "context_length_exceeded"
+        assert still_tokenizing, "the small request was answered only after the huge prompt's tokenization ended"
 
 
 def test_no_request_waits_on_an_engine_step(tiny_ckpt_dir):

@@ -106,7 +106,7 @@ LAYOUTS = {
     "colocated-2-chunked": dict(mode="colocated", depth=2, sched=SchedulerConfig(max_num_batched_tokens=16,
                                                                                  prefill_chunk_size=8)),
     "colocated-2-preempt": dict(mode="colocated", depth=2, blocks=24, lengths=[14, 14, 14, 14], prompts=LONG,
-                                sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
+                                sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8, reserve_kv=False)),
     "disagg-1-1": dict(mode="disaggregated", prompt_depth=1, token_depth=1),
     "disagg-1-1-chunked": dict(mode="disaggregated", prompt_depth=1, token_depth=1,
                                sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
