@@ -131,6 +131,14 @@ class ProfiledPerfModel(PerfModel):
         weights = max(hi * per_layer, lo * per_layer + head) / (sh.layers * per_layer + head)
         return weights, hi / sh.layers
 
+    def _stage_shares(self, depth: int, stage: int) -> tuple[float, float]:
+        """(weight share, layer share) of stage `stage` (the controller's split; the LM head on the last)."""
+        sh = self.shape
+        if depth == 1:
+            return 1.0, 1.0
+        n, per_layer, head = sh.stage_layers(depth, stage), sh.params_per_layer, sh.vocab * sh.hidden
+        return (n * per_layer + (head if stage == depth - 1 else 0)) / (sh.layers * per_layer + head), n / sh.layers
+
     def _overhead(self, depth: int) -> float:
         return self.profile.stage_overhead_s if depth > 1 or self.executor else 0.0
 
@@ -146,12 +154,20 @@ class ProfiledPerfModel(PerfModel):
         """Exact features of a mixed or chunked batch: one step overhead (the larger intercept),
         p1 * prefill tokens + p2 * sum(new x context) for the prefill chunks, q1 * b + q2 * sum of
         contexts for the decodes, each scaled to the stage's share; plus the executor's overhead."""
+        return self._priced(batch, depth, *self._shares(depth))
+
+    def stage_step_time(self, batch: BatchShape, depth: int, stage: int) -> float:
+        """`step_time` with stage `stage`'s own shares of the weights and layers: with the LM head on
+        the last stage, a depth-2 pipeline's stages differ by ~1.5x on a small model, and a request's
+        token passes both (its TPOT is their sum, not twice the slower)."""
+        return self._priced(batch, depth, *self._stage_shares(depth, stage))
+
+    def _priced(self, batch: BatchShape, depth: int, w: float, a: float) -> float:
         if not batch.seqs:
             raise ValueError("an empty batch has no step time")
         p0, p1, p2 = self.prompt_fit.coef
         q0, q1, q2 = self.token_fit.coef
         c0 = max(p0 if batch.prefill_seqs else 0.0, q0 if batch.decode_seqs else 0.0)
-        w, a = self._shares(depth)
         weights = c0 + p1 * batch.prefill_tokens + q1 * batch.decode_seqs
         attention = p2 * batch.prefill_attention + q2 * batch.decode_context
         return w * weights + a * attention + self._overhead(depth)

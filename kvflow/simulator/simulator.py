@@ -187,7 +187,7 @@ class Simulator:
         shape = BatchShape.of(seqs)
         t = self._step_time(shape, p)
         hop = self._hop(shape.tokens, p) if p.depth > 1 else 0.0
-        spans = p.place(now, t, hop, self._co_run(p, t, p.perf.co_run_factor(shape)) if self.config.shared_host else None)
+        spans = p.place(now, t, hop, self._durations(shape, p, t))
         pas = Pass(out, t)
         if p.role == "prompt":  # what the token side's cached prefix lacks, as the controller streams
             tokens = 0
@@ -212,16 +212,35 @@ class Simulator:
             self._times[key] = t
         return t
 
-    def _co_run(self, p: SimPipeline, t: float, factor: float):
-        """Shared host: stage k's time for a pass of `t` seconds alone starting at `start`, slowed by
-        `factor` while any other stage of the host is still busy (until the latest of their ends)."""
+    def _durations(self, shape: BatchShape, p: SimPipeline, t: float):
+        """Each stage's time for the pass (`place`'s `duration`), or None when every stage takes `t`:
+        stages of unequal shares price their own (`stage_step_time`; with swapping, the slowest
+        stage's `t` covers the swap-in); on a shared host a stage that starts while another stage
+        of the host is busy runs slower by `co_run_factor` for as long as they overlap."""
+        stages = [t] * p.depth
+        if p.depth > 1 and not self.config.swapping:
+            stages = [self._stage_time(shape, p, k) for k in range(p.depth)]
+        factor = p.perf.co_run_factor(shape) if self.config.shared_host else 1.0
+        if factor <= 1.0 and all(x == t for x in stages):
+            return None
+
         def duration(k: int, start: float) -> float:
+            tk = stages[k]
+            if factor <= 1.0:
+                return tk
             busy = max((end for q in self.prompt + self.token for j, end in enumerate(q.stage_free)
                         if not (q is p and j == k)), default=0.0) - start
-            if busy <= 0.0 or factor <= 1.0:
-                return t
-            return t * factor if busy >= t * factor else busy + (t - busy / factor)
+            if busy <= 0.0:
+                return tk
+            return tk * factor if busy >= tk * factor else busy + (tk - busy / factor)
         return duration
+
+    def _stage_time(self, shape: BatchShape, p: SimPipeline, stage: int) -> float:
+        key = (shape, p.depth, p.role, stage)
+        t = self._times.get(key)
+        if t is None:
+            t = self._times[key] = p.perf.stage_step_time(shape, p.depth, stage)
+        return t
 
     def _hop(self, tokens: int, p: SimPipeline) -> float:
         key = ("hop", tokens, p.role)

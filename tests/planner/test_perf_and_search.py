@@ -63,6 +63,11 @@ def test_nonneg_lstsq_and_profiled_fit_recover_coefficients():
     # a mixed batch: one intercept, both variable parts
     mixed = BatchShape(prefill_seqs=1, prefill_tokens=16, prefill_attention=16 * 16, decode_seqs=4, decode_context=4 * 128)
     assert perf.step_time(mixed, 1) == pytest.approx(0.01 + 1e-5 * 16 + 2e-9 * 256 + 4e-4 + 4 * 128e-7)
+    # each stage its own share: the last (LM head) is the step_time's stage, and the stages together
+    # cost the whole model once (a token passes both)
+    stages = [perf.stage_step_time(mixed, 2, k) for k in range(2)]
+    assert stages[1] == pytest.approx(perf.step_time(mixed, 2)) and stages[0] < 0.7 * stages[1]
+    assert sum(stages) == pytest.approx(perf.step_time(mixed, 1))
 
 
 def test_profile_roundtrip(tmp_path):
