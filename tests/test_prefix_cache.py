@@ -150,13 +150,14 @@ def params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def engine_phases(prefix_caching: bool, num_kv_blocks: int):
+def engine_phases(prefix_caching: bool, num_kv_blocks: int, phases=PHASES, params_of=params):
+    """Each phase's requests run to completion in one engine before the next phase is added."""
     eng = tiny_engine(num_kv_blocks=num_kv_blocks, block_size=BS, prefix_caching=prefix_caching)
     outs, i = [], 0
-    for phase in PHASES:
+    for phase in phases:
         reqs = []
         for p in phase:
-            reqs.append(eng.add_request(p, params(i)))
+            reqs.append(eng.add_request(p, params_of(i)))
             i += 1
         final = run_to_completion(eng)
         outs += [final[r.request_id].token_ids for r in reqs]
@@ -236,16 +237,7 @@ def test_a_killed_worker_with_shared_cached_blocks_changes_no_token(tiny_ckpt_di
     def p(i):
         return SamplingParams(max_tokens=lengths[i], temperature=0.8 if i == 2 else 0, seed=7, ignore_eos=True)
 
-    eng = tiny_engine(num_kv_blocks=64, block_size=BS, prefix_caching=False)
-    expected = []
-    i = 0
-    for phase in phases:
-        reqs = []
-        for prompt in phase:
-            reqs.append(eng.add_request(prompt, p(i)))
-            i += 1
-        final = run_to_completion(eng)
-        expected += [final[r.request_id].token_ids for r in reqs]
+    expected, _ = engine_phases(False, 64, phases, p)
 
     cfg = ClusterConfig(engine=EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=64, block_size=BS), microbatch_size=4,
                         prompt_microbatch_size=4, heartbeat_timeout_s=30.0, **kw)
