@@ -76,6 +76,9 @@ class PerfModel(ABC):
             t += self.token_stage_time(batch.decode_seqs, max(1, round(batch.decode_context / batch.decode_seqs)), depth)
         return t
 
+    # False where `stage_step_time` differs from stage to stage (the simulator then prices each).
+    uniform_stages = True
+
     def stage_step_time(self, batch: "BatchShape", depth: int, stage: int) -> float:
         """Seconds stage `stage` of a `depth`-stage pipeline spends on `batch`. This default is
         `step_time` (the most loaded stage's) for every stage."""

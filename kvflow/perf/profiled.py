@@ -156,6 +156,8 @@ class ProfiledPerfModel(PerfModel):
         contexts for the decodes, each scaled to the stage's share; plus the executor's overhead."""
         return self._priced(batch, depth, *self._shares(depth))
 
+    uniform_stages = False
+
     def stage_step_time(self, batch: BatchShape, depth: int, stage: int) -> float:
         """`step_time` with stage `stage`'s own shares of the weights and layers: with the LM head on
         the last stage, a depth-2 pipeline's stages differ by ~1.5x on a small model, and a request's

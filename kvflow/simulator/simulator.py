@@ -217,12 +217,11 @@ class Simulator:
         stages of unequal shares price their own (`stage_step_time`; with swapping, the slowest
         stage's `t` covers the swap-in); on a shared host a stage that starts while another stage
         of the host is busy runs slower by `co_run_factor` for as long as they overlap."""
-        stages = [t] * p.depth
-        if p.depth > 1 and not self.config.swapping:
-            stages = [self._stage_time(shape, p, k) for k in range(p.depth)]
+        per_stage = p.depth > 1 and not self.config.swapping and not p.perf.uniform_stages
         factor = p.perf.co_run_factor(shape) if self.config.shared_host else 1.0
-        if factor <= 1.0 and all(x == t for x in stages):
-            return None
+        if not per_stage and factor <= 1.0:
+            return None  # (the planner's case: every stage takes `t`)
+        stages = [self._stage_time(shape, p, k) for k in range(p.depth)] if per_stage else [t] * p.depth
 
         def duration(k: int, start: float) -> float:
             tk = stages[k]
