@@ -198,6 +198,7 @@ class KillFirstReplacement(SubprocessLauncher):
     during recovery), the next one is healthy."""
 
     def __init__(self, initial: int) -> None:
+        super().__init__()
         self.initial, self.starts = initial, 0
 
     def start(self, name, controller_addr, host, secret):

@@ -84,7 +84,8 @@ def register(sub) -> None:
     s.add_argument("--plan", type=Path, default=None,
                    help="--launcher ray: JSON placement, which stage on which Ray node (format: "
                         "kvflow/controller/ray_launcher.py, docs/deploy.md)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="of the HTTP server's and kvflow's own log lines (stderr)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but --open-paths (default: $KVFLOW_API_KEY; unset: no auth)")
     s.add_argument("--open-paths", default="/health,/metrics",
@@ -208,8 +209,20 @@ def _api_config(args):
     return APIConfig(api_key=key, open_paths=open_paths, drain_timeout_s=args.drain_timeout)
 
 
+def _log_to_stderr(level: str) -> None:
+    """kvflow's own log lines (worker starts, recoveries, model loading) at `--log-level`, beside uvicorn's."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)-9s [%(name)s] %(message)s"))
+    root = logging.getLogger("kvflow")
+    root.setLevel(level.upper())
+    root.addHandler(handler)
+
+
 def run_serve(args) -> int:
     _check_mode(args)
+    _log_to_stderr(args.log_level)
     from kvflow.api.server import serve
 
     api_config = _api_config(args)  # checked before the model loads

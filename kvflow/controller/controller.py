@@ -143,7 +143,7 @@ class Controller:
 
     def start_blocking(self) -> None:
         for s in self.stages.values():
-            s.process = self.launcher.start(s.name, self.address, self.cfg.host, self.secret)
+            s.process = self._launch(s.name)
         try:
             self._handshake()
         except StartError as e:
@@ -155,6 +155,12 @@ class Controller:
             s.last_heartbeat = now
         self._thread = threading.Thread(target=self._loop, name="kvflow-controller", daemon=True)
         self._thread.start()
+
+    def _launch(self, name: str):
+        proc = self.launcher.start(name, self.address, self.cfg.host, self.secret)
+        if proc is not None:
+            log.info("started worker %s (pid %s)", name, proc.pid)
+        return proc
 
     def _handshake(self, names: set[str] | None = None) -> None:
         """Hello -> Setup (spec + engine config) -> Ready, for the stages `names` (default: all).
@@ -574,7 +580,7 @@ class Controller:
                     self._send_to(s.name, Reset(self.epoch))
             if self.store is not None:
                 self.store.reset(self.epoch)
-            lost.process = self.launcher.start(lost.name, self.address, self.cfg.host, self.secret)
+            lost.process = self._launch(lost.name)
             try:
                 self._handshake({lost.name})
                 break

@@ -2,7 +2,9 @@
 
 A worker needs only the controller's address, its name, the interface it binds and the cluster
 secret; everything else (its layers, role, model, dtype, KV settings) arrives in the handshake.
-`SubprocessLauncher` spawns local processes (the default); `ExternalLauncher` starts nothing and
+`SubprocessLauncher` starts local processes (the default): forked from a fork server that has
+imported the worker (torch included) once, so a worker starts in well under a second instead of
+paying the ~2-4 s import on every start and every replacement of a lost worker; `ExternalLauncher` starts nothing and
 prints the command to run on each host; `kvflow.controller.ray_launcher.RayLauncher` starts each
 stage as a Ray actor placed on a Ray cluster (imported only when asked for). The controller calls
 `start` for every stage at start-up and again for the replacement of a lost worker; whoever built
@@ -11,6 +13,7 @@ the launcher calls `close()` once the controller has shut down.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import shlex
 import subprocess
@@ -46,12 +49,62 @@ def worker_command(name: str, controller_addr: str, host: str) -> list[str]:
     return [sys.executable, "-m", "kvflow.worker", "--controller", controller_addr, "--name", name, "--host", host]
 
 
-class SubprocessLauncher:
-    """Each worker is a child process of this one; the secret travels in its environment."""
+def _run_forked_worker(controller_addr: str, name: str, host: str, secret: bytes, env: dict[str, str],
+                       controller_pid: int) -> None:
+    """A forked worker's entry: the environment its launcher had when it was started, then the worker,
+    which stops when the controller process exits (its parent is the fork server, which lives as
+    long as any of its workers)."""
+    os.environ.clear()
+    os.environ.update(env)
+    from kvflow.worker.worker import run_worker
 
-    def start(self, name: str, controller_addr: str, host: str, secret: bytes) -> subprocess.Popen:
+    run_worker(controller_addr, name, host, secret, controller_pid)
+
+
+class ForkedWorker:
+    """A `WorkerHandle` over a process forked by the fork server (a `multiprocessing.Process`)."""
+
+    def __init__(self, proc) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code; `subprocess.TimeoutExpired` if it still runs after `timeout` (as `Popen.wait`)."""
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+        return self.proc.exitcode
+
+
+class SubprocessLauncher:
+    """Each worker is a local process. Where the platform has a fork server, workers are forked from
+    it: it is started once per controller process (the first `start`) and imports
+    `kvflow.worker.worker` (torch included) before forking anything; a worker gets the launcher's
+    environment of the moment it is started (libraries that read the environment only on import,
+    such as OpenMP, see the fork server's) and the secret as an argument. Elsewhere each worker is
+    a fresh interpreter (`python -m kvflow.worker`, the secret in its environment)."""
+
+    def __init__(self) -> None:
+        self._ctx = None
+        if "forkserver" in mp.get_all_start_methods():
+            self._ctx = mp.get_context("forkserver")
+            self._ctx.set_forkserver_preload(["kvflow.worker.worker"])
+
+    def start(self, name: str, controller_addr: str, host: str, secret: bytes) -> WorkerHandle:
         env = {**os.environ, SECRET_ENV: secret.hex()}
-        return subprocess.Popen(worker_command(name, controller_addr, host), env=env)
+        if self._ctx is None:
+            return subprocess.Popen(worker_command(name, controller_addr, host), env=env)
+        env.pop(SECRET_ENV)
+        proc = self._ctx.Process(target=_run_forked_worker, args=(controller_addr, name, host, secret, env, os.getpid()),
+                                 name=f"kvflow-worker-{name}", daemon=True)
+        proc.start()
+        return ForkedWorker(proc)
 
     def close(self) -> None:
         pass

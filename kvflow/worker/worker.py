@@ -63,8 +63,12 @@ class Prepared:
 
 
 class Worker:
-    def __init__(self, controller_addr: str, name: str, host: str, secret: bytes) -> None:
+    def __init__(self, controller_addr: str, name: str, host: str, secret: bytes, controller_pid: int | None = None) -> None:
+        """`controller_pid`: the local controller process this worker must not outlive (a worker forked by
+        the launcher's fork server); None: the process that started this one (its parent)."""
         self.controller_addr, self.name, self.host, self.secret = controller_addr, name, host, secret
+        self._parent = os.getppid()
+        self.controller_pid = controller_pid
         self.ctx = zmq.Context()
         self.busy_s = 0.0
         self.steps = 0
@@ -196,13 +200,28 @@ class Worker:
             out = OutStream(TcpSender(wire.replica_to), f"{self.name}->replica@{self.epoch}", self.secret)
             self.replicator = KVSender(self.cache, self.spec.stage, {self.spec.stage + 1: out}, mode="overlap", incremental=True)
 
+    def _controller_gone(self) -> bool:
+        """Whether the local process that started this worker has exited (a worker must not linger)."""
+        if self.controller_pid is None:
+            return os.getppid() != self._parent
+        try:
+            os.kill(self.controller_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        try:  # an exited controller not yet reaped by its parent is a zombie
+            with open(f"/proc/{self.controller_pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return False
+
     def _expect(self, cls):
-        parent = os.getppid()
         while True:
             msg, _ = self._recv(self.step_in, 1000)
             if isinstance(msg, cls):
                 return msg
-            if msg is None and os.getppid() != parent:
+            if msg is None and self._controller_gone():
                 raise SystemExit(f"{self.name}: the controller went away during start-up")
             if msg is not None:
                 self.dropped += 1
@@ -235,7 +254,6 @@ class Worker:
             return None, None, None
 
     def _loop(self) -> None:
-        parent = os.getppid()
         if self.swapper is not None:
             self._inbox: queue.Queue = queue.Queue()
             self._intake_thread = threading.Thread(target=self._intake, name="intake", daemon=True)
@@ -243,7 +261,7 @@ class Worker:
         while True:
             msg, tensor, prep = self._next()
             if msg is None:
-                if os.getppid() != parent:  # the controller that spawned us is gone: do not linger
+                if self._controller_gone():  # the controller that started us is gone: do not linger
                     log.warning("controller process exited; worker %s stops", self.name)
                     return
                 continue
@@ -393,11 +411,12 @@ class Worker:
             self._to_controller(Heartbeat(self.name, self.busy_s, self.steps, sent, got, self.dropped, replicated, swap))
 
 
-def run_worker(controller_addr: str, name: str, host: str, secret: bytes | None = None) -> None:
+def run_worker(controller_addr: str, name: str, host: str, secret: bytes | None = None,
+               controller_pid: int | None = None) -> None:
     logging.basicConfig(level=os.environ.get("KVFLOW_LOG", "WARNING"))
     if secret is None:
         hexed = os.environ.get(SECRET_ENV)
         if not hexed:
             raise SystemExit(f"the cluster secret is missing: set {SECRET_ENV} (the controller prints it)")
         secret = bytes.fromhex(hexed)
-    Worker(controller_addr, name, host, secret).run()
+    Worker(controller_addr, name, host, secret, controller_pid).run()
