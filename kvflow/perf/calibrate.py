@@ -89,53 +89,56 @@ def profile_engine(model: str | None, batches: tuple[int, ...], prompt_lens: tup
     return Profile(shape_of(engine), "1xCPU", prompt, token, meta)
 
 
-def executor_overhead(profile: Profile, model: str | None, batches: tuple[int, ...] = (1, 4), prompt_len: int = 16,
-                      steps: int = 8, threads: int = 1) -> float:
+def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 4), prompt_len: int = 16, steps: int = 8,
+                      threads: int = 1) -> float:
     """Seconds a pipeline of worker processes adds per stage and pass to the engine's step time
-    (messages and their codec, the controller's round trip): decode steps of `batches` requests
-    timed at the client through a one-stage colocated `Controller`, minus the engine's fitted
-    decode time at the same batch and context; the median over steps and batches."""
+    (messages and their codec, the controller's round trip): the median gap between decode steps of
+    `batches` requests timed at the client through a one-stage colocated `Controller`, minus the
+    median of the same steps (same batch, prompt and contexts) run by the engine in this process just
+    before; the median over batches. (Subtracting a fit of the engine's timings instead measured the
+    fit's error as much as the overhead: a fit 10% slow on decode made the overhead 0.)"""
     import asyncio
 
     import numpy as np
 
     from kvflow.config import ClusterConfig, EngineConfig
     from kvflow.controller.controller import Controller
-    from kvflow.perf.profiled import ProfiledPerfModel
     from kvflow.sched.sampling import SamplingParams
     from kvflow.sched.scheduler import SchedulerConfig
 
-    fit = ProfiledPerfModel(profile).token_fit
+    rng = np.random.default_rng(1)
+    engine = _engine(model, max(batches), max(batches) * prompt_len, threads)
+    time_decode(engine, batches[0], prompt_len, 2, rng)  # warm-up
+    alone = {b: statistics.median(s.seconds for s in time_decode(engine, b, prompt_len, steps, rng)) for b in batches}
+    del engine
     sched = SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
                             prefill_chunk_size=prompt_len)
     cfg = ClusterConfig(engine=EngineConfig(model=model, num_kv_blocks=256, num_threads=threads, scheduler=sched),
                         mode="colocated", depth=1, microbatch_size=max(batches), threads_per_worker=threads)
-    rng = np.random.default_rng(1)
 
-    async def run() -> list[float]:
+    async def run() -> dict[int, float]:
         ctrl = Controller(cfg)
         await ctrl.start()
-        extra = []
+        gaps: dict[int, float] = {}
         try:
-            for b in (batches[0],) + tuple(batches):  # the first round warms up
+            for k, b in enumerate((batches[0],) + tuple(batches)):  # the first round warms up
                 stamps: list[float] = []
                 params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
 
                 async def one(i: int) -> None:
                     prompt = [int(x) for x in rng.integers(10, ctrl.vocab_size - 10, prompt_len)]
-                    async for out in ctrl.generate(prompt, params, f"calib-{b}-{i}-{len(extra)}"):
+                    async for out in ctrl.generate(prompt, params, f"calib-{k}-{i}"):
                         if i == 0:
                             stamps.extend([time.perf_counter()] * len(out.new_token_ids))
 
                 await asyncio.gather(*[one(i) for i in range(b)])
-                gaps = np.diff(stamps)[1:]  # decode steps after the first one
-                extra.append([g - fit(b, b * (prompt_len + 2 + k)) for k, g in enumerate(gaps)])
+                gaps[b] = float(np.median(np.diff(stamps)[1:]))  # decode steps after the first one
         finally:
             await ctrl.shutdown()
-        return [x for row in extra[1:] for x in row]
+        return gaps
 
-    values = asyncio.run(run())
-    return max(0.0, statistics.median(values))
+    gaps = asyncio.run(run())
+    return max(0.0, statistics.median(gaps[b] - alone[b] for b in batches))
 
 
 def co_runner(model: str | None, threads: int = 1) -> None:
@@ -211,7 +214,7 @@ def calibrated_profile(path, model: str | None = None, reprofile: bool = False) 
         t0 = time.perf_counter()
         print(f"profiling the engine and a one-stage worker pipeline -> {path} ...", flush=True)
         prof = profile_engine(model, GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS, repeats=3, threads=1)
-        prof = replace(prof, stage_overhead_s=executor_overhead(prof, model), co_run=co_run_slowdown(model))
+        prof = replace(prof, stage_overhead_s=executor_overhead(model), co_run=co_run_slowdown(model))
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.save(path)
         print(f"profiled in {time.perf_counter() - t0:.0f} s", flush=True)
