@@ -87,8 +87,11 @@ class SubprocessLauncher:
     it: it is started once per controller process (the first `start`) and imports
     `kvflow.worker.worker` (torch included) before forking anything; a worker gets the launcher's
     environment of the moment it is started (libraries that read the environment only on import,
-    such as OpenMP, see the fork server's) and the secret as an argument. Elsewhere each worker is
-    a fresh interpreter (`python -m kvflow.worker`, the secret in its environment)."""
+    such as OpenMP, see the fork server's) and the secret as an argument. As with any
+    multiprocessing start other than a bare fork, a forked worker first imports the script that
+    runs the controller (as `__mp_main__`): such a script keeps its work under
+    `if __name__ == "__main__":` (`kvflow serve` and the benchmarks do). Elsewhere each worker is a
+    fresh interpreter (`python -m kvflow.worker`, the secret in its environment)."""
 
     def __init__(self) -> None:
         self._ctx = None
