@@ -17,9 +17,11 @@
    settings, block pool) with the profiled model — the worker layouts with `shared_host` (every
    worker on this host: a step beside a busy stage runs at the co-run slowdown) — and report the
    error of throughput (output tokens/s over the makespan), median TTFT and median TPOT per layout,
-   and for comparison the error with a machine per worker.
+   and for comparison the error with a machine per worker. With `--repeats N` every layout is
+   replayed N times (rounds interleaved), the error is against the median of the real runs, and
+   how far the runs lie from their median is printed: the noise floor of the comparison.
 
-    python benchmarks/fidelity.py [--profile results/profile.json] [--requests 48] [--rate 0.8]
+    python benchmarks/fidelity.py [--profile results/profile.json] [--reprofile] [--requests 48] [--rate 0.8] [--repeats 1]
 
 Prints a table; writes results/fidelity.json and results/fidelity.png.
 """
@@ -160,6 +162,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=0.8, help="Poisson requests/s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="replays per layout (interleaved); the error is against their median, their spread is printed")
     args = ap.parse_args()
     import torch
 
@@ -177,23 +181,34 @@ def main() -> None:
           f"(median {int(np.median(w.prompt_len))}), outputs {int(w.output_len.min())}-{int(w.output_len.max())} "
           f"(median {int(np.median(w.output_len))})")
     rows = {}
-    for layout in args.layouts.split(","):
-        t0 = time.perf_counter()
-        measured, cluster, backend = run_real(layout, w, args.seed)
-        wall = time.perf_counter() - t0
+    layouts = args.layouts.split(",")
+    runs: dict[str, list] = {layout: [] for layout in layouts}
+    for r in range(args.repeats):  # interleaved: every layout once per round
+        for layout in layouts:
+            t0 = time.perf_counter()
+            measured, cluster, backend = run_real(layout, w, args.seed)
+            wall = time.perf_counter() - t0
+            real = metrics(measured.arrival, measured.first_token, measured.finish, measured.output_len)
+            runs[layout].append((real, measured, cluster, backend, wall))
+            print(f"  {layout:<18} replay {r + 1}/{args.repeats} in {wall:5.0f} s: real {real['throughput_tok_s']:.2f} tok/s, "
+                  f"ttft {real['ttft_p50_s']:.2f} s, tpot {real['tpot_p50_s'] * 1e3:.0f} ms", flush=True)
+    keys = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s")
+    for layout in layouts:
+        reals = [x[0] for x in runs[layout]]
+        real = {k: float(np.median([x[k] for x in reals])) for k in reals[0]}
+        _, measured, cluster, backend, wall = runs[layout][-1]
         res = simulate(sim_config(layout, cluster, backend), perf if layout == "engine" else perf_workers, w)
-        real = metrics(measured.arrival, measured.first_token, measured.finish, measured.output_len)
         sim = metrics(res.arrival, res.first_token, res.finish, res.output_len)
-        err = {k: sim[k] / real[k] - 1 for k in ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s")}
-        rows[layout] = {"real": real, "sim": sim, "error": err, "wall_s": wall,
+        err = {k: sim[k] / real[k] - 1 for k in keys}
+        # how far the real runs are from their own median: the noise floor of the comparison
+        spread = {k: max(abs(x[k] / real[k] - 1) for x in reals) for k in keys}
+        rows[layout] = {"real": real, "real_runs": reals, "real_spread": spread, "sim": sim, "error": err, "wall_s": wall,
                         "real_ttft": (measured.first_token - measured.arrival).tolist(), "sim_ttft": res.ttft.tolist()}
         cfg = sim_config(layout, cluster, backend)
         if cfg.shared_host:  # the same simulation with a machine per worker (no contention model), for comparison
             alone = simulate(dataclasses.replace(cfg, shared_host=False), perf_workers, w)
             a = metrics(alone.arrival, alone.first_token, alone.finish, alone.output_len)
             rows[layout]["error_machine_per_worker"] = {k: a[k] / real[k] - 1 for k in err}
-        print(f"  {layout:<18} replayed in {wall:5.0f} s: real {real['throughput_tok_s']:.2f} tok/s, "
-              f"ttft {real['ttft_p50_s']:.2f} s, tpot {real['tpot_p50_s'] * 1e3:.0f} ms")
     print(f"\n{'layout':<18} | {'throughput tok/s':^24} | {'median TTFT s':^24} | {'median TPOT ms':^24}")
     print(f"{'':<18} | {'real':>6} {'sim':>6} {'err':>8} | {'real':>6} {'sim':>6} {'err':>8} | {'real':>6} {'sim':>6} {'err':>8}")
     for layout, r in rows.items():
@@ -206,13 +221,18 @@ def main() -> None:
             e = r["error_machine_per_worker"]
             print(f"{layout:<18}   without the shared-host model: throughput {e['throughput_tok_s']:+.1%}, "
                   f"TTFT {e['ttft_p50_s']:+.1%}, TPOT {e['tpot_p50_s']:+.1%}")
+    if args.repeats > 1:
+        for layout, r in rows.items():
+            sp = r["real_spread"]
+            print(f"{layout:<18}   real runs within {sp['throughput_tok_s']:.1%} / {sp['ttft_p50_s']:.1%} / "
+                  f"{sp['tpot_p50_s']:.1%} of their median (throughput / TTFT / TPOT, {args.repeats} replays)")
     worst = max(abs(e) for r in rows.values() for e in r["error"].values())
     print(f"worst |error| {worst:.1%} (target < 10%); total {time.perf_counter() - t_start:.0f} s")
     out = ROOT / "results"
     out.mkdir(exist_ok=True)
     doc = {"profile": str(args.profile), "profile_grid": {"batches": GRID_BATCHES, "prompts": GRID_PROMPTS,
                                                           "contexts": GRID_CONTEXTS},
-           "workload": {"requests": w.n, "rate": args.rate, "seed": args.seed, "trace": TRACE.name,
+           "workload": {"requests": w.n, "rate": args.rate, "seed": args.seed, "trace": TRACE.name, "repeats": args.repeats,
                         "scaling": "prompt // 16 clipped [8, 160]; output // 8 clipped [4, 40]"},
            "layouts": rows, "worst_abs_error": worst}
     (out / "fidelity.json").write_text(json.dumps(doc, indent=1))
