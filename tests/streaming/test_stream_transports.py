@@ -245,7 +245,7 @@ def test_reserved_buffer_is_sent_in_place():
     expect = x.clone()
     flush(out, ChunkDesc((Segment("r", 0, 5000),), 0, 1), x)
     (token, _), = tx.link.inflight.values()
-    assert token[0] == room.data_ptr() - buffer_address(tx.shm.buf)
+    assert token[0] == room.data_ptr() - tx._base
     with fetch(inp, 5) as c:
         assert torch.equal(c.data, expect)
     out.drain()
