@@ -13,7 +13,8 @@
   memcpy     the same bytes copied into one slot of a mapped shared-memory segment, nothing else
   memcpy+xxh3  that copy plus the checksum of the slot: what a checked shm send cannot go below
   memcpy+msg   that copy plus one small message per chunk over a Unix socket to another process
-             (no acknowledgement): what an unchecked shm send with a control message costs at least
+             (no acknowledgement): the least an unchecked shm send cost when every chunk sent a
+             control message (before descriptors and acknowledgements moved into the segment)
   file       flush() through FileSender (one file per chunk, temp name + rename)
   raw write  os.open / os.write / os.close of one file per chunk
   tcp / shm / file unchecked   the same transports with the payload checksum replaced by a constant
