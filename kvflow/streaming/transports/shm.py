@@ -259,6 +259,8 @@ class ShmSender(ChunkSender):
             self._make_room()
         hoff = -(-n // ALIGN) * ALIGN  # the header goes after the payload, in the same range
         room = hoff + max(len(header), ERROR_ROOM)
+        if room > self.ring.size:
+            raise ChunkOversized(f"a {len(header)}-byte header with a {n}-byte payload does not fit the {self.ring.size}-byte segment")
         r, self._reserved = self._reserved, None
         if r is not None and (r[1] - r[0] < room or buffer_address(payload) != self._base + r[0]):
             self.ring.free(r)  # not packed there after all, or no room for this header: copied (numpy copies overlaps right)
