@@ -13,7 +13,8 @@
   memcpy     the same bytes copied into one slot of a mapped shared-memory segment, nothing else
   memcpy+xxh3  that copy plus the checksum of the slot: what a checked shm send cannot go below
   memcpy+msg   that copy plus one small message per chunk over a Unix socket to another process
-             (no acknowledgement): what an unchecked shm send with a control message costs at least
+             (no acknowledgement): the least an unchecked shm send cost when every chunk sent a
+             control message (before descriptors and acknowledgements moved into the segment)
   file       flush() through FileSender (one file per chunk, temp name + rename)
   raw write  os.open / os.write / os.close of one file per chunk
   tcp / shm / file unchecked   the same transports with the payload checksum replaced by a constant
@@ -126,7 +127,8 @@ def peer(kind: str, conn) -> None:
         c = _usage()
         for _ in range(n):
             fetch(inp, 60).release()
-        (rx.flush_acks if hasattr(rx, "flush_acks") else rx.link.flush_acks)()  # held-back acks out before the answer
+        if hasattr(rx, "flush_acks"):
+            rx.flush_acks()  # held-back acks out before the answer (shared memory acknowledges each release at once)
         conn.send(_since(c))
     rx.close()
 

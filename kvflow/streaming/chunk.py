@@ -128,11 +128,11 @@ def encode_header(h: ChunkHeader) -> bytes:
 def decode_header(raw: bytes | memoryview) -> ChunkHeader:
     """Parse a header; anything malformed raises ChunkCorrupted."""
     try:
-        v, stream, seq, segs, l0, l1, kinds, dtype, shape, nbytes, digest, meta = msgpack.unpackb(bytes(raw))
+        v, stream, seq, segs, l0, l1, kinds, dtype, shape, nbytes, digest, meta = msgpack.unpackb(raw)
         if v != FORMAT_VERSION:
             raise ChunkCorrupted(f"chunk format version {v}, expected {FORMAT_VERSION}")
-        desc = ChunkDesc(tuple(Segment(str(r), int(a), int(b)) for r, a, b in segs), int(l0), int(l1), str(kinds))
-        return ChunkHeader(str(stream), int(seq), desc, str(dtype), tuple(int(x) for x in shape), int(nbytes), int(digest), dict(meta))
+        desc = ChunkDesc(tuple([Segment(str(r), int(a), int(b)) for r, a, b in segs]), int(l0), int(l1), str(kinds))
+        return ChunkHeader(str(stream), int(seq), desc, str(dtype), tuple(map(int, shape)), int(nbytes), int(digest), dict(meta))
     except ChunkCorrupted:
         raise
     except Exception as e:  # msgpack errors, wrong arity, bad values

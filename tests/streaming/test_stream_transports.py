@@ -245,7 +245,7 @@ def test_reserved_buffer_is_sent_in_place():
     expect = x.clone()
     flush(out, ChunkDesc((Segment("r", 0, 5000),), 0, 1), x)
     (token, _), = tx.link.inflight.values()
-    assert token[0] == room.data_ptr() - buffer_address(tx.shm.buf)
+    assert token[0] == room.data_ptr() - tx._base
     with fetch(inp, 5) as c:
         assert torch.equal(c.data, expect)
     out.drain()
@@ -433,3 +433,38 @@ def test_chunk_size_follows_the_last_level_cache():
     assert preferred_chunk_bytes(2 << 20) == 1 << 20 and preferred_chunk_bytes(1 << 30) == 16 << 20  # clamped
     assert preferred_chunk_bytes(0) == 4 << 20  # unknown
     assert 1 << 20 <= CHUNK_BYTES <= 16 << 20
+
+
+def test_shm_wakes_a_sleeping_receiver_and_sends_nothing_to_a_busy_one():
+    """The sleeping-consumer protocol: chunks published while the receiver is not blocked cross
+    without a single socket message; a receiver blocked in recv (its flag set in the segment) is
+    woken by the next chunk."""
+    from kvflow.streaming.transports.shm import RX_SLEEPING
+
+    rx = ShmReceiver()
+    tx = ShmSender(rx.address, slots=2, slot_bytes=1 << 16)
+    out, inp = OutStream(tx), InStream(rx)
+    desc = ChunkDesc((Segment("r", 0, 3),), 0, 1)
+    x = torch.randn(1, 2, 3, 2, 8)
+    flush(out, desc, x)
+    fetch(inp, 5).release()  # attached
+    (peer,) = rx.peers.values()
+    for i in range(10):  # the receiver is not waiting: nothing but the segment is written
+        flush(out, desc, x + i)
+    with pytest.raises(BlockingIOError):
+        peer.sock.recv(64, socket.MSG_DONTWAIT)
+    for i in range(10):
+        with fetch(inp, 5) as c:
+            assert torch.equal(c.data, x + i)
+    got = []
+    t = threading.Thread(target=lambda: got.append(fetch(inp, 20).data.clone()))
+    t.start()
+    deadline = time.monotonic() + 20
+    while not peer.ctl[RX_SLEEPING] and time.monotonic() < deadline:  # until it announced its sleep
+        time.sleep(0.001)
+    assert peer.ctl[RX_SLEEPING] == 1
+    flush(out, desc, x + 100)
+    t.join(30)
+    assert len(got) == 1 and torch.equal(got[0], x + 100)
+    tx.close()
+    rx.close()

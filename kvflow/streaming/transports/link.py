@@ -1,5 +1,6 @@
-"""What the socket links of TCP and shared memory share: tagged messages, a window of
-unacknowledged ones, and acknowledgements coalesced by the receiver.
+"""What the transports' links share: tagged messages and the sender's window of unacknowledged
+ones (TCP and shared memory), and acknowledgements coalesced by the receiver (TCP; shared memory
+records each release in its segment, where acknowledging costs a store, not a message).
 
 Every message carries a 64-bit tag. The receiver acknowledges each tag (with an error string when it
 rejected the message); acknowledgements are held back while more messages are already waiting
