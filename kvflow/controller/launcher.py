@@ -4,9 +4,10 @@ A worker needs only the controller's address, its name, the interface it binds a
 secret; everything else (its layers, role, model, dtype, KV settings) arrives in the handshake.
 `SubprocessLauncher` starts local processes (the default): forked from a fork server that has
 imported the worker (torch included) once, so a worker starts in well under a second instead of
-paying the ~2-4 s import on every start and every replacement of a lost worker; `ExternalLauncher` starts nothing and
-prints the command to run on each host; `kvflow.controller.ray_launcher.RayLauncher` starts each
-stage as a Ray actor placed on a Ray cluster (imported only when asked for). The controller calls
+paying the ~2-4 s import on every start and every replacement of a lost worker;
+`ExternalLauncher` starts nothing and prints the command to run on each host;
+`kvflow.controller.ray_launcher.RayLauncher` starts each stage as a Ray actor placed on a Ray
+cluster (imported only when asked for). The controller calls
 `start` for every stage at start-up and again for the replacement of a lost worker; whoever built
 the launcher calls `close()` once the controller has shut down.
 """
@@ -100,11 +101,10 @@ class SubprocessLauncher:
             self._ctx.set_forkserver_preload(["kvflow.worker.worker"])
 
     def start(self, name: str, controller_addr: str, host: str, secret: bytes) -> WorkerHandle:
-        env = {**os.environ, SECRET_ENV: secret.hex()}
         if self._ctx is None:
-            return subprocess.Popen(worker_command(name, controller_addr, host), env=env)
-        env.pop(SECRET_ENV)
-        proc = self._ctx.Process(target=_run_forked_worker, args=(controller_addr, name, host, secret, env, os.getpid()),
+            return subprocess.Popen(worker_command(name, controller_addr, host), env={**os.environ, SECRET_ENV: secret.hex()})
+        proc = self._ctx.Process(target=_run_forked_worker,
+                                 args=(controller_addr, name, host, secret, dict(os.environ), os.getpid()),
                                  name=f"kvflow-worker-{name}", daemon=True)
         proc.start()
         return ForkedWorker(proc)
