@@ -197,14 +197,14 @@ def main() -> None:
         reals = [x[0] for x in runs[layout]]
         real = {k: float(np.median([x[k] for x in reals])) for k in reals[0]}
         _, measured, cluster, backend, wall = runs[layout][-1]
-        res = simulate(sim_config(layout, cluster, backend), perf if layout == "engine" else perf_workers, w)
+        cfg = sim_config(layout, cluster, backend)
+        res = simulate(cfg, perf if layout == "engine" else perf_workers, w)
         sim = metrics(res.arrival, res.first_token, res.finish, res.output_len)
         err = {k: sim[k] / real[k] - 1 for k in keys}
         # how far the real runs are from their own median: the noise floor of the comparison
         spread = {k: max(abs(x[k] / real[k] - 1) for x in reals) for k in keys}
         rows[layout] = {"real": real, "real_runs": reals, "real_spread": spread, "sim": sim, "error": err, "wall_s": wall,
                         "real_ttft": (measured.first_token - measured.arrival).tolist(), "sim_ttft": res.ttft.tolist()}
-        cfg = sim_config(layout, cluster, backend)
         if cfg.shared_host:  # the same simulation with a machine per worker (no contention model), for comparison
             alone = simulate(dataclasses.replace(cfg, shared_host=False), perf_workers, w)
             a = metrics(alone.arrival, alone.first_token, alone.finish, alone.output_len)
