@@ -91,12 +91,16 @@ def profile_engine(model: str | None, batches: tuple[int, ...], prompt_lens: tup
 
 def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 4), prompt_len: int = 16, steps: int = 8,
                       threads: int = 1) -> float:
-    """Seconds a pipeline of worker processes adds per stage and pass to the engine's step time
-    (messages and their codec, the controller's round trip): the median gap between decode steps of
-    `batches` requests timed at the client through a one-stage colocated `Controller`, minus the
-    median of the same steps (same batch, prompt and contexts) run by the engine in this process just
-    before; the median over batches. (Subtracting a fit of the engine's timings instead measured the
-    fit's error as much as the overhead: a fit 10% slow on decode made the overhead 0.)"""
+    """Seconds a pipeline of worker processes adds per stage and pass to the step's compute time
+    (messages and their codec, the controller's round trip and sampling): through a one-stage
+    colocated `Controller`, decode steps of `batches` requests, the median gap between tokens at the
+    client minus the median compute time the worker itself reports for those steps (`busy_s` of each
+    step result); the median over batches.
+
+    Both terms come from the same steps of the same run, so the step time's own run-to-run noise
+    (5-10% of a ~75 ms step here) cancels. (Subtracting the engine's steps timed just before, in
+    this process, gave 2.7 to 13.7 ms in four quiet calibrations: the difference of two medians of
+    noisy steps; subtracting a fit of them measured the fit's error as much.)"""
     import asyncio
 
     import numpy as np
@@ -107,10 +111,6 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 4), prom
     from kvflow.sched.scheduler import SchedulerConfig
 
     rng = np.random.default_rng(1)
-    engine = _engine(model, max(batches), max(batches) * prompt_len, threads)
-    time_decode(engine, batches[0], prompt_len, 2, rng)  # warm-up
-    alone = {b: statistics.median(s.seconds for s in time_decode(engine, b, prompt_len, steps, rng)) for b in batches}
-    del engine
     sched = SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
                             prefill_chunk_size=prompt_len)
     cfg = ClusterConfig(engine=EngineConfig(model=model, num_kv_blocks=256, num_threads=threads, scheduler=sched),
@@ -119,11 +119,13 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 4), prom
     async def run() -> dict[int, float]:
         ctrl = Controller(cfg)
         await ctrl.start()
-        gaps: dict[int, float] = {}
+        over: dict[int, float] = {}
         try:
+            log = ctrl.pipelines[0].step_log
             for k, b in enumerate((batches[0],) + tuple(batches)):  # the first round warms up
                 stamps: list[float] = []
                 params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+                before = len(log)
 
                 async def one(i: int) -> None:
                     prompt = [int(x) for x in rng.integers(10, ctrl.vocab_size - 10, prompt_len)]
@@ -132,13 +134,16 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 4), prom
                             stamps.extend([time.perf_counter()] * len(out.new_token_ids))
 
                 await asyncio.gather(*[one(i) for i in range(b)])
-                gaps[b] = float(np.median(np.diff(stamps)[1:]))  # decode steps after the first one
+                # the decode steps of this round (one new token per sequence), after the first one
+                busy = [s for n, s in list(log)[before:] if n == b][1:]
+                gap = float(np.median(np.diff(stamps)[1:]))
+                over[b] = gap - float(np.median(busy))
         finally:
             await ctrl.shutdown()
-        return gaps
+        return over
 
-    gaps = asyncio.run(run())
-    return max(0.0, statistics.median(gaps[b] - alone[b] for b in batches))
+    over = asyncio.run(run())
+    return max(0.0, statistics.median(over.values()))
 
 
 def co_runner(model: str | None, threads: int = 1) -> None:
@@ -159,7 +164,7 @@ def co_runner(model: str | None, threads: int = 1) -> None:
         engine.step()
 
 
-def co_run_slowdown(model: str | None, threads: int = 1, rounds: int = 3) -> tuple[float, float]:
+def co_run_slowdown(model: str | None, threads: int = 1, rounds: int = 6) -> tuple[float, float]:
     """How much slower the engine's steps run while another worker process on the same host is
     busy (`co_runner`): (prefill, decode) ratios of the median step times with and without the
     neighbour (one process, paused and resumed), the two conditions alternated `rounds` times.
@@ -188,7 +193,7 @@ def co_run_slowdown(model: str | None, threads: int = 1, rounds: int = 3) -> tup
                 proc.send_signal(signal.SIGCONT if busy else signal.SIGSTOP)
                 time.sleep(0.2)
                 times.setdefault(("prefill", busy), []).append(time_prefill(engine, 2, 80, 2, rng))
-                times.setdefault(("decode", busy), []).extend(s.seconds for s in time_decode(engine, 3, 160, 4, rng))
+                times.setdefault(("decode", busy), []).extend(s.seconds for s in time_decode(engine, 3, 160, 6, rng))
     finally:
         proc.kill()
         proc.wait()
