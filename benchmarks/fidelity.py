@@ -4,8 +4,8 @@
    shapes (`kvflow.perf.calibrate.GRID_*`: whole prompts in small batches, decode steps at a few
    contexts) — never the replay's requests or its mixed, chunked batches — plus the
    per-stage overhead of worker processes (`calibrate.executor_overhead`: decode steps of 1 and 4
-   requests through a one-stage worker pipeline, minus the same steps run by the engine just
-   before) and the slowdown of a prefill and a decode step beside another busy engine process
+   requests through a one-stage worker pipeline, the client's token gap minus the worker's own
+   compute time of the same steps) and the slowdown of a prefill and a decode step beside another busy engine process
    (`calibrate.co_run_slowdown`).
 2. Replay one open-loop Poisson workload (prompt and output lengths from the Azure conversation
    trace in ../shared/traces, scaled to a 135M model on a shared 2-core CPU: prompts / 16 clipped
