@@ -156,9 +156,9 @@ def test_bad_inputs_rejected(cfg):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 2)], ids=["gqa2", "mha", "gqa3"])
 def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads):
-    from kvflow.model import cpu_kernels
+    from kvflow.model import paged_attention
 
-    if not cpu_kernels.available("cpu", 16):
+    if not paged_attention.available("cpu", 16):
         pytest.skip("no C++ compiler for the paged kernel on this machine")
     cfg = tiny_config(num_heads=heads[0], num_kv_heads=heads[1])
     model = tiny_model(cfg)
@@ -191,60 +191,6 @@ def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads):
         ref = torch.einsum("hs,shd->hd", p, v)
         assert (fast[i].float() - ref).abs().max().item() < tol, f"sequence {i}"
     assert fast.dtype == dtype and (fast.float() - slow.float()).abs().max().item() < tol
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("rows", [1, 3, 16, 300])
-@pytest.mark.parametrize("hidden", [64, 76])  # 76: not a multiple of the vector width
-def test_fused_norm_and_silu_kernels_equal_transformers_formulas(dtype, rows, hidden):
-    import torch.nn.functional as F
-
-    from kvflow.model import cpu_kernels
-    from kvflow.model.llama import rms_norm
-
-    if not cpu_kernels.fused_available():
-        pytest.skip("no C++ compiler for the CPU kernels on this machine")
-    g = torch.Generator().manual_seed(rows + hidden)
-    x, r = (torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2))
-    w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
-    same = x.clone()
-    x_out, h = cpu_kernels.rms_norm(x, w, 1e-5, r)
-    assert torch.equal(x, same)  # inputs are not written
-    assert torch.equal(x_out, x + r)  # the residual add, rounded as transformers' `residual + hidden`
-    ref = rms_norm(x + r, w, 1e-5)
-    # another summation order for the mean of squares: float32 within rounding, 16-bit types within an ulp
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    assert h.dtype == dtype and (h.float() - ref.float()).abs().max().item() <= tol * ref.abs().max().item()
-    x_same, h_alone = cpu_kernels.rms_norm(x, w, 1e-5)
-    ref = rms_norm(x, w, 1e-5)
-    assert torch.equal(x_same, x) and (h_alone.float() - ref.float()).abs().max().item() <= tol * ref.abs().max().item()
-    gu = torch.randn(rows, 2 * hidden, generator=g).to(dtype)
-    gate, up = gu.chunk(2, dim=-1)
-    ref = F.silu(gate) * up
-    out = cpu_kernels.silu_mul(gu)
-    assert out.shape == (rows, hidden) and out.dtype == dtype
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    assert (out.float() - ref.float()).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
-
-
-def test_fused_kernels_off_give_the_same_logits():
-    """The model with its fused CPU kernels and with its PyTorch paths (a non-CPU device, or no
-    compiler) computes the same logits."""
-    from kvflow.model import cpu_kernels
-
-    if not cpu_kernels.fused_available():
-        pytest.skip("no C++ compiler for the CPU kernels on this machine")
-    cfg = tiny_config()
-    model = tiny_model(cfg)
-    assert model.fused
-    ids = torch.arange(3, 3 + 9)
-    outs = []
-    for fused in (True, False):
-        model.fused = fused
-        kv = tiny_cache(cfg)
-        batch = ForwardBatch.build([SeqSlice(0, 9, 9, (0, 1, 2))], kv.layout.block_size)
-        outs.append(model.forward(ids, batch, kv))
-    assert (outs[0] - outs[1]).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
@@ -286,12 +232,12 @@ def test_kernel_build_survives_a_lock_left_by_a_killed_builder():
     import subprocess
     import sys
 
-    from kvflow.model import cpu_kernels
+    from kvflow.model import paged_attention
 
-    if not cpu_kernels.available():
+    if not paged_attention.available():
         pytest.skip("the paged kernel cannot be built here (no compiler)")
-    probe = "from kvflow.model import cpu_kernels as p; import sys; sys.exit(0 if p.available() else 3)"
-    stale = cpu_kernels.build_directory() / "lock"
+    probe = "from kvflow.model import paged_attention as p; import sys; sys.exit(0 if p.available() else 3)"
+    stale = paged_attention.build_directory() / "lock"
     stale.touch()
     assert subprocess.run([sys.executable, "-c", probe], timeout=120).returncode == 0
     assert not stale.exists()

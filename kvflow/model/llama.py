@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.kv.cache import KVCache
-from kvflow.model import cpu_kernels
+from kvflow.model import paged_attention
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.config import ModelConfig
 
@@ -185,10 +185,7 @@ class LlamaModel:
         device = layers[0].input_norm.device
         # Decode attention reads K/V in place with the paged kernel where it runs (CPU, a C++ compiler),
         # otherwise it gathers each sequence's blocks (see `_decode_attention`).
-        self.paged_kernel = cpu_kernels.available(device, cfg.head_dim)
-        # RMSNorm (with the residual add before it) and SiLU-and-multiply as one C++ pass each where
-        # the kernels build; the same formulas in PyTorch otherwise (`_add_norm`, `_silu_mul`).
-        self.fused = cpu_kernels.fused_available(device)
+        self.paged_kernel = paged_attention.available(device, cfg.head_dim)
         if cfg.rope_scaling.kind == "default":  # the same float32 arithmetic as transformers
             exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float().to(device) / cfg.head_dim
             self.inv_freq = 1.0 / (cfg.rope_theta**exponent)
@@ -296,11 +293,10 @@ class LlamaModel:
         if hidden.shape != (batch.num_tokens, self.cfg.hidden_size):
             raise ValueError(f"hidden states {tuple(hidden.shape)} do not match the batch ({batch.num_tokens} tokens)")
         cos, sin = self._rope(batch.positions)
-        delta = None  # each layer's last residual branch, added by the next layer's fused norm
         for i, lw in enumerate(self.layers):
             layer = self.layer_start + i
-            hidden, delta = self._layer(layer, lw, hidden, delta, batch, kv, cos, sin, hook)
-        return hidden + delta if delta is not None else hidden
+            hidden = self._layer(layer, lw, hidden, batch, kv, cos, sin, hook)
+        return hidden
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -308,25 +304,9 @@ class LlamaModel:
         dtype = self.layers[0].input_norm.dtype
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
-    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, rms_norm(x + delta)); x itself when `delta` is None."""
-        if self.fused:
-            return cpu_kernels.rms_norm(x, weight, self.cfg.rms_norm_eps, delta)
-        if delta is not None:
-            x = x + delta
-        return x, rms_norm(x, weight, self.cfg.rms_norm_eps)
-
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return cpu_kernels.silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    def _layer(self, layer, lw: LayerWeights, x, delta, batch: ForwardBatch, kv: KVCache, cos, sin, hook):
-        """One decoder layer on the residual stream `x` plus the previous layer's pending MLP output
-        `delta` -> (the residual stream, this layer's MLP output, still to be added)."""
+    def _layer(self, layer, lw: LayerWeights, x, batch: ForwardBatch, kv: KVCache, cos, sin, hook) -> torch.Tensor:
         cfg = self.cfg
-        x, h = self._add_norm(x, delta, lw.input_norm)
+        h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
         qkv = lw.qkv(h)
         T = x.shape[0]
         # RoPE on the query and key heads together (one set of elementwise passes, not one per tensor)
@@ -339,13 +319,15 @@ class LlamaModel:
         if hook is not None:
             hook(layer, batch)
         attn = self._attention(layer, q, k, v, batch, kv)
-        x, h = self._add_norm(x, lw.o(attn.reshape(T, cfg.q_size)), lw.post_norm)
-        return x, lw.down(self._silu_mul(lw.gate_up(h)))
+        x = x + lw.o(attn.reshape(T, cfg.q_size))
+        h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
+        gate, up = lw.gate_up(h).chunk(2, dim=-1)
+        return x + lw.down(F.silu(gate) * up)
 
     def _decode_attention(self, layer: int, qd: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """One query token per decode sequence [Bd, H, hd] over its cached context -> [Bd, H, hd]."""
         if self.paged_kernel:
-            return cpu_kernels.paged_decode_attention(
+            return paged_attention.paged_decode_attention(
                 qd, kv.layer_kv(layer), batch.decode_block_table, batch.decode_context_lens, self.scale
             )
         # Fallback (non-CPU devices, no compiler): K and V of every decode sequence in one gather,

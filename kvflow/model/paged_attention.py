@@ -1,23 +1,19 @@
-"""kvflow's CPU kernels: one small C++ extension, built once per machine.
+"""Decode attention that reads K and V where they live in the paged cache (a small CPU kernel).
 
-- `paged_decode_attention(q, kv_layer, block_table, context_lens, scale)` attends one query token
-  per sequence over the sequence's first `context_lens[b]` cached tokens, walking its block table
-  block by block: every K and V byte is read once, straight from the cache, with no gathered copy
-  of the sequence's KV. Work is split over (sequence, KV head) pairs on PyTorch's intra-op thread
-  pool; scores and the output accumulate in float32 whatever the cache dtype (float32, bfloat16,
-  float16). Why: at batch 16 and 1k tokens of context the eager path (index_select of every
-  block, a transposing copy for the batched matmul, two bmm) spent ~85% of its time copying KV,
-  and the torch.compile'd fused-gather variant spent it in horizontal reductions (docs/model.md).
-- `rms_norm(x, weight, eps, residual=None)` (transformers' LlamaRMSNorm, with the residual add
-  before it fused in) and `silu_mul(gate_up)` (SiLU(gate) * up of the fused projection): one pass
-  each instead of three to six ATen ops, on the calling thread for the small tensors of decode
-  steps. Why: a decode step of SmolLM2 ran ~20 small ops per layer, each an OpenMP region (a
-  [16, 576] `F.rms_norm` cost ~115 us), a tenth of the step beside the projections (docs/model.md).
+`paged_decode_attention(q, kv_layer, block_table, context_lens, scale)` attends one query token
+per sequence over the sequence's first `context_lens[b]` cached tokens, walking its block table
+block by block: every K and V byte is read once, straight from the cache, with no gathered copy
+of the sequence's KV. Work is split over (sequence, KV head) pairs on PyTorch's intra-op thread
+pool; scores and the output accumulate in float32 whatever the cache dtype (float32, bfloat16,
+float16).
 
-Built with the C++ compiler that torch.compile would need anyway (`torch.utils.cpp_extension`,
-cached under `$TORCH_EXTENSIONS_DIR`); where it cannot be built, or on a non-CPU device,
-`available()` is False and the model keeps its PyTorch paths, so results never depend on having a
-compiler. `KVFLOW_PAGED_KERNEL=0` / `KVFLOW_FUSED_KERNELS=0` turn either family off (comparisons).
+Why a kernel: at batch 16 and 1k tokens of context the eager path (index_select of every block,
+a transposing copy for the batched matmul, two bmm) spent ~85% of its time copying KV, and the
+torch.compile'd fused-gather variant spent it in horizontal reductions (see docs/model.md for
+the side-by-side numbers). The kernel is built once per machine with the C++ compiler that
+torch.compile would need anyway (`torch.utils.cpp_extension`, cached under
+`$TORCH_EXTENSIONS_DIR`); where it cannot be built, or on a non-CPU device, `available()` is
+False and the model keeps its gather path, so results never depend on having a compiler.
 """
 
 from __future__ import annotations
@@ -38,9 +34,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 using Vec = at::vec::Vectorized<float>;
@@ -122,105 +116,6 @@ static void decode_kernel(const T* q, const T* kv, const int64_t* table, const i
   });
 }
 
-
-// ------------------------------------------------------------------ fused elementwise ops
-// Each replaces several ATen ops (each its own pass over the tensor and, from a few thousand
-// elements on, its own OpenMP region with a barrier). Rows run on the calling thread until there
-// are enough of them to be worth a parallel region (`grain` elements). Arithmetic in float32;
-// a bfloat16/half tensor is rounded where transformers' module rounds it, so results match its
-// order of operations (float32: identical formulas).
-
-template <typename T> inline float to_f(T v) { return static_cast<float>(v); }
-constexpr int64_t kGrain = 16384;  // elements below which a fused op stays on the calling thread
-
-// out = rmsnorm(x) * w (transformers' LlamaRMSNorm); with `r`: x_out = x + r first, normalised.
-template <typename T>
-static void rms_rows(const T* x, const T* r, const T* w, T* x_out, T* out, int64_t rows, int64_t H, float eps) {
-  const int64_t V = Vec::size(), grain = std::max<int64_t>(1, kGrain / H);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(H);
-    for (int64_t t = begin; t < end; ++t) {
-      const T* xr = x + t * H;
-      if (r != nullptr) {  // the residual add, rounded to T as transformers' `residual + hidden` is
-        const T* rr = r + t * H;
-        T* xo = x_out + t * H;
-        for (int64_t i = 0; i < H; ++i) { xo[i] = static_cast<T>(to_f(xr[i]) + to_f(rr[i])); buf[i] = to_f(xo[i]); }
-      } else {
-        for (int64_t i = 0; i < H; ++i) buf[i] = to_f(xr[i]);
-      }
-      Vec acc(0.f);
-      int64_t i = 0;
-      for (; i + V <= H; i += V) { Vec v = Vec::loadu(buf.data() + i); acc = at::vec::fmadd(v, v, acc); }
-      float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
-      for (; i < H; ++i) ss += buf[i] * buf[i];
-      const float rs = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-      T* o = out + t * H;
-      for (int64_t k = 0; k < H; ++k) {
-        if constexpr (std::is_same_v<T, float>) o[k] = w[k] * (buf[k] * rs);
-        else o[k] = static_cast<T>(to_f(w[k]) * to_f(static_cast<T>(buf[k] * rs)));
-      }
-    }
-  });
-}
-
-template <typename F> static void by_dtype(at::ScalarType st, const char* name, F&& f) {
-  switch (st) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    case at::kHalf: f(at::Half{}); break;
-    default: TORCH_CHECK(false, name, ": unsupported dtype ", st);
-  }
-}
-
-std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1), "rms_norm: x [T, H] contiguous, w [H]");
-  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "rms_norm: weight dtype differs from x");
-  auto out = torch::empty_like(x);
-  torch::Tensor x_out = x;
-  const bool add = residual.has_value();
-  if (add) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->scalar_type() == x.scalar_type(), "rms_norm: residual like x");
-    x_out = torch::empty_like(x);
-  }
-  by_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
-    using T = decltype(tag);
-    rms_rows<T>(x.data_ptr<T>(), add ? residual->data_ptr<T>() : nullptr, w.data_ptr<T>(), x_out.data_ptr<T>(),
-                out.data_ptr<T>(), x.size(0), x.size(1), static_cast<float>(eps));
-  });
-  return {x_out, out};
-}
-
-// gu [T, 2I] (gate | up, the fused projection's output) -> silu(gate) * up [T, I]
-torch::Tensor silu_mul(torch::Tensor gu) {
-  TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "silu_mul: gu [T, 2I] contiguous");
-  const int64_t rows = gu.size(0), I = gu.size(1) / 2, V = Vec::size();
-  auto out = torch::empty({rows, I}, gu.options());
-  by_dtype(gu.scalar_type(), "silu_mul", [&](auto tag) {
-    using T = decltype(tag);
-    const T* src = gu.data_ptr<T>();
-    T* dst = out.data_ptr<T>();
-    at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / I), [&](int64_t begin, int64_t end) {
-      std::vector<float> s(I);
-      for (int64_t t = begin; t < end; ++t) {
-        const T* g = src + t * 2 * I;
-        const T* u = g + I;
-        int64_t i = 0;
-        for (; i + V <= I; i += V) {
-          Vec gv = load_f32<T>(g + i);
-          (gv / (Vec(1.f) + gv.neg().exp())).store(s.data() + i);
-        }
-        for (; i < I; ++i) s[i] = to_f(g[i]) / (1.f + std::exp(-to_f(g[i])));
-        T* o = dst + t * I;
-        for (int64_t k = 0; k < I; ++k) {
-          if constexpr (std::is_same_v<T, float>) o[k] = s[k] * u[k];
-          else o[k] = static_cast<T>(to_f(static_cast<T>(s[k])) * to_f(u[k]));  // silu rounded, as F.silu's output
-        }
-      }
-    });
-  });
-  return out;
-}
-
 int64_t vec_size() { return Vec::size(); }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor table, torch::Tensor ctx, double scale) {
@@ -270,7 +165,7 @@ def build_directory() -> Path:
     key = hashlib.sha256((_SOURCE + torch.__version__ + str(torch.backends.cpu.get_cpu_capability()) + _cpu_flags()
                           + sys.prefix).encode())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    return root / f"kvflow_cpu_kernels_{key.hexdigest()[:12]}"
+    return root / f"kvflow_paged_attention_{key.hexdigest()[:12]}"
 
 
 def _build():
@@ -289,7 +184,7 @@ def _build():
         return load_inline(
             name=build_dir.name,
             cpp_sources=_SOURCE,
-            functions=["paged_decode", "vec_size", "rms_norm", "silu_mul"],
+            functions=["paged_decode", "vec_size"],
             extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_defines()],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -318,50 +213,23 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _load() -> bool:
-    """Build the extension on first call (or load the cached build); False if it cannot be built."""
+def available(device: torch.device | str = "cpu", head_dim: int = 64) -> bool:
+    """Whether the kernel can run on `device` for heads of `head_dim` (builds it on first call, or loads
+    the cached build; False if it cannot be built). KVFLOW_PAGED_KERNEL=0 turns it off (for comparisons)."""
     global _op, _failed
+    if torch.device(device).type != "cpu" or os.environ.get("KVFLOW_PAGED_KERNEL", "1") == "0":
+        return False
     with _lock:
         if _op is None and not _failed:
             try:
                 _op = _build()
-            except Exception as e:  # no compiler, no headers: the PyTorch paths still work
+            except Exception as e:  # no compiler, no headers: the gather path still works
                 _failed = True
-                log.warning("kvflow CPU kernels unavailable (%s); using the PyTorch paths", e)
-    return _op is not None
-
-
-def available(device: torch.device | str = "cpu", head_dim: int = 64) -> bool:
-    """Whether the paged decode kernel can run on `device` for heads of `head_dim` (builds the
-    extension on first call). KVFLOW_PAGED_KERNEL=0 turns it off (for comparisons)."""
-    if torch.device(device).type != "cpu" or os.environ.get("KVFLOW_PAGED_KERNEL", "1") == "0" or not _load():
+                log.warning("paged attention kernel unavailable (%s); using the gather path", e)
+    if _op is None:
         return False
     chunks = head_dim // _op.vec_size()
     return head_dim % _op.vec_size() == 0 and chunks in (1, 2, 4, 8, 16)
-
-
-def fused_available(device: torch.device | str = "cpu") -> bool:
-    """Whether the fused RMSNorm and SiLU-and-multiply kernels can run on `device` (CPU tensors of
-    float32, bfloat16 or float16). KVFLOW_FUSED_KERNELS=0 turns them off (for comparisons)."""
-    if torch.device(device).type != "cpu" or os.environ.get("KVFLOW_FUSED_KERNELS", "1") == "0":
-        return False
-    return _load()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (x', rmsnorm(x') * weight) where x' = x + residual (rounded to x's dtype, as
-    transformers adds the residual) or x itself; new tensors, the inputs are not written.
-    Call `fused_available()` first."""
-    assert _op is not None, "rms_norm called before fused_available()"
-    x_out, out = _op.rms_norm(x.contiguous(), None if residual is None else residual.contiguous(), weight, eps)
-    return x_out, out
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] (gate columns, then up) -> SiLU(gate) * up [T, I]. Call `fused_available()` first."""
-    assert _op is not None, "silu_mul called before fused_available()"
-    return _op.silu_mul(gate_up.contiguous())
 
 
 def paged_decode_attention(
