@@ -376,6 +376,8 @@ class LlamaModel:
 
     def _attention(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
+        if not batch.prefill and batch.decode_rows.numel():  # all rows decode, in order: no row gather/scatter
+            return self._decode_attention(layer, q, batch, kv)
         out = torch.empty_like(q)
         group = cfg.num_heads // cfg.num_kv_heads
         if batch.decode_rows.numel():
