@@ -156,10 +156,10 @@ def test_bad_inputs_rejected(cfg):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 2)], ids=["gqa2", "mha", "gqa3"])
 def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads):
-    from kvflow.model import paged_attention
+    from kvflow.model import cpu_kernels
 
-    if not paged_attention.available("cpu", 16):
-        pytest.skip("no C++ compiler for the paged kernel on this machine")
+    if not cpu_kernels.available("cpu"):
+        pytest.skip("no C++ compiler for the CPU kernels on this machine")
     cfg = tiny_config(num_heads=heads[0], num_kv_heads=heads[1])
     model = tiny_model(cfg)
     assert model.paged_kernel
@@ -232,12 +232,12 @@ def test_kernel_build_survives_a_lock_left_by_a_killed_builder():
     import subprocess
     import sys
 
-    from kvflow.model import paged_attention
+    from kvflow.model import cpu_kernels
 
-    if not paged_attention.available():
-        pytest.skip("the paged kernel cannot be built here (no compiler)")
-    probe = "from kvflow.model import paged_attention as p; import sys; sys.exit(0 if p.available() else 3)"
-    stale = paged_attention.build_directory() / "lock"
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels cannot be built here (no compiler)")
+    probe = "from kvflow.model import cpu_kernels as p; import sys; sys.exit(0 if p.available() else 3)"
+    stale = cpu_kernels.build_directory() / "lock"
     stale.touch()
     assert subprocess.run([sys.executable, "-c", probe], timeout=120).returncode == 0
     assert not stale.exists()

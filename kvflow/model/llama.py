@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.kv.cache import KVCache
-from kvflow.model import paged_attention
+from kvflow.model import cpu_kernels
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.config import ModelConfig
 
@@ -183,9 +183,10 @@ class LlamaModel:
             lin.small = dict(small)
         self.scale = cfg.head_dim**-0.5
         device = layers[0].input_norm.device
-        # Decode attention reads K/V in place with the paged kernel where it runs (CPU, a C++ compiler),
-        # otherwise it gathers each sequence's blocks (see `_decode_attention`).
-        self.paged_kernel = paged_attention.available(device, cfg.head_dim)
+        # On CPU with a C++ compiler the layer's elementwise passes run as fused kernels (`cpu_kernels`) and
+        # decode attention reads K/V in place; otherwise the PyTorch path (see `_decode_attention`).
+        self.cpu_kernels = cpu_kernels.available(device)
+        self.paged_kernel = self.cpu_kernels and cpu_kernels.paged_decode_supported(cfg.head_dim)
         if cfg.rope_scaling.kind == "default":  # the same float32 arithmetic as transformers
             exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float().to(device) / cfg.head_dim
             self.inv_freq = 1.0 / (cfg.rope_theta**exponent)
@@ -280,7 +281,7 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.lm_head is None or self.norm is None:
             raise RuntimeError("this stage does not hold the LM head (it is not the last stage)")
-        h = rms_norm(hidden.index_select(0, batch.logits_idx), self.norm, self.cfg.rms_norm_eps)
+        h = self._norm(hidden.index_select(0, batch.logits_idx), self.norm)
         return self._lm_head(h).float()
 
     @torch.inference_mode()
@@ -293,41 +294,71 @@ class LlamaModel:
         if hidden.shape != (batch.num_tokens, self.cfg.hidden_size):
             raise ValueError(f"hidden states {tuple(hidden.shape)} do not match the batch ({batch.num_tokens} tokens)")
         cos, sin = self._rope(batch.positions)
+        delta = None  # the last layer's MLP output, added to `hidden` by the next layer's norm
         for i, lw in enumerate(self.layers):
             layer = self.layer_start + i
-            hidden = self._layer(layer, lw, hidden, batch, kv, cos, sin, hook)
-        return hidden
+            hidden, delta = self._layer(layer, lw, hidden, delta, batch, kv, cos, sin, hook)
+        return hidden + delta
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim] of each token's position, in the model's dtype."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.layers[0].input_norm.dtype
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _layer(self, layer, lw: LayerWeights, x, batch: ForwardBatch, kv: KVCache, cos, sin, hook) -> torch.Tensor:
+    def _fused(self, *tensors: torch.Tensor) -> bool:
+        """Whether the CPU kernels take these tensors (built, contiguous, one dtype)."""
+        return self.cpu_kernels and all(t.is_contiguous() and t.dtype == tensors[0].dtype for t in tensors)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._fused(x, weight):
+            return cpu_kernels.rms_norm(x, weight, self.cfg.rms_norm_eps)
+        return rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, rms_norm(x + delta)); `delta` (a projection's fresh output) may be overwritten by the sum."""
+        if delta is None:
+            return x, self._norm(x, weight)
+        if self._fused(delta, x, weight):
+            return delta, cpu_kernels.add_rms_norm(delta, x, weight, self.cfg.rms_norm_eps)
+        x = x + delta
+        return x, rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _layer(self, layer, lw: LayerWeights, x, delta, batch: ForwardBatch, kv: KVCache, cos, sin, hook):
+        """One decoder layer on x + delta -> (residual stream, MLP output still to be added to it)."""
         cfg = self.cfg
-        h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
+        x, h = self._add_norm(x, delta, lw.input_norm)
         qkv = lw.qkv(h)
         T = x.shape[0]
-        # RoPE on the query and key heads together (one set of elementwise passes, not one per tensor)
-        qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
-        qk = qk.view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-        qk = torch.addcmul(qk * cos, rotate_half(qk), sin)
-        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        kv_layer = kv.layer_kv(layer)
+        if self._fused(qkv, cos, sin, kv_layer):  # RoPE in place and the K/V write, one pass
+            cpu_kernels.rope_write(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_layer, batch.slot_mapping)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.view(T, cfg.num_heads, cfg.head_dim)
+            k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        else:
+            # RoPE on the query and key heads together (one set of elementwise passes, not one per tensor)
+            qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+            qk = qk.view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qk = torch.addcmul(qk * cos[:, None, :], rotate_half(qk), sin[:, None, :])
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            kv.write(layer, batch.slot_mapping, k, v.view(T, cfg.num_kv_heads, cfg.head_dim))
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-        kv.write(layer, batch.slot_mapping, k, v)
         if hook is not None:
             hook(layer, batch)
         attn = self._attention(layer, q, k, v, batch, kv)
-        x = x + lw.o(attn.reshape(T, cfg.q_size))
-        h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
-        gate, up = lw.gate_up(h).chunk(2, dim=-1)
-        return x + lw.down(F.silu(gate) * up)
+        x, h = self._add_norm(x, lw.o(attn.reshape(T, cfg.q_size)), lw.post_norm)
+        gate_up = lw.gate_up(h)
+        if self._fused(gate_up):
+            return x, lw.down(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x, lw.down(F.silu(gate) * up)
 
     def _decode_attention(self, layer: int, qd: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """One query token per decode sequence [Bd, H, hd] over its cached context -> [Bd, H, hd]."""
         if self.paged_kernel:
-            return paged_attention.paged_decode_attention(
+            return cpu_kernels.paged_decode_attention(
                 qd, kv.layer_kv(layer), batch.decode_block_table, batch.decode_context_lens, self.scale
             )
         # Fallback (non-CPU devices, no compiler): K and V of every decode sequence in one gather,
@@ -345,6 +376,8 @@ class LlamaModel:
 
     def _attention(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
+        if not batch.prefill and batch.decode_rows.numel():  # all rows decode, in order: no row gather/scatter
+            return self._decode_attention(layer, q, batch, kv)
         out = torch.empty_like(q)
         group = cfg.num_heads // cfg.num_kv_heads
         if batch.decode_rows.numel():

@@ -1,0 +1,482 @@
+"""kvflow's CPU kernels: one C++ extension, built once per machine, holding the model's fused passes.
+
+- `paged_decode_attention(q, kv_layer, block_table, context_lens, scale)` attends one query token
+  per sequence over the sequence's first `context_lens[b]` cached tokens, walking its block table
+  block by block: every K and V byte is read once, straight from the cache, with no gathered copy.
+  Work is split over (sequence, KV head) pairs; scores and output accumulate in float32.
+- `rms_norm(x, w, eps)` and `add_rms_norm(x, res, w, eps)` (x += res, then the norm of x, one pass).
+- `silu_mul(gate_up)`: SiLU(gate) * up from the fused gate_up projection's output.
+- `rope_write(qkv, cos, sin, heads, kv_heads, kv_layer, slots)`: RoPE in place on the query and key
+  heads of the qkv projection's output, then the new K and V rows copied into the paged cache.
+
+Why kernels: at batch 16 and 1k tokens of context the eager decode attention spent ~85% of its time
+copying KV; and a decode step ran ~20 small ATen ops per layer, each its own OpenMP parallel region,
+which cost as much as vLLM's whole gap at batch 1 (see docs/model.md). The elementwise kernels
+split rows over threads only above `GRAIN` elements, so a small decode batch runs on the calling
+thread. The extension is built with the C++ compiler torch.compile would need anyway
+(`torch.utils.cpp_extension`, cached under `$TORCH_EXTENSIONS_DIR`); where it cannot be built, on a
+non-CPU device, or with `KVFLOW_CPU_KERNELS=0`, `available()` is False and the model keeps its
+pure-PyTorch path, so results never depend on having a compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+
+template <typename T> inline Vec load_f32(const T* p) { Vec o; at::vec::load_to_float<T>(p, o); return o; }
+template <> inline Vec load_f32<float>(const float* p) { return Vec::loadu(p); }
+
+// Work items are heads [h0, h1) of one sequence: all KV heads of a sequence when there are at
+// least as many sequences as threads (each token's K and V rows are then read contiguously, once),
+// else one KV head each (batch 1 still uses every thread). Pass 1 reads K block by block into
+// (head, group) x n float scores, a vectorised softmax per row, pass 2 reads V block by block into
+// float accumulators (head, group) x D. q is pre-scaled into float once per item.
+template <typename T, int C>
+static void decode_kernel(const T* q, const T* kv, const int64_t* table, const int64_t* ctx, T* out, int64_t B,
+                          int64_t H, int64_t KVH, int64_t BS, int64_t max_blocks, int64_t v_offset, float scale) {
+  constexpr int64_t D = C * Vec::size();
+  const int64_t G = H / KVH, tok_stride = KVH * D, blk_stride = BS * KVH * D;
+  const int64_t per_item = B >= at::get_num_threads() ? KVH : 1;  // KV heads per work item
+  at::parallel_for(0, B * (KVH / per_item), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, inv;
+    std::vector<Vec> qv, acc;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / (KVH / per_item), h0 = (w % (KVH / per_item)) * per_item, n = ctx[b];
+      const int64_t rows = per_item * G;  // query heads h0 * G .. h0 * G + rows
+      const int64_t* blocks = table + b * max_blocks;
+      const T* qb = q + (b * H + h0 * G) * D;
+      qv.resize(rows * C);
+      for (int64_t i = 0; i < rows * C; ++i) qv[i] = load_f32<T>(qb + i * Vec::size()) * Vec(scale);
+      scores.resize(rows * n);
+      inv.resize(rows);
+      for (int64_t t0 = 0; t0 < n; t0 += BS) {
+        const T* kb = kv + blocks[t0 / BS] * blk_stride + h0 * D;
+        const int64_t len = std::min(n - t0, BS);
+        for (int64_t t = 0; t < len; ++t) {
+          for (int64_t hh = 0; hh < per_item; ++hh) {
+            const T* k = kb + t * tok_stride + hh * D;
+            Vec kc[C];
+            for (int c = 0; c < C; ++c) kc[c] = load_f32<T>(k + c * Vec::size());
+            for (int64_t g = 0; g < G; ++g) {
+              const Vec* qg = qv.data() + (hh * G + g) * C;
+              Vec dot = qg[0] * kc[0];
+              for (int c = 1; c < C; ++c) dot = at::vec::fmadd(qg[c], kc[c], dot);
+              scores[(hh * G + g) * n + t0 + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, dot);
+            }
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * n;
+        const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
+        at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp(); }, s, s, n);
+        inv[r] = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
+      }
+      acc.assign(rows * C, Vec(0.f));
+      for (int64_t t0 = 0; t0 < n; t0 += BS) {
+        const T* vb = kv + v_offset + blocks[t0 / BS] * blk_stride + h0 * D;
+        const int64_t len = std::min(n - t0, BS);
+        for (int64_t t = 0; t < len; ++t) {
+          for (int64_t hh = 0; hh < per_item; ++hh) {
+            const T* v = vb + t * tok_stride + hh * D;
+            Vec vc[C];
+            for (int c = 0; c < C; ++c) vc[c] = load_f32<T>(v + c * Vec::size());
+            for (int64_t g = 0; g < G; ++g) {
+              const Vec pt(scores[(hh * G + g) * n + t0 + t]);
+              Vec* a = acc.data() + (hh * G + g) * C;
+              for (int c = 0; c < C; ++c) a[c] = at::vec::fmadd(pt, vc[c], a[c]);
+            }
+          }
+        }
+      }
+      T* ob = out + (b * H + h0 * G) * D;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int c = 0; c < C; ++c) {
+          float tmp[Vec::size()];
+          (acc[r * C + c] * Vec(inv[r])).store(tmp);
+          for (int64_t i = 0; i < Vec::size(); ++i) ob[r * D + c * Vec::size() + i] = static_cast<T>(tmp[i]);
+        }
+    }
+  });
+}
+
+
+// ---------------------------------------------------------------- elementwise passes of a layer
+// Rows are split over threads only when a call has at least kGrain elements: below that a parallel
+// region (fork, barrier) costs more than the pass itself, so small decode batches stay on the
+// calling thread (at::parallel_for runs inline when end - begin < grain).
+constexpr int64_t kGrain = 32768;
+
+static int64_t row_grain(int64_t width) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, width)); }
+
+template <typename T> inline T to_t(float x) { return static_cast<T>(x); }
+
+// out[r] = w * T(x[r] * rsqrt(mean(x[r]^2) + eps)) (transformers' LlamaRMSNorm order); with `res`,
+// x[r] += res[r] first (rounded to T, stored back in x) and the norm reads the sum.
+template <typename T>
+static void rms_norm_kernel(T* x, const T* res, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  constexpr int64_t V = Vec::size();
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * n;
+      float* b = buf.data();
+      Vec acc(0.f);
+      int64_t i = 0;
+      for (; i + V <= n; i += V) {
+        Vec v = load_f32<T>(xr + i);
+        if (res) {
+          v = v + load_f32<T>(res + r * n + i);
+          if constexpr (!std::is_same_v<T, float>) {  // the residual stream is stored in T
+            float tmp[V];
+            v.store(tmp);
+            for (int64_t j = 0; j < V; ++j) { xr[i + j] = to_t<T>(tmp[j]); tmp[j] = static_cast<float>(xr[i + j]); }
+            v = Vec::loadu(tmp);
+          } else {
+            v.store(reinterpret_cast<float*>(xr) + i);
+          }
+        }
+        v.store(b + i);
+        acc = at::vec::fmadd(v, v, acc);
+      }
+      float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, acc);
+      for (; i < n; ++i) {
+        float v = static_cast<float>(xr[i]);
+        if (res) { xr[i] = to_t<T>(v + static_cast<float>(res[r * n + i])); v = static_cast<float>(xr[i]); }
+        b[i] = v;
+        ss += v * v;
+      }
+      const float rstd = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      T* o = out + r * n;
+      if constexpr (std::is_same_v<T, float>) {
+        i = 0;
+        for (; i + V <= n; i += V) (Vec::loadu(b + i) * Vec(rstd) * Vec::loadu(w + i)).store(o + i);
+        for (; i < n; ++i) o[i] = b[i] * rstd * w[i];
+      } else {
+        for (i = 0; i < n; ++i) o[i] = to_t<T>(static_cast<float>(w[i]) * static_cast<float>(to_t<T>(b[i] * rstd)));
+      }
+    }
+  });
+}
+
+// out[r] = silu(gu[r, :n]) * gu[r, n:] (the fused gate_up projection's output, [rows, 2n] -> [rows, n]).
+template <typename T>
+static void silu_mul_kernel(const T* gu, T* out, int64_t rows, int64_t n) {
+  constexpr int64_t V = Vec::size();
+  at::parallel_for(0, rows, row_grain(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * 2 * n;
+      const T* u = g + n;
+      T* o = out + r * n;
+      int64_t i = 0;
+      if constexpr (std::is_same_v<T, float>) {
+        for (; i + V <= n; i += V) {
+          const Vec x = Vec::loadu(g + i);
+          (x / (Vec(1.f) + x.neg().exp()) * Vec::loadu(u + i)).store(o + i);
+        }
+        for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      } else {  // silu rounded to T, then the product (as F.silu(gate) * up)
+        for (; i < n; ++i) {
+          const float x = static_cast<float>(g[i]);
+          o[i] = to_t<T>(static_cast<float>(to_t<T>(x / (1.f + std::exp(-x)))) * static_cast<float>(u[i]));
+        }
+      }
+    }
+  });
+}
+
+// RoPE (rotate_half style) in place on the query and key heads of qkv [T, (H + 2 KVH) * D], with
+// cos/sin [T, D]; then, if cache is given ([2, blocks, block_size, KVH, D], same dtype), the rotated
+// K and V rows of token t are copied to flat slot slots[t] (block * block_size + offset; < 0 skips).
+template <typename T>
+static void rope_kernel(T* qkv, const T* cos, const T* sin, int64_t tokens, int64_t H, int64_t KVH, int64_t D,
+                        T* cache, int64_t v_offset, const int64_t* slots) {
+  constexpr int64_t V = Vec::size();
+  const int64_t half = D / 2, width = (H + 2 * KVH) * D;
+  at::parallel_for(0, tokens, row_grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = qkv + t * width;
+      const T* c = cos + t * D;
+      const T* s = sin + t * D;
+      for (int64_t h = 0; h < H + KVH; ++h) {
+        T* x = row + h * D;
+        int64_t i = 0;
+        if constexpr (std::is_same_v<T, float>) {
+          for (; i + V <= half; i += V) {
+            const Vec x1 = Vec::loadu(x + i), x2 = Vec::loadu(x + half + i);
+            const Vec o1 = at::vec::fmadd(x2.neg(), Vec::loadu(s + i), x1 * Vec::loadu(c + i));
+            const Vec o2 = at::vec::fmadd(x1, Vec::loadu(s + half + i), x2 * Vec::loadu(c + half + i));
+            o1.store(x + i);
+            o2.store(x + half + i);
+          }
+        }
+        for (; i < half; ++i) {  // bf16/fp16: x * cos rounded to T, then + rotate_half(x) * sin (addcmul)
+          const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
+          const float a1 = static_cast<float>(to_t<T>(x1 * static_cast<float>(c[i])));
+          const float a2 = static_cast<float>(to_t<T>(x2 * static_cast<float>(c[half + i])));
+          x[i] = to_t<T>(a1 - x2 * static_cast<float>(s[i]));
+          x[half + i] = to_t<T>(a2 + x1 * static_cast<float>(s[half + i]));
+        }
+      }
+      if (cache && slots[t] >= 0) {
+        T* dst = cache + slots[t] * KVH * D;
+        std::memcpy(dst, row + H * D, KVH * D * sizeof(T));
+        std::memcpy(dst + v_offset, row + (H + KVH) * D, KVH * D * sizeof(T));
+      }
+    }
+  });
+}
+
+template <typename F> static void by_dtype(at::ScalarType t, const char* name, F f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", t);
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1), "x [T, D], w [D]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w dtypes differ");
+  auto out = torch::empty_like(x);
+  by_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_kernel<T>(x.data_ptr<T>(), nullptr, w.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1), eps);
+  });
+  return out;
+}
+
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor res, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && res.is_contiguous() && w.is_contiguous(), "contiguous x, res, w");
+  TORCH_CHECK(res.sizes() == x.sizes() && w.numel() == x.size(1), "x, res [T, D], w [D]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.scalar_type() == res.scalar_type(), "dtypes differ");
+  auto out = torch::empty_like(x);
+  by_dtype(x.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_kernel<T>(x.data_ptr<T>(), res.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1), eps);
+  });
+  return out;
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "gate_up [T, 2I], contiguous");
+  auto out = torch::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  by_dtype(gu.scalar_type(), "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_kernel<T>(gu.data_ptr<T>(), out.data_ptr<T>(), gu.size(0), gu.size(1) / 2);
+  });
+  return out;
+}
+
+void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
+                c10::optional<torch::Tensor> cache, c10::optional<torch::Tensor> slots) {
+  const int64_t T_ = qkv.size(0), D = cos.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (H + 2 * KVH) * D && D % 2 == 0, "qkv [T, (H + 2 KVH) D]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == T_, "cos, sin [T, D]");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "cos/sin dtype");
+  TORCH_CHECK(cache.has_value() == slots.has_value(), "cache and slots go together");
+  if (cache) {
+    TORCH_CHECK(cache->dim() == 5 && cache->size(0) == 2 && cache->size(3) == KVH && cache->size(4) == D && cache->is_contiguous(),
+                "cache [2, blocks, block_size, KVH, D], contiguous");
+    TORCH_CHECK(cache->scalar_type() == qkv.scalar_type(), "cache dtype");
+    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() && slots->numel() == T_, "int64 slots [T]");
+  }
+  by_dtype(qkv.scalar_type(), "rope_write", [&](auto tag) {
+    using T = decltype(tag);
+    rope_kernel<T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), T_, H, KVH, D,
+                   cache ? cache->data_ptr<T>() : nullptr, cache ? cache->stride(0) : 0,
+                   slots ? slots->data_ptr<int64_t>() : nullptr);
+  });
+}
+
+int64_t vec_size() { return Vec::size(); }
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor table, torch::Tensor ctx, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "q [B, H, D], kv [2, blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && table.is_contiguous() && ctx.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
+  TORCH_CHECK(table.scalar_type() == at::kLong && ctx.scalar_type() == at::kLong, "int64 block table and lengths");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = kv.size(3), BS = kv.size(2);
+  TORCH_CHECK(kv.size(4) == D && H % KVH == 0 && table.size(0) == B && ctx.size(0) == B, "shape mismatch");
+  auto out = torch::empty_like(q);
+  auto run = [&](auto tag, auto chunks) {
+    using T = decltype(tag);
+    decode_kernel<T, decltype(chunks)::value>(q.data_ptr<T>(), kv.data_ptr<T>(), table.data_ptr<int64_t>(),
+        ctx.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, KVH, BS, table.size(1), kv.stride(0), static_cast<float>(scale));
+  };
+  auto by_dim = [&](auto tag) {
+    switch (D / Vec::size()) {
+      case 1: run(tag, std::integral_constant<int, 1>{}); break;
+      case 2: run(tag, std::integral_constant<int, 2>{}); break;
+      case 4: run(tag, std::integral_constant<int, 4>{}); break;
+      case 8: run(tag, std::integral_constant<int, 8>{}); break;
+      case 16: run(tag, std::integral_constant<int, 16>{}); break;
+      default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", D);
+    }
+  };
+  TORCH_CHECK(D % Vec::size() == 0, "head_dim must be a multiple of the vector width");
+  switch (q.scalar_type()) {
+    case at::kFloat: by_dim(float{}); break;
+    case at::kBFloat16: by_dim(at::BFloat16{}); break;
+    case at::kHalf: by_dim(at::Half{}); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+"""
+
+_lock = threading.Lock()
+_op = None
+_failed = False
+
+
+def build_directory() -> Path:
+    """Where the kernel is built and cached (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions).
+    -march=native: the build is tied to this CPU, so the CPU's capability is part of its name; so is
+    the interpreter's environment (its torch headers are in the build file: two venvs sharing one
+    build directory would rebuild it in turn)."""
+    key = hashlib.sha256((_SOURCE + torch.__version__ + str(torch.backends.cpu.get_cpu_capability()) + _cpu_flags()
+                          + sys.prefix).encode())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    return root / f"kvflow_cpu_kernels_{key.hexdigest()[:12]}"
+
+
+def _build():
+    import fcntl
+
+    from torch.utils.cpp_extension import load_inline
+
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # torch serialises builds with a lock file that a process killed while building leaves behind,
+    # and every later build then waits for it forever. An OS lock is released when its holder dies:
+    # whoever holds it is the only builder, so a lock file found then is stale.
+    with open(build_dir / "kvflow.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load_inline(
+            name=build_dir.name,
+            cpp_sources=_SOURCE,
+            functions=["paged_decode", "vec_size", "rms_norm", "add_rms_norm", "silu_mul", "rope_write"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_defines()],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+
+
+def _capability_defines() -> list[str]:
+    """ATen's vector types use SIMD only under its CPU_CAPABILITY macros (as torch.compile's C++ does)."""
+    cap = str(torch.backends.cpu.get_cpu_capability())
+    if cap.startswith("AVX512"):
+        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if cap == "AVX2":
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return []
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+GRAIN = 32768  # elements; the C++ kGrain (a call splits rows over threads only above it)
+
+
+def enabled() -> bool:
+    """`KVFLOW_CPU_KERNELS=0` turns every kernel off (the pure-PyTorch path, for comparisons)."""
+    return os.environ.get("KVFLOW_CPU_KERNELS", "1") != "0"
+
+
+def available(device: torch.device | str = "cpu") -> bool:
+    """Whether the kernels can run on `device` (builds the extension on first call, or loads the cached
+    build; False on non-CPU devices, with `KVFLOW_CPU_KERNELS=0`, or if it cannot be built)."""
+    global _op, _failed
+    if torch.device(device).type != "cpu" or not enabled():
+        return False
+    with _lock:
+        if _op is None and not _failed:
+            try:
+                _op = _build()
+            except Exception as e:  # no compiler, no headers: the PyTorch path still works
+                _failed = True
+                log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
+    return _op is not None
+
+
+def paged_decode_supported(head_dim: int) -> bool:
+    """Whether `paged_decode_attention` handles heads of `head_dim` (a multiple of the vector width,
+    1-16 vectors). Call `available()` first."""
+    assert _op is not None, "paged_decode_supported called before available()"
+    chunks = head_dim // _op.vec_size()
+    return head_dim % _op.vec_size() == 0 and chunks in (1, 2, 4, 8, 16)
+
+
+def paged_decode_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, H, D] (one token per sequence), kv_layer [2, num_blocks, block_size, kv_heads, D] (one layer
+    of `KVCache`), block_table [B, max_blocks] int64, context_lens [B] int64 -> [B, H, D].
+    Query head j attends with KV head j // (H // kv_heads). Call `available()` first."""
+    assert _op is not None, "paged_decode_attention called before available()"
+    return _op.paged_decode(q.contiguous(), kv_layer, block_table, context_lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm of x [T, D] (contiguous) -> a new [T, D]: in float32, then (other
+    dtypes) rounded to x's dtype before the weight multiplies, as transformers does."""
+    return _op.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x += residual` in place (x [T, D] contiguous, same dtype), then `rms_norm(x)` in the same pass."""
+    return _op.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up, contiguous) -> SiLU(gate) * up [T, I]."""
+    return _op.silu_mul(gate_up)
+
+
+def rope_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    kv_layer: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+) -> None:
+    """RoPE (rotate_half style) in place on the query and key heads of qkv [T, (H + 2 KVH) * D]
+    (contiguous), with cos/sin [T, D] in qkv's dtype; then, if `kv_layer` ([2, blocks, block_size, KVH, D],
+    qkv's dtype) is given, token t's rotated K and its V are copied to flat slot `slots[t]` (int64)."""
+    _op.rope_write(qkv, cos, sin, num_heads, num_kv_heads, kv_layer, slots)

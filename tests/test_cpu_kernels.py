@@ -1,0 +1,106 @@
+"""The fused CPU kernels against the PyTorch formulas they replace, and the model with them on vs off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow.kv.cache import KVCache, KVLayout
+from kvflow.model import cpu_kernels
+from kvflow.model.batch import ForwardBatch, SeqSlice
+from kvflow.model.llama import LlamaModel, rms_norm, rotate_half
+
+from conftest import tiny_config, tiny_state_dict
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the CPU kernels")
+
+DTYPES = pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+ROWS = pytest.mark.parametrize("rows", [1, 3, 16, 300])
+WIDTHS = pytest.mark.parametrize("width", [64, 576, 37])  # 37: not a multiple of the vector width
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    err = ((got.float() - ref.float()).abs() / (1 + ref.float().abs())).max().item()
+    assert err <= tol, err
+
+
+@DTYPES
+@ROWS
+@WIDTHS
+def test_rms_norm_and_add_rms_norm(dtype, tol, rows, width):
+    g = torch.Generator().manual_seed(rows * width)
+    x, res = (torch.randn(rows, width, generator=g).to(dtype) for _ in range(2))
+    w = (1 + torch.randn(width, generator=g) / 4).to(dtype)
+    _close(cpu_kernels.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), tol)
+    total = x + res
+    out = cpu_kernels.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(x, total)  # the sum is written back in x's dtype
+    _close(out, rms_norm(total, w, 1e-5), tol)
+
+
+@DTYPES
+@ROWS
+@WIDTHS
+def test_silu_mul(dtype, tol, rows, width):
+    g = torch.Generator().manual_seed(rows + width)
+    gu = (torch.randn(rows, 2 * width, generator=g) * 3).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    _close(cpu_kernels.silu_mul(gu), F.silu(gate) * up, tol)
+
+
+@DTYPES
+@ROWS
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((4, 2), 16), ((2, 1), 6)], ids=["smollm", "tiny", "odd"])
+def test_rope_and_kv_write(dtype, tol, rows, heads, head_dim):
+    H, KVH = heads
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (H + 2 * KVH) * head_dim, generator=g).to(dtype)
+    pos = torch.randint(0, 4096, (rows,), generator=g).float()
+    freqs = pos[:, None] * (1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    qk = qkv[:, : (H + KVH) * head_dim].view(rows, H + KVH, head_dim)
+    ref_qk = torch.addcmul(qk * cos[:, None], rotate_half(qk), sin[:, None])
+    ref_v = qkv[:, (H + KVH) * head_dim :].view(rows, KVH, head_dim).clone()
+    block_size = 4
+    cache = torch.zeros(2, (rows + 3) // block_size + 2, block_size, KVH, head_dim, dtype=dtype)
+    slots = torch.randperm(cache.shape[1] * block_size, generator=g)[:rows]
+    cpu_kernels.rope_write(qkv, cos, sin, H, KVH, cache, slots)
+    _close(qkv[:, : (H + KVH) * head_dim].view(rows, H + KVH, head_dim), ref_qk, tol)
+    flat = cache.view(2, -1, KVH, head_dim)
+    assert torch.equal(flat[0, slots], qkv[:, H * head_dim : (H + KVH) * head_dim].view(rows, KVH, head_dim))
+    assert torch.equal(flat[1, slots], ref_v)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat[:, untouched].any()
+
+
+def test_kernels_reject_bad_inputs():
+    with pytest.raises(RuntimeError):
+        cpu_kernels.rms_norm(torch.randn(4, 8), torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError):
+        cpu_kernels.silu_mul(torch.randn(4, 9))
+    with pytest.raises(RuntimeError):
+        cpu_kernels.rms_norm(torch.randn(4, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), 1e-5)
+
+
+@DTYPES
+def test_model_with_kernels_equals_pytorch_path(dtype, tol, monkeypatch):
+    # the same prefill + decode steps with the kernels (as built) and with KVFLOW_CPU_KERNELS=0
+    cfg = tiny_config(num_layers=3)
+    outs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("KVFLOW_CPU_KERNELS", switch)
+        model = LlamaModel.from_state_dict(cfg, tiny_state_dict(cfg, 2), dtype=dtype)
+        assert model.cpu_kernels == (switch == "1")
+        kv = KVCache(KVLayout.for_model(cfg, 64, 4, dtype=dtype))
+        ids = [3, 17, 5, 9, 11, 2, 30]
+        b = ForwardBatch.build([SeqSlice(0, len(ids), len(ids), (0, 1))], 4)
+        steps = [model.forward(torch.tensor(ids), b, kv)]
+        for n in range(len(ids) + 1, len(ids) + 4):
+            b = ForwardBatch.build([SeqSlice(0, 1, n, (0, 1, 2))], 4)
+            steps.append(model.forward(torch.tensor([n % 31]), b, kv))
+        outs.append(torch.stack(steps))
+    _close(outs[0], outs[1], tol * 10 if dtype != torch.float32 else 1e-5)
