@@ -77,11 +77,45 @@ def test_rope_and_kv_write(dtype, tol, rows, heads, head_dim):
     assert not flat[:, untouched].any()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("out,width", [(48, 64), (7, 576), (33, 37)], ids=["64", "576", "tail"])
+def test_skinny_linear(rows, out, width):
+    g = torch.Generator().manual_seed(rows * 100 + width)
+    x, w = torch.randn(rows, width, generator=g), torch.randn(out, width, generator=g)
+    _close(cpu_kernels.skinny_linear(x, w), (x.double() @ w.double().t()).float(), 1e-5)
+
+
+def test_forced_small_row_kernel_gives_the_prepacked_logits(monkeypatch):
+    from kvflow.model import llama
+
+    cfg = tiny_config(num_layers=2)
+    sd = tiny_state_dict(cfg, 3)
+    ids = [3, 17, 5, 9, 11, 2, 30, 4]
+    logits = {}
+    for path in ("kernel", "prepacked"):
+        monkeypatch.setenv("KVFLOW_LINEAR_SMALL_ROWS", path)
+        model = LlamaModel.from_state_dict(cfg, sd, dtype=torch.float32)
+        if model.layers[0].qkv.packed is None:
+            pytest.skip("no oneDNN prepacked linear in this torch build")
+        assert model.layers[0].qkv.small[1] == path
+        kv = KVCache(KVLayout.for_model(cfg, 64, 4, dtype=torch.float32))
+        b = ForwardBatch.build([SeqSlice(0, len(ids), len(ids), (0, 1))], 4)
+        model.forward(torch.tensor(ids), b, kv)
+        # a decode step of one sequence: every projection takes 1 row
+        b = ForwardBatch.build([SeqSlice(0, 1, len(ids) + 1, (0, 1, 2))], 4)
+        logits[path] = model.forward(torch.tensor([7]), b, kv)
+    _close(logits["kernel"], logits["prepacked"], 1e-5)
+
+
 def test_kernels_reject_bad_inputs():
     with pytest.raises(RuntimeError):
         cpu_kernels.rms_norm(torch.randn(4, 8), torch.randn(7), 1e-5)
     with pytest.raises(RuntimeError):
         cpu_kernels.silu_mul(torch.randn(4, 9))
+    with pytest.raises(RuntimeError):
+        cpu_kernels.skinny_linear(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(RuntimeError):
+        cpu_kernels.skinny_linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError):
         cpu_kernels.rms_norm(torch.randn(4, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), 1e-5)
 

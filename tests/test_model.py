@@ -195,13 +195,14 @@ def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_prepared_linear_equals_f_linear_on_every_row_count(dtype, tol):
+    from kvflow.model import llama
     from kvflow.model.llama import Linear
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=g).to(dtype)
     lin = Linear(w)
-    for path in ("plain", "prepacked", "padded"):  # whichever path the load-time measurement picks
-        lin.small = dict.fromkeys((1, 2, 3), path)
+    for path in llama.small_paths(dtype):  # whichever path the load-time measurement picks
+        lin.small = dict.fromkeys(range(1, 17), path)
         for rows in (1, 2, 3, 4, 16, 100):
             x = torch.randn(rows, 32, generator=g).to(dtype)
             ref = x.float() @ w.float().t()
@@ -217,10 +218,12 @@ def test_small_row_paths_are_measured_or_overridden(monkeypatch):
     monkeypatch.setattr(llama, "_SMALL", {})
     monkeypatch.delenv("KVFLOW_LINEAR_SMALL_ROWS", raising=False)
     chosen = llama.choose_small_paths(lins)
-    assert set(chosen) == {1, 2, 3} and set(chosen.values()) <= set(llama.SMALL_PATHS)
-    assert list(llama._SMALL) == [(torch.float32, torch.get_num_threads())]  # measured once, then cached
+    assert set(chosen) == set(range(1, 17)) and set(chosen.values()) <= set(llama.small_paths(torch.float32))
+    assert chosen[5] == chosen[4] and chosen[15] == chosen[12]  # between measured counts: the lower one's
+    assert len(llama._SMALL) == 1 and list(llama._SMALL)[0][:2] == (torch.float32, torch.get_num_threads())
+    assert llama.choose_small_paths(lins) is chosen  # measured once, then cached
     monkeypatch.setenv("KVFLOW_LINEAR_SMALL_ROWS", "padded")
-    assert llama.choose_small_paths(lins) == {1: "padded", 2: "padded", 3: "padded"}
+    assert llama.choose_small_paths(lins) == dict.fromkeys(range(1, 17), "padded")
     monkeypatch.setenv("KVFLOW_LINEAR_SMALL_ROWS", "fast")
     with pytest.raises(ValueError):
         llama.choose_small_paths(lins)

@@ -8,6 +8,9 @@
 - `silu_mul(gate_up)`: SiLU(gate) * up from the fused gate_up projection's output.
 - `rope_write(qkv, cos, sin, heads, kv_heads, kv_layer, slots)`: RoPE in place on the query and key
   heads of the qkv projection's output, then the new K and V rows copied into the paged cache.
+- `skinny_linear(x, w)`: a float32 projection of a few rows that reads each weight row once (a decode
+  step of a few sequences is bound by reading the weights; oneDNN's prepacked GEMM reached ~75% of
+  the memory bandwidth there).
 
 Why kernels: at batch 16 and 1k tokens of context the eager decode attention spent ~85% of its time
 copying KV; and a decode step ran ~20 small ATen ops per layer, each its own OpenMP parallel region,
@@ -312,6 +315,53 @@ void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t
   });
 }
 
+// ---------------------------------------------------------------- projections of a few rows
+// y [N, out] = x [N, in] @ W [out, in]^T (float32) for small N (decode of a few sequences): the step
+// is then bound by reading W, so each weight row is loaded from memory once and multiplied with up to
+// 4 rows of x held in L1 (further rows reuse the weight row from L1). Rows of W are split over threads.
+template <int NT>
+static inline void skinny_tile(const float* x, const float* w, float* y, int64_t out, int64_t in) {
+  constexpr int64_t V = Vec::size();
+  const int64_t vend = in - in % V;
+  Vec acc[NT];
+  for (int n = 0; n < NT; ++n) acc[n] = Vec(0.f);
+  for (int64_t k = 0; k < vend; k += V) {
+    const Vec wv = Vec::loadu(w + k);
+    for (int n = 0; n < NT; ++n) acc[n] = at::vec::fmadd(Vec::loadu(x + n * in + k), wv, acc[n]);
+  }
+  for (int n = 0; n < NT; ++n) {
+    float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[n]);
+    for (int64_t k = vend; k < in; ++k) s += x[n * in + k] * w[k];
+    y[n * out] = s;
+  }
+}
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [N, in], w [out, in]");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "contiguous x and w");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "skinny_linear: float32 only");
+  const int64_t N = x.size(0), out = w.size(0), in = w.size(1);
+  auto y = torch::empty({N, out}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // ~64 KB of weights per task: enough to amortise a thread's start, small enough to balance
+  at::parallel_for(0, out, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, in)), [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const float* wr = wp + o * in;
+      int64_t n = 0;
+      for (; n + 4 <= N; n += 4) skinny_tile<4>(xp + n * in, wr, yp + n * out + o, out, in);
+      switch (N - n) {
+        case 1: skinny_tile<1>(xp + n * in, wr, yp + n * out + o, out, in); break;
+        case 2: skinny_tile<2>(xp + n * in, wr, yp + n * out + o, out, in); break;
+        case 3: skinny_tile<3>(xp + n * in, wr, yp + n * out + o, out, in); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+
 int64_t vec_size() { return Vec::size(); }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor table, torch::Tensor ctx, double scale) {
@@ -380,7 +430,7 @@ def _build():
         return load_inline(
             name=build_dir.name,
             cpp_sources=_SOURCE,
-            functions=["paged_decode", "vec_size", "rms_norm", "add_rms_norm", "silu_mul", "rope_write"],
+            functions=["paged_decode", "vec_size", "rms_norm", "add_rms_norm", "silu_mul", "rope_write", "skinny_linear"],
             extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_defines()],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -480,3 +530,10 @@ def rope_write(
     (contiguous), with cos/sin [T, D] in qkv's dtype; then, if `kv_layer` ([2, blocks, block_size, KVH, D],
     qkv's dtype) is given, token t's rotated K and its V are copied to flat slot `slots[t]` (int64)."""
     _op.rope_write(qkv, cos, sin, num_heads, num_kv_heads, kv_layer, slots)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, in] @ weight [out, in]^T -> [N, out], float32, both contiguous; for a few rows (decoding a
+    few sequences), where the projection is bound by reading the weight: each weight row is read from
+    memory once for all N rows of x. Call `available()` first."""
+    return _op.skinny_linear(x, weight)

@@ -17,8 +17,9 @@ from kvflow.model.config import ModelConfig
 LayerHook = Callable[[int, ForwardBatch], None]
 
 
-SMALL_PATHS = ("plain", "prepacked", "padded")
+SMALL_PATHS = ("plain", "prepacked", "padded", "kernel")
 PADDED_ROWS = 4
+SMALL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts measured at load; 5 uses 4's choice, and so on
 
 
 class Linear:
@@ -26,14 +27,16 @@ class Linear:
 
     On CPU with oneDNN (fp32, bf16) the weight is also reordered into oneDNN's blocked layout and
     applied with its prepacked linear (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's
-    freezing pass emits) from 4 rows on: 0.5-0.7x F.linear's time in fp32 and 0.8-1.0x in bf16 over
-    a whole model's projections, cache-cold. Below 4 rows (decoding one to three sequences) the
-    fastest path depends on the CPU, so the model measures it when it loads (`choose_small_paths`)
-    and sets `small[rows]` to one of: "plain" (`F.linear` on the plain weight; ~0.7x the prepacked
-    time at 1 row on one machine of our kind), "prepacked", or "padded" (prepacked on the rows
-    padded with zeros to 4: on an AMD EPYC without AMX, 4 rows took 0.75-0.9x the time of 1-3 rows
-    prepacked and 0.4-0.7x F.linear's). The price is a second copy of the projection weights in
-    memory (never both read in one step).
+    freezing pass emits): 0.5-0.7x F.linear's time in fp32 and 0.8-1.0x in bf16 over a whole
+    model's projections, cache-cold. Up to 16 rows (decoding a few sequences) the step is bound by
+    reading the weights and the fastest path depends on the CPU, so the model measures it when it
+    loads (`choose_small_paths`) and sets `small[rows]` to one of: "plain" (`F.linear` on the plain
+    weight), "prepacked", "padded" (prepacked on the rows padded with zeros to 4: on an AMD EPYC
+    without AMX, 4 rows took 0.75-0.9x the time of 1-3 rows prepacked), or "kernel"
+    (`cpu_kernels.skinny_linear`, float32 only: each weight row read once for all rows; on a 2-core
+    AMD EPYC over SmolLM2's projections 0.78x the prepacked time at 1 row, 0.81x at 8, 0.9x at 12,
+    even at 16). The price of prepacking is a second copy of the projection weights in memory
+    (never both read in one step).
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -57,15 +60,26 @@ class Linear:
         n = x.shape[0]
         return self.prepacked(F.pad(x, (0, 0, 0, PADDED_ROWS - n)))[:n] if n < PADDED_ROWS else self.prepacked(x)
 
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.skinny_linear(x.contiguous(), self.weight)
 
-_SMALL: dict[tuple[torch.dtype, int], dict[int, str]] = {}
+
+_SMALL: dict[tuple[torch.dtype, int, bool], dict[int, str]] = {}
+
+
+def small_paths(dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths `choose_small_paths` may pick for weights of `dtype` on CPU: "kernel" only where the
+    CPU kernels are built (and not turned off) and for float32."""
+    kernel = dtype == torch.float32 and cpu_kernels.available("cpu")
+    return tuple(p for p in SMALL_PATHS if p != "kernel" or kernel)
 
 
 def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
-    """For 1, 2 and 3 rows, the fastest of `SMALL_PATHS` on this machine, timed over `linears`
-    (up to 64 MB of them: a pass reads them from memory, as a decode step does),
-    the paths interleaved, median of 2 passes after a warm-up. `KVFLOW_LINEAR_SMALL_ROWS` (one of
-    `SMALL_PATHS`) sets all three without measuring. Cached per dtype and torch thread count."""
+    """For every row count 1-16, the fastest of `small_paths` on this machine, timed at `SMALL_ROWS`
+    over `linears` (up to 64 MB of them: a pass reads them from memory, as a decode step does; a
+    row count between two measured ones takes the lower one's choice), the paths interleaved,
+    median of 2 passes after a warm-up. `KVFLOW_LINEAR_SMALL_ROWS` (one of `SMALL_PATHS`) sets all of
+    them without measuring. Cached per dtype, torch thread count and kernel availability."""
     import os
     import statistics
     import time
@@ -77,27 +91,28 @@ def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
             nbytes += lin.weight.numel() * lin.weight.element_size()
     if not packed:
         return {}
+    paths = small_paths(packed[0].weight.dtype)
     forced = os.environ.get("KVFLOW_LINEAR_SMALL_ROWS")
     if forced:
-        if forced not in SMALL_PATHS:
-            raise ValueError(f"KVFLOW_LINEAR_SMALL_ROWS must be one of {SMALL_PATHS}, not {forced!r}")
-        return dict.fromkeys(range(1, PADDED_ROWS), forced)
-    key = (packed[0].weight.dtype, torch.get_num_threads())
+        if forced not in paths:
+            raise ValueError(f"KVFLOW_LINEAR_SMALL_ROWS must be one of {paths} here, not {forced!r}")
+        return dict.fromkeys(range(1, SMALL_ROWS[-1] + 1), forced)
+    key = (packed[0].weight.dtype, torch.get_num_threads(), "kernel" in paths)
     if key not in _SMALL:
-        choice = {}
+        measured = {}
         with torch.inference_mode():
-            for rows in range(1, PADDED_ROWS):
+            for rows in SMALL_ROWS:
                 xs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1]).to(lin.weight.dtype) for lin in packed}
-                t: dict[str, list[float]] = {p: [] for p in SMALL_PATHS}
+                t: dict[str, list[float]] = {p: [] for p in paths}
                 for rep in range(3):
-                    for path in SMALL_PATHS:
+                    for path in paths:
                         t0 = time.perf_counter()
                         for lin in packed:
                             getattr(lin, path)(xs[lin.weight.shape[1]])
                         if rep:
                             t[path].append(time.perf_counter() - t0)
-                choice[rows] = min(SMALL_PATHS, key=lambda p: statistics.median(t[p]))
-        _SMALL[key] = choice
+                measured[rows] = min(paths, key=lambda p: statistics.median(t[p]))
+        _SMALL[key] = {n: measured[max(r for r in SMALL_ROWS if r <= n)] for n in range(1, SMALL_ROWS[-1] + 1)}
     return _SMALL[key]
 
 
