@@ -79,10 +79,15 @@ def test_rope_and_kv_write(dtype, tol, rows, heads, head_dim):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("out,width", [(48, 64), (7, 576), (33, 37)], ids=["64", "576", "tail"])
-def test_skinny_linear(rows, out, width):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_skinny_linear(rows, out, width, dtype):
+    # float32 accumulation of exact products, one rounding to the dtype at the end: against float64,
+    # only the final rounding (half an ulp of the dtype, 2^-9 for bf16) and fp32 summation remain
     g = torch.Generator().manual_seed(rows * 100 + width)
-    x, w = torch.randn(rows, width, generator=g), torch.randn(out, width, generator=g)
-    _close(cpu_kernels.skinny_linear(x, w), (x.double() @ w.double().t()).float(), 1e-5)
+    x, w = torch.randn(rows, width, generator=g).to(dtype), torch.randn(out, width, generator=g).to(dtype)
+    ref = (x.double() @ w.double().t()).to(dtype)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-10}[dtype]
+    _close(cpu_kernels.skinny_linear(x, w), ref, tol)
 
 
 def test_forced_small_row_kernel_gives_the_prepacked_logits(monkeypatch):
@@ -115,7 +120,7 @@ def test_kernels_reject_bad_inputs():
     with pytest.raises(RuntimeError):
         cpu_kernels.skinny_linear(torch.randn(2, 8), torch.randn(4, 9))
     with pytest.raises(RuntimeError):
-        cpu_kernels.skinny_linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16))
+        cpu_kernels.skinny_linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(4, 8))
     with pytest.raises(RuntimeError):
         cpu_kernels.rms_norm(torch.randn(4, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), 1e-5)
 

@@ -8,9 +8,12 @@
 - `silu_mul(gate_up)`: SiLU(gate) * up from the fused gate_up projection's output.
 - `rope_write(qkv, cos, sin, heads, kv_heads, kv_layer, slots)`: RoPE in place on the query and key
   heads of the qkv projection's output, then the new K and V rows copied into the paged cache.
-- `skinny_linear(x, w)`: a float32 projection of a few rows that reads each weight row once (a decode
-  step of a few sequences is bound by reading the weights; oneDNN's prepacked GEMM reached ~75% of
-  the memory bandwidth there).
+- `skinny_linear(x, w)`: a projection of a few rows that reads each weight row once (a decode step of
+  a few sequences is bound by reading the weights; oneDNN's prepacked GEMM reached ~75% of the memory
+  bandwidth there); float32 accumulation, bf16 through AVX512-BF16's dot product where the CPU has it.
+
+Every elementwise pass is vectorised in every dtype: bf16/fp16 values are widened to float32, and
+rounded back to the dtype at the points where the PyTorch formula they replace stores a tensor.
 
 Why kernels: at batch 16 and 1k tokens of context the eager decode attention spent ~85% of its time
 copying KV; and a decode step ran ~20 small ATen ops per layer, each its own OpenMP parallel region,
@@ -50,6 +53,16 @@ using Vec = at::vec::Vectorized<float>;
 
 template <typename T> inline Vec load_f32(const T* p) { Vec o; at::vec::load_to_float<T>(p, o); return o; }
 template <> inline Vec load_f32<float>(const float* p) { return Vec::loadu(p); }
+// v rounded to T (round to nearest even, as a tensor stored in T holds it), back in float.
+template <typename T> inline Vec round_t(const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) { return v; }
+  else { return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v))); }
+}
+// Stores the Vec::size() floats of v at p, rounded to T.
+template <typename T> inline void store_t(T* p, const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) { v.store(p); }
+  else { at::vec::convert_from_float<T>(v, v).store(p, Vec::size()); }
+}
 
 // Work items are heads [h0, h1) of one sequence: all KV heads of a sequence when there are at
 // least as many sequences as threads (each token's K and V rows are then read contiguously, once),
@@ -150,16 +163,9 @@ static void rms_norm_kernel(T* x, const T* res, const T* w, T* out, int64_t rows
       int64_t i = 0;
       for (; i + V <= n; i += V) {
         Vec v = load_f32<T>(xr + i);
-        if (res) {
-          v = v + load_f32<T>(res + r * n + i);
-          if constexpr (!std::is_same_v<T, float>) {  // the residual stream is stored in T
-            float tmp[V];
-            v.store(tmp);
-            for (int64_t j = 0; j < V; ++j) { xr[i + j] = to_t<T>(tmp[j]); tmp[j] = static_cast<float>(xr[i + j]); }
-            v = Vec::loadu(tmp);
-          } else {
-            v.store(reinterpret_cast<float*>(xr) + i);
-          }
+        if (res) {  // the residual stream is stored in T: the norm reads the rounded sum
+          v = round_t<T>(v + load_f32<T>(res + r * n + i));
+          store_t<T>(xr + i, v);
         }
         v.store(b + i);
         acc = at::vec::fmadd(v, v, acc);
@@ -173,13 +179,9 @@ static void rms_norm_kernel(T* x, const T* res, const T* w, T* out, int64_t rows
       }
       const float rstd = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
       T* o = out + r * n;
-      if constexpr (std::is_same_v<T, float>) {
-        i = 0;
-        for (; i + V <= n; i += V) (Vec::loadu(b + i) * Vec(rstd) * Vec::loadu(w + i)).store(o + i);
-        for (; i < n; ++i) o[i] = b[i] * rstd * w[i];
-      } else {
-        for (i = 0; i < n; ++i) o[i] = to_t<T>(static_cast<float>(w[i]) * static_cast<float>(to_t<T>(b[i] * rstd)));
-      }
+      i = 0;  // bf16/fp16: the normalised row is rounded to T before the weight multiplies
+      for (; i + V <= n; i += V) store_t<T>(o + i, round_t<T>(Vec::loadu(b + i) * Vec(rstd)) * load_f32<T>(w + i));
+      for (; i < n; ++i) o[i] = to_t<T>(static_cast<float>(w[i]) * static_cast<float>(to_t<T>(b[i] * rstd)));
     }
   });
 }
@@ -193,18 +195,14 @@ static void silu_mul_kernel(const T* gu, T* out, int64_t rows, int64_t n) {
       const T* g = gu + r * 2 * n;
       const T* u = g + n;
       T* o = out + r * n;
-      int64_t i = 0;
-      if constexpr (std::is_same_v<T, float>) {
-        for (; i + V <= n; i += V) {
-          const Vec x = Vec::loadu(g + i);
-          (x / (Vec(1.f) + x.neg().exp()) * Vec::loadu(u + i)).store(o + i);
-        }
-        for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-      } else {  // silu rounded to T, then the product (as F.silu(gate) * up)
-        for (; i < n; ++i) {
-          const float x = static_cast<float>(g[i]);
-          o[i] = to_t<T>(static_cast<float>(to_t<T>(x / (1.f + std::exp(-x)))) * static_cast<float>(u[i]));
-        }
+      int64_t i = 0;  // bf16/fp16: silu rounded to T, then the product (as F.silu(gate) * up)
+      for (; i + V <= n; i += V) {
+        const Vec x = load_f32<T>(g + i);
+        store_t<T>(o + i, round_t<T>(x / (Vec(1.f) + x.neg().exp())) * load_f32<T>(u + i));
+      }
+      for (; i < n; ++i) {
+        const float x = static_cast<float>(g[i]);
+        o[i] = to_t<T>(static_cast<float>(to_t<T>(x / (1.f + std::exp(-x)))) * static_cast<float>(u[i]));
       }
     }
   });
@@ -226,14 +224,12 @@ static void rope_kernel(T* qkv, const T* cos, const T* sin, int64_t tokens, int6
       for (int64_t h = 0; h < H + KVH; ++h) {
         T* x = row + h * D;
         int64_t i = 0;
-        if constexpr (std::is_same_v<T, float>) {
-          for (; i + V <= half; i += V) {
-            const Vec x1 = Vec::loadu(x + i), x2 = Vec::loadu(x + half + i);
-            const Vec o1 = at::vec::fmadd(x2.neg(), Vec::loadu(s + i), x1 * Vec::loadu(c + i));
-            const Vec o2 = at::vec::fmadd(x1, Vec::loadu(s + half + i), x2 * Vec::loadu(c + half + i));
-            o1.store(x + i);
-            o2.store(x + half + i);
-          }
+        for (; i + V <= half; i += V) {  // bf16/fp16: x * cos rounded to T, + rotate_half(x) * sin (addcmul)
+          const Vec x1 = load_f32<T>(x + i), x2 = load_f32<T>(x + half + i);
+          const Vec o1 = at::vec::fmadd(x2.neg(), load_f32<T>(s + i), round_t<T>(x1 * load_f32<T>(c + i)));
+          const Vec o2 = at::vec::fmadd(x1, load_f32<T>(s + half + i), round_t<T>(x2 * load_f32<T>(c + half + i)));
+          store_t<T>(x + i, o1);
+          store_t<T>(x + half + i, o2);
         }
         for (; i < half; ++i) {  // bf16/fp16: x * cos rounded to T, then + rotate_half(x) * sin (addcmul)
           const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
@@ -316,48 +312,70 @@ void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t
 }
 
 // ---------------------------------------------------------------- projections of a few rows
-// y [N, out] = x [N, in] @ W [out, in]^T (float32) for small N (decode of a few sequences): the step
-// is then bound by reading W, so each weight row is loaded from memory once and multiplied with up to
-// 4 rows of x held in L1 (further rows reuse the weight row from L1). Rows of W are split over threads.
-template <int NT>
-static inline void skinny_tile(const float* x, const float* w, float* y, int64_t out, int64_t in) {
+// y [N, out] = x [N, in] @ W [out, in]^T for small N (decode of a few sequences): the step is then
+// bound by reading W, so each weight row is loaded from memory once and multiplied with up to 4 rows
+// of x held in L1 (further rows reuse the weight row from L1). Rows of W are split over threads.
+// Accumulation is in float32; bf16/fp16 results are rounded once at the end (as oneDNN's GEMM does).
+// bf16 on a CPU with AVX512-BF16 uses its dot-product instruction (pairs of bf16 products summed
+// into float32 lanes, 32 weights per instruction); elsewhere weights are widened to float and FMA'd.
+template <typename T, int NT>
+static inline void skinny_tile(const T* x, const T* w, T* y, int64_t out, int64_t in) {
   constexpr int64_t V = Vec::size();
-  const int64_t vend = in - in % V;
-  Vec acc[NT];
-  for (int n = 0; n < NT; ++n) acc[n] = Vec(0.f);
-  for (int64_t k = 0; k < vend; k += V) {
-    const Vec wv = Vec::loadu(w + k);
-    for (int n = 0; n < NT; ++n) acc[n] = at::vec::fmadd(Vec::loadu(x + n * in + k), wv, acc[n]);
+  int64_t k = 0;
+  float sums[NT];
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    __m512 acc[NT];
+    for (int n = 0; n < NT; ++n) acc[n] = _mm512_setzero_ps();
+    for (; k + 32 <= in; k += 32) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+      for (int n = 0; n < NT; ++n) acc[n] = _mm512_dpbf16_ps(acc[n], (__m512bh)_mm512_loadu_si512(x + n * in + k), wv);
+    }
+    for (int n = 0; n < NT; ++n) sums[n] = _mm512_reduce_add_ps(acc[n]);
+  } else
+#endif
+  {
+    Vec acc[NT];
+    for (int n = 0; n < NT; ++n) acc[n] = Vec(0.f);
+    for (; k + V <= in; k += V) {
+      const Vec wv = load_f32<T>(w + k);
+      for (int n = 0; n < NT; ++n) acc[n] = at::vec::fmadd(load_f32<T>(x + n * in + k), wv, acc[n]);
+    }
+    for (int n = 0; n < NT; ++n) sums[n] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[n]);
   }
   for (int n = 0; n < NT; ++n) {
-    float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[n]);
-    for (int64_t k = vend; k < in; ++k) s += x[n * in + k] * w[k];
-    y[n * out] = s;
+    float s = sums[n];
+    for (int64_t j = k; j < in; ++j) s += static_cast<float>(x[n * in + j]) * static_cast<float>(w[j]);
+    y[n * out] = to_t<T>(s);
   }
 }
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [N, in], w [out, in]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "contiguous x and w");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "skinny_linear: float32 only");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "skinny_linear: x and w dtypes differ");
   const int64_t N = x.size(0), out = w.size(0), in = w.size(1);
   auto y = torch::empty({N, out}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // ~64 KB of weights per task: enough to amortise a thread's start, small enough to balance
-  at::parallel_for(0, out, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, in)), [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const float* wr = wp + o * in;
-      int64_t n = 0;
-      for (; n + 4 <= N; n += 4) skinny_tile<4>(xp + n * in, wr, yp + n * out + o, out, in);
-      switch (N - n) {
-        case 1: skinny_tile<1>(xp + n * in, wr, yp + n * out + o, out, in); break;
-        case 2: skinny_tile<2>(xp + n * in, wr, yp + n * out + o, out, in); break;
-        case 3: skinny_tile<3>(xp + n * in, wr, yp + n * out + o, out, in); break;
-        default: break;
+  by_dtype(x.scalar_type(), "skinny_linear", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    // ~64 KB of weights per task: enough to amortise a thread's start, small enough to balance
+    const int64_t grain = std::max<int64_t>(1, 65536 / static_cast<int64_t>(sizeof(T)) / std::max<int64_t>(1, in));
+    at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t o = begin; o < end; ++o) {
+        const T* wr = wp + o * in;
+        int64_t n = 0;
+        for (; n + 4 <= N; n += 4) skinny_tile<T, 4>(xp + n * in, wr, yp + n * out + o, out, in);
+        switch (N - n) {
+          case 1: skinny_tile<T, 1>(xp + n * in, wr, yp + n * out + o, out, in); break;
+          case 2: skinny_tile<T, 2>(xp + n * in, wr, yp + n * out + o, out, in); break;
+          case 3: skinny_tile<T, 3>(xp + n * in, wr, yp + n * out + o, out, in); break;
+          default: break;
+        }
       }
-    }
+    });
   });
   return y;
 }
@@ -533,7 +551,8 @@ def rope_write(
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [N, in] @ weight [out, in]^T -> [N, out], float32, both contiguous; for a few rows (decoding a
-    few sequences), where the projection is bound by reading the weight: each weight row is read from
-    memory once for all N rows of x. Call `available()` first."""
+    """x [N, in] @ weight [out, in]^T -> [N, out] (float32, bf16 or fp16, one dtype, both contiguous),
+    accumulated in float32; for a few rows (decoding a few sequences), where the projection is bound by
+    reading the weight: each weight row is read from memory once for all N rows of x. Call
+    `available()` first."""
     return _op.skinny_linear(x, weight)

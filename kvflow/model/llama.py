@@ -33,9 +33,9 @@ class Linear:
     loads (`choose_small_paths`) and sets `small[rows]` to one of: "plain" (`F.linear` on the plain
     weight), "prepacked", "padded" (prepacked on the rows padded with zeros to 4: on an AMD EPYC
     without AMX, 4 rows took 0.75-0.9x the time of 1-3 rows prepacked), or "kernel"
-    (`cpu_kernels.skinny_linear`, float32 only: each weight row read once for all rows; on a 2-core
-    AMD EPYC over SmolLM2's projections 0.78x the prepacked time at 1 row, 0.81x at 8, 0.9x at 12,
-    even at 16). The price of prepacking is a second copy of the projection weights in memory
+    (`cpu_kernels.skinny_linear`: each weight row read once for all rows; float32 on a 2-core AMD EPYC
+    over SmolLM2's projections 0.78x the prepacked time at 1 row, 0.81x at 8, 0.9x at 12, even at
+    16; bf16 with AVX512-BF16's dot product, see docs/model.md). The price of prepacking is a second copy of the projection weights in memory
     (never both read in one step).
     """
 
@@ -69,8 +69,8 @@ _SMALL: dict[tuple[torch.dtype, int, bool], dict[int, str]] = {}
 
 def small_paths(dtype: torch.dtype) -> tuple[str, ...]:
     """The paths `choose_small_paths` may pick for weights of `dtype` on CPU: "kernel" only where the
-    CPU kernels are built (and not turned off) and for float32."""
-    kernel = dtype == torch.float32 and cpu_kernels.available("cpu")
+    CPU kernels are built (and not turned off)."""
+    kernel = cpu_kernels.available("cpu")
     return tuple(p for p in SMALL_PATHS if p != "kernel" or kernel)
 
 
