@@ -77,11 +77,12 @@ def small_paths(dtype: torch.dtype) -> tuple[str, ...]:
 def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
     """For every row count 1-16, the fastest of `small_paths` on this machine, timed at `SMALL_ROWS`
     over `linears` (up to 64 MB of them: a pass reads them from memory, as a decode step does; a
-    row count between two measured ones takes the lower one's choice), the paths interleaved,
-    median of 2 passes after a warm-up. `KVFLOW_LINEAR_SMALL_ROWS` (one of `SMALL_PATHS`) sets all of
-    them without measuring. Cached per dtype, torch thread count and kernel availability."""
+    row count between two measured ones takes the lower one's choice), the paths interleaved, the
+    best of 4 passes after a warm-up (the minimum: another process on the machine can only make a
+    pass slower, and with a median one interrupted pass could flip the choice).
+    `KVFLOW_LINEAR_SMALL_ROWS` (one of `SMALL_PATHS`) sets all of them without measuring. Cached per
+    dtype, torch thread count and kernel availability."""
     import os
-    import statistics
     import time
 
     packed, nbytes = [], 0
@@ -104,14 +105,14 @@ def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
             for rows in SMALL_ROWS:
                 xs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1]).to(lin.weight.dtype) for lin in packed}
                 t: dict[str, list[float]] = {p: [] for p in paths}
-                for rep in range(3):
+                for rep in range(5):
                     for path in paths:
                         t0 = time.perf_counter()
                         for lin in packed:
                             getattr(lin, path)(xs[lin.weight.shape[1]])
                         if rep:
                             t[path].append(time.perf_counter() - t0)
-                measured[rows] = min(paths, key=lambda p: statistics.median(t[p]))
+                measured[rows] = min(paths, key=lambda p: min(t[p]))
         _SMALL[key] = {n: measured[max(r for r in SMALL_ROWS if r <= n)] for n in range(1, SMALL_ROWS[-1] + 1)}
     return _SMALL[key]
 
