@@ -6,12 +6,16 @@
             token (~100 us per simulated batch), so a million requests take ~20 minutes.
   distserve: DistServe Fig. 1 (OPT-13B, 512 in / 64 out): goodput per GPU, colocated continuous
             batching vs 2 prefill + 1 decode GPUs, beside the paper's 1.6 vs 3.3 req/s/GPU.
+  swapping: DéjàVu Fig. 9: the largest microbatch B without swapping against 2B with microbatch
+            swapping, per prompt/output length, with the host bandwidth that would hide the swap-in.
+  failures: DéjàVu Fig. 11 (three failures, baseline restart from scratch vs DéjàVu resume), with
+            the recovery costs the paper's Fig. 10 implies in this performance model.
   appendix: DéjàVu Appendix B (Tables 2-5, Figures 16-19) reproduced from scenarios/*.yaml under
             the settings of VARIANTS, row by row beside the paper's configurations, with the mean
             makespan ratios over all D and over D >= 4 next to the paper's 4.2x / 2.22x.
 
 Prints tables; writes results/simulator_*.json and .png.
-    python benchmarks/simulator.py [scale|appendix|distserve|all] [--requests N]
+    python benchmarks/simulator.py [scale|appendix|distserve|swapping|failures|all] [--requests N]
 """
 
 from __future__ import annotations
@@ -175,72 +179,143 @@ def distserve(requests: int, ttft: float, tpot: float) -> dict:
     return res
 
 
-def swapping_fig9(requests_per_slot: int = 4) -> dict:
+def swapping_fig9(lengths: list[tuple[int, int]], reserve: int | None = None, requests_per_slot: int = 4) -> dict:
     """DéjàVu Fig. 9: throughput with the largest microbatch B that fits without swapping against
     2B with microbatch swapping (DéjàVu §4.2.2: KV of the microbatches not computing lives in host
     memory; a token step lasts max(compute, swap-in of the next microbatch), every device swapping
-    its tensor-parallel share over its own PCIe link). OPT-30B on 2xV100-16GB machines (32 Gbps),
-    Baseline pipelines of several depths, offline, prompt 500 / output 500 (the prompt and length of
-    the paper's other pipeline experiments; Fig. 9's own are not stated). The paper: up to 1.8x."""
+    its tensor-parallel share over its own PCIe link: Appendix G.1's transf_i = i B C_i / pciebw).
+    OPT-30B on 2xV100-16GB machines (32 Gbps), Baseline pipelines of several depths, offline. The
+    paper: up to 1.8x; it does not state Fig. 9's prompt and output lengths (`lengths`: (prompt,
+    output) pairs). `reserve`: tokens of KV preallocated per request, which sets B (FasterTransformer
+    preallocates each microbatch's cache for a maximum length; the paper's Fig. 1 sizes memory for a
+    2K sequence); None: exactly prompt + output. A swap-in moves only the context so far (G.1's i).
+    `hide_bw` is the host bandwidth per device at which the mean swap-in equals the token step."""
     from kvflow.simulator.config import BLOCK_SIZE
 
     perf = AnalyticPerfModel(model_shape("opt-30b"), machine("2xV100-16GB", link_gbps=32))
-    prompt, out_len = 500, 500
-    res = {}
-    print(f"fig. 9 (swapping): OPT-30B on 2xV100-16GB, prompt {prompt}, output {out_len}, offline; "
-          f"PCIe {perf.machine.host_bandwidth / 1e9:.0f} GB/s per device")
-    print(f"  {'depth':>5} {'B':>4} {'2B':>4} {'token step':>10} {'swap-in':>8} {'tput B':>8} {'tput 2B+swap':>12} {'ratio':>6}")
-    for depth in (3, 4, 6, 8):
-        b = perf.max_microbatch(depth, prompt + out_len, depth, BLOCK_SIZE)
-        if b < 1 or perf.max_microbatch(depth, prompt + out_len, 2, BLOCK_SIZE) < 2 * b:
-            continue
-        tput = {}
-        for name, mb, swap in (("B", b, False), ("2B", 2 * b, True)):
-            w = synthetic(requests_per_slot * depth * 2 * b, prompt, LengthDist("constant", value=out_len, max_len=out_len),
-                          None, 0)
-            tput[name] = simulate(SimConfig(Layout(PipelineSpec(depth, mb)), swapping=swap), perf, w).summary().tokens_per_s
-        t = perf.token_stage_time(2 * b, prompt + out_len // 2, depth)
-        sw = perf.swap_in_time(2 * b, prompt + out_len // 2, depth)
-        ratio = tput["2B"] / tput["B"]
-        res[depth] = {"B": b, "token_step_s": t, "swap_in_s": sw, "tput_B": tput["B"], "tput_2B_swap": tput["2B"],
-                      "ratio": ratio}
-        print(f"  {depth:>5} {b:>4} {2 * b:>4} {t * 1e3:8.1f}ms {sw * 1e3:6.1f}ms {tput['B']:8.1f} {tput['2B']:12.1f} "
-              f"{ratio:6.2f}")
+    hb = perf.machine.host_bandwidth
+    res = {"host_bandwidth_per_device": hb, "reserve": reserve, "rows": []}
+    print(f"fig. 9 (swapping): OPT-30B on 2xV100-16GB, offline; PCIe {hb / 1e9:.0f} GB/s per device; B sized for "
+          f"{reserve or 'prompt + output'} tokens per request")
+    print(f"  {'prompt':>6} {'out':>4} {'depth':>5} {'B':>4} {'2B':>4} {'token step':>10} {'swap-in':>8} {'tput B':>8} "
+          f"{'tput 2B+swap':>12} {'ratio':>6} {'hide_bw/dev':>11}")
+    for prompt, out_len in lengths:
+        for depth in (4, 6, 8):
+            held = reserve or prompt + out_len
+            b = perf.max_microbatch(depth, held, depth, BLOCK_SIZE)
+            if b < 1 or perf.max_microbatch(depth, held, 2, BLOCK_SIZE) < 2 * b:
+                continue
+            tput = {}
+            for name, mb, swap in (("B", b, False), ("2B", 2 * b, True)):
+                w = synthetic(requests_per_slot * depth * 2 * b, prompt,
+                              LengthDist("constant", value=out_len, max_len=out_len), None, 0)
+                tput[name] = simulate(SimConfig(Layout(PipelineSpec(depth, mb)), swapping=swap), perf, w).summary().tokens_per_s
+            ctx = prompt + out_len // 2
+            t = perf.token_stage_time(2 * b, ctx, depth)
+            sw = perf.swap_in_time(2 * b, ctx, depth)
+            row = {"prompt": prompt, "output": out_len, "depth": depth, "B": b, "token_step_s": t, "swap_in_s": sw,
+                   "tput_B": tput["B"], "tput_2B_swap": tput["2B"], "ratio": tput["2B"] / tput["B"],
+                   "hide_bw_per_device": hb * sw / t}
+            res["rows"].append(row)
+            print(f"  {prompt:>6} {out_len:>4} {depth:>5} {b:>4} {2 * b:>4} {t * 1e3:8.1f}ms {sw * 1e3:6.1f}ms "
+                  f"{tput['B']:8.1f} {tput['2B']:12.1f} {row['ratio']:6.2f} {row['hide_bw_per_device'] / 1e9:7.0f} GB/s")
     return res
 
 
-def failures_fig11(pipeline_restart_s: float, replace_s: float, detect_s: float, requests: int) -> dict:
-    """DéjàVu Fig. 11: OPT-66B, one colocated pipeline of 4 machines (2xA100-80GB), microbatch 8,
-    prompt 500, 1,000 generated tokens, a worker killed at 600, 1,200 and 1,800 s. Baseline
-    (FasterTransformer): every worker restarts (`pipeline_restart_s`) and the microbatches in flight
-    start over from scratch (`Recovery.from_scratch`); DéjàVu: one replacement worker (`replace_s`), the lost KV restored from its replica
-    (modelled as the stage's KV over the network), the in-flight passes resume. Paper: 1.16x."""
+def fig10_costs(perf: AnalyticPerfModel, lay: Layout, w_len: tuple[int, int], detect_s: float, step: int,
+                restart_x: float = 1.91, resume_x: float = 1.24) -> dict:
+    """Recovery costs implied by DéjàVu Fig. 10 in this performance model: one set of microbatches
+    (`lay.prompt.depth` microbatches in flight) of `w_len` = (prompt, output) tokens, a stage killed at
+    token generation step `step` (counted in context positions: step 1200 of 500 + 1000 is 70% of
+    the generation). The paper measures the tracked microbatch's latency at 1.91x (baseline: every
+    worker restarts, the microbatches start over) and 1.24x (DéjàVu: one replacement, KV restored,
+    resumed). A longer outage delays it one for one, so each mode's outage is the one that gives the
+    paper's ratio: returns the pipeline restart (baseline) and the replacement (DéjàVu) in seconds,
+    the microbatch latency L0, and the ratios simulated with them."""
     from kvflow.simulator import Failure, Recovery
 
-    perf = AnalyticPerfModel(model_shape("opt-66b"), machine("2xA100-80GB"))
-    w = synthetic(requests, 500, LengthDist("constant", value=1001, max_len=1001), None, 0)
+    prompt, out_len = w_len
+    w = synthetic(lay.prompt.depth * lay.prompt.microbatch, prompt, LengthDist("constant", value=out_len, max_len=out_len),
+                  None, 0)
+    clean = simulate(SimConfig(lay), perf, w)
+    first, l0 = float(clean.first_token[0]), float(clean.finish[0])
+    when = first + (step - prompt) / out_len * (l0 - first)
+    fail = (Failure(when, "prompt", 0, 1),)
+
+    def latency(rec: Recovery) -> float:
+        return float(simulate(SimConfig(lay, failures=fail, recovery=rec), perf, w).finish[0])
+
+    restart = max(0.0, (restart_x * l0 - latency(Recovery("restart", detect_s, 0.0, pipeline_restart_s=0.0,
+                                                          from_scratch=True))))
+    replace = max(0.0, (resume_x * l0 - latency(Recovery("resume", detect_s, 0.0))))
+    return {"l0_s": l0, "fail_at_s": when, "pipeline_restart_s": restart, "replace_s": replace,
+            "restart_x": latency(Recovery("restart", detect_s, 0.0, pipeline_restart_s=restart, from_scratch=True)) / l0,
+            "resume_x": latency(Recovery("resume", detect_s, replace)) / l0}
+
+
+def failures_fig11(pipeline_restart_s: float | None, replace_s: float | None, detect_s: float, requests: int,
+                   fig10_step: int) -> dict:
+    """DéjàVu Fig. 11: OPT-66B, one colocated pipeline of 4 machines (2xA100-80GB, 40 Gbps as in §5),
+    microbatch 8, prompt 500, 1,000 generated tokens, a worker killed at 600, 1,200 and 1,800 s.
+    Baseline (FasterTransformer): every worker restarts (`pipeline_restart_s`) and the microbatches in
+    flight start over from scratch (`Recovery.from_scratch`); DéjàVu: one replacement worker
+    (`replace_s`), the lost KV restored from its replica (modelled as the stage's KV over the
+    network), the in-flight passes resume. Costs left None come from the paper's Fig. 10
+    (`fig10_costs`). Paper: 1.16x."""
+    from kvflow.simulator import Failure, Recovery
+
+    perf = AnalyticPerfModel(model_shape("opt-66b"), machine("2xA100-80GB", link_gbps=40))
     lay = Layout(PipelineSpec(4, 8))
+    lens = (500, 1001)
+    f10 = fig10_costs(perf, lay, lens, detect_s, fig10_step)
+    print(f"fig. 10 in this model: a set of {lay.prompt.depth} microbatches of {lens[0]} + {lens[1]} tokens, latency "
+          f"L0 = {f10['l0_s']:.1f} s; stage killed at step {fig10_step} ({f10['fail_at_s']:.1f} s). The paper's 1.91x / "
+          f"1.24x imply a pipeline restart of {f10['pipeline_restart_s']:.1f} s and a worker replacement of "
+          f"{f10['replace_s']:.1f} s (+ detect {detect_s} s; simulated with them: {f10['restart_x']:.2f}x / "
+          f"{f10['resume_x']:.2f}x)")
+    restart = f10["pipeline_restart_s"] if pipeline_restart_s is None else pipeline_restart_s
+    replace = f10["replace_s"] if replace_s is None else replace_s
+    w = synthetic(requests, lens[0], LengthDist("constant", value=lens[1], max_len=lens[1]), None, 0)
     fails = tuple(Failure(t, "prompt", 0, 1) for t in (600.0, 1200.0, 1800.0))
     runs = {"no failure": SimConfig(lay),
             "baseline (restart)": SimConfig(lay, failures=fails, recovery=Recovery(
-                "restart", detect_s, replace_s, pipeline_restart_s=pipeline_restart_s, from_scratch=True)),
-            "dejavu (resume)": SimConfig(lay, failures=fails, recovery=Recovery("resume", detect_s, replace_s))}
+                "restart", detect_s, replace, pipeline_restart_s=restart, from_scratch=True)),
+            "dejavu (resume)": SimConfig(lay, failures=fails, recovery=Recovery("resume", detect_s, replace))}
     span = {k: simulate(cfg, perf, w).makespan for k, cfg in runs.items()}
-    ratio = span["baseline (restart)"] / span["dejavu (resume)"]
-    print(f"fig. 11 (failures): OPT-66B (4p, 8b) on 2xA100-80GB, {requests} requests of 500 + 1000 tokens; "
-          f"detect {detect_s} s, replace one worker {replace_s} s, restart the pipeline {pipeline_restart_s} s")
+    t0, base, dv = span["no failure"], span["baseline (restart)"], span["dejavu (resume)"]
+    ratio = base / dv
+    # Per failure: what each mode loses; the most the baseline can lose is its outage plus a whole
+    # microbatch latency (every microbatch in flight just short of finishing).
+    c_b, c_d = (base - t0) / 3, (dv - t0) / 3
+    c_b_max = detect_s + restart + f10["l0_s"]
+    need_t0 = 3 * (c_b - 1.16 * c_d) / 0.16
+    worst_t0 = 3 * (c_b_max - 1.16 * c_d) / 0.16  # the longest run 1.16x allows, every failure at its worst
+    print(f"fig. 11 (failures): OPT-66B (4p, 8b) on 2xA100-80GB, {requests} requests of {lens[0]} + {lens[1]} tokens; "
+          f"detect {detect_s} s, replace one worker {replace:.1f} s, restart the pipeline {restart:.1f} s")
     for k, v in span.items():
         print(f"  {k:<20} makespan {v:8.0f} s")
     print(f"  baseline / dejavu: ours {ratio:.3f}x, paper 1.16x")
-    return {"makespan": span, "ratio": ratio, "requests": requests, "detect_s": detect_s, "replace_s": replace_s,
-            "pipeline_restart_s": pipeline_restart_s}
+    print(f"  per failure: baseline loses {c_b:.1f} s, dejavu {c_d:.1f} s; the run is {t0 / f10['l0_s']:.1f} L0 long. "
+          f"1.16x at these losses needs a failure-free run of {need_t0:.0f} s = {need_t0 / f10['l0_s']:.1f} L0; "
+          f"at most {c_b_max:.1f} s lost per baseline failure gives <= {(t0 + 3 * c_b_max) / dv:.3f}x")
+    print(f"  even then 1.16x needs a run of <= {worst_t0:.0f} s = {worst_t0 / f10['l0_s']:.1f} L0; a run spanning the "
+          f"1,800 s failure needs L0 >= {1800 / (worst_t0 / f10['l0_s']):.0f} s ({1800 / worst_t0:.2f}x this model's)")
+    return {"makespan": span, "ratio": ratio, "requests": requests, "detect_s": detect_s, "replace_s": replace,
+            "pipeline_restart_s": restart, "fig10": f10, "loss_per_failure": {"baseline": c_b, "dejavu": c_d},
+            "t0_for_1.16x_s": need_t0, "t0_for_1.16x_worst_phase_s": worst_t0, "ratio_upper_bound": (t0 + 3 * c_b_max) / dv}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("part", nargs="?", default="all", choices=["scale", "appendix", "distserve", "swapping", "failures", "all"])
-    ap.add_argument("--pipeline-restart-s", type=float, default=60.0, help="failures: restart every worker")
-    ap.add_argument("--replace-s", type=float, default=20.0, help="failures: start one replacement worker")
+    ap.add_argument("--pipeline-restart-s", type=float, default=None,
+                    help="failures: restart every worker (default: what the paper's Fig. 10 implies)")
+    ap.add_argument("--replace-s", type=float, default=None,
+                    help="failures: start one replacement worker (default: what the paper's Fig. 10 implies)")
+    ap.add_argument("--fig10-step", type=int, default=1200, help="failures: Fig. 10's failure step (context position)")
+    ap.add_argument("--fig9-lengths", default="500:500,128:128,64:64,32:32", help="swapping: PROMPT:OUTPUT pairs, comma-separated")
+    ap.add_argument("--fig9-reserve", type=int, default=2048,
+                    help="swapping: tokens preallocated per request, which set B (0: exactly prompt + output)")
     ap.add_argument("--detect-s", type=float, default=1.0, help="failures: heartbeat timeout")
     ap.add_argument("--fig11-requests", type=int, default=1200, help="failures: requests (all at t=0)")
     ap.add_argument("--ttft-slo", type=float, default=0.4, help="distserve: TTFT SLO (s)")
@@ -259,9 +334,11 @@ def main() -> None:
         res = appendix(args.appendix_requests, args.variants.split(","), args.scenario)
         (RESULTS / "simulator_appendix.json").write_text(json.dumps(res, indent=1))
     if args.part in ("swapping", "all"):
-        (RESULTS / "simulator_swapping.json").write_text(json.dumps(swapping_fig9(), indent=1))
+        lengths = [tuple(int(x) for x in pair.split(":")) for pair in args.fig9_lengths.split(",")]
+        res = swapping_fig9(lengths, args.fig9_reserve or None)
+        (RESULTS / "simulator_swapping.json").write_text(json.dumps(res, indent=1))
     if args.part in ("failures", "all"):
-        res = failures_fig11(args.pipeline_restart_s, args.replace_s, args.detect_s, args.fig11_requests)
+        res = failures_fig11(args.pipeline_restart_s, args.replace_s, args.detect_s, args.fig11_requests, args.fig10_step)
         (RESULTS / "simulator_failures.json").write_text(json.dumps(res, indent=1))
     if args.part in ("distserve", "all"):
         res = distserve(args.trial_requests, args.ttft_slo, args.tpot_slo)

@@ -146,3 +146,24 @@ def test_shared_host_slows_a_step_while_another_stage_computes():
     assert sorted(res.ttft) == pytest.approx([1.0, 1.5])
     assert sorted(simulate(SimConfig(lay), _Neighbourly(1.0, 0.1), w).ttft) == pytest.approx([1.0, 1.0])
     assert sorted(simulate(SimConfig(lay, shared_host=True), ConstantPerf(1.0, 0.1), w).ttft) == pytest.approx([1.0, 1.0])
+
+
+def test_swapped_token_step_lasts_max_of_compute_and_swap_in_of_the_context_so_far():
+    """DéjàVu Appendix G.1: with microbatch swapping a token step lasts max(t, transf_i), transf_i
+    the swap-in of the microbatch's KV up to its current context i (not its reserved maximum) over
+    the host link. TINY: 2 of 8 layers per stage at depth 4, 256 bytes of KV per token and layer, so
+    512 bytes per token and stage; a host link of 51,200 B/s makes transf_i = i / 100 s, above
+    t = 0.1 s from context 10 on."""
+    from dataclasses import replace
+
+    perf = ConstantPerf(1.0, 0.1)
+    perf.machine = replace(perf.machine, host_bandwidth=512 * 100)
+    assert perf.swap_in_time(1, 25, 4) == pytest.approx(0.25)
+    prompt, out = 6, 12
+    lay = Layout(PipelineSpec(4, 1))
+    res = simulate(SimConfig(lay, swapping=True, prefix_caching=False), perf, workload([0.0], [out], prompt=prompt))
+    # Prefill passes the 4 stages at y each (no swap); token k (k = 1..out-1) writes context prompt + k.
+    steps = [max(0.1, (prompt + k) / 100) for k in range(1, out)]
+    assert res.finish[0] == pytest.approx(4 * 1.0 + 4 * sum(steps))
+    assert simulate(SimConfig(lay, prefix_caching=False), perf, workload([0.0], [out], prompt=prompt)).finish[0] == \
+        pytest.approx(4 * 1.0 + 4 * 0.1 * (out - 1))
