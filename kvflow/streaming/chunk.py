@@ -1,22 +1,23 @@
-"""The chunk: a msgpack header describing a KV tensor (requests, layers, tokens, dtype, shape, seq, xxh3-64 checksum) beside its raw bytes."""
+"""The chunk: a compact binary header describing a KV tensor (requests, layers, tokens, dtype, shape, seq, xxh3-64 checksum) beside its raw bytes."""
 
 from __future__ import annotations
 
 import glob
 import math
-import threading
+import struct
 import warnings
-import xxhash
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
+import xxhash
 
 from kvflow.streaming.errors import ChunkCorrupted, ChunkOversized, ChunkTruncated
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: msgpack headers
 KINDS = ("kv", "k", "v")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -99,44 +100,74 @@ class ChunkHeader:
         return DTYPES[self.dtype]
 
 
-_local = threading.local()  # a msgpack Packer per thread (building one per header costs a third of packing)
+# The header, little-endian: a fixed part, then the stream id (UTF-8), the segments (each a fixed
+# part and its request id), then `meta` (msgpack; nothing when empty). Sequence number and checksum,
+# the two fields that change from one chunk of a transfer to the next, come first: the receiver
+# decodes and validates the rest (the "body") once per distinct body and reuses it (`_BODIES`).
+_TOP = struct.Struct("<B7xQQ")  # version, seq, checksum
+_BODY = struct.Struct("<BBHIII5QQI")  # kinds, dtype, stream id length, segments, layer_start, layer_end, shape, nbytes, meta length
+_SEG = struct.Struct("<HII")  # request id length, token_start, token_end
+_DTYPE_LIST = tuple(DTYPES)
+_BODIES: dict[bytes, tuple[ChunkHeader, int]] = {}  # body bytes -> (a validated header with seq and checksum 0, meta length)
+_MAX_BODIES = 4096
 
 
 def encode_header(h: ChunkHeader) -> bytes:
     d = h.desc
-    packer = getattr(_local, "packer", None)
-    if packer is None:
-        packer = _local.packer = msgpack.Packer()
-    return packer.pack(
-        [
-            FORMAT_VERSION,
-            h.stream,
-            h.seq,
-            [[s.request_id, s.token_start, s.token_end] for s in d.segments],
-            d.layer_start,
-            d.layer_end,
-            d.kinds,
-            h.dtype,
-            list(h.shape),
-            h.nbytes,
-            h.checksum,
-            h.meta,
-        ]
-    )
+    stream = h.stream.encode()
+    segs = b"".join(_SEG.pack(len(r := s.request_id.encode()), s.token_start, s.token_end) + r for s in d.segments)
+    meta = msgpack.packb(h.meta) if h.meta else b""
+    return (_TOP.pack(FORMAT_VERSION, h.seq, h.checksum)
+            + _BODY.pack(KINDS.index(d.kinds), _DTYPE_LIST.index(h.dtype), len(stream), len(d.segments), d.layer_start, d.layer_end, *h.shape,
+                         h.nbytes, len(meta))
+            + stream + segs + meta)
 
 
 def decode_header(raw: bytes | memoryview) -> ChunkHeader:
     """Parse a header; anything malformed raises ChunkCorrupted."""
     try:
-        v, stream, seq, segs, l0, l1, kinds, dtype, shape, nbytes, digest, meta = msgpack.unpackb(raw)
-        if v != FORMAT_VERSION:
-            raise ChunkCorrupted(f"chunk format version {v}, expected {FORMAT_VERSION}")
-        desc = ChunkDesc(tuple([Segment(str(r), int(a), int(b)) for r, a, b in segs]), int(l0), int(l1), str(kinds))
-        return ChunkHeader(str(stream), int(seq), desc, str(dtype), tuple(map(int, shape)), int(nbytes), int(digest), dict(meta))
+        v, seq, digest = _TOP.unpack_from(raw)
+    except struct.error as e:
+        raise ChunkCorrupted(f"unreadable chunk header: {e}") from None
+    if v != FORMAT_VERSION:
+        raise ChunkCorrupted(f"chunk format version {v}, expected {FORMAT_VERSION}")
+    body = bytes(raw[_TOP.size :])
+    known = _BODIES.get(body)
+    if known is None:
+        known = _decode_body(body)
+        if len(_BODIES) >= _MAX_BODIES:
+            _BODIES.clear()
+        _BODIES[body] = known
+    proto, meta_len = known
+    h = object.__new__(ChunkHeader)  # a copy of the validated prototype, without validating again
+    h.__dict__.update(proto.__dict__, seq=seq, checksum=digest, meta=msgpack.unpackb(body[len(body) - meta_len :]) if meta_len else {})
+    return h
+
+
+def _decode_body(body: bytes) -> tuple[ChunkHeader, int]:
+    try:
+        kinds, dtype, slen, nsegs, l0, l1, *rest = _BODY.unpack_from(body)
+        shape, nbytes, mlen = tuple(rest[:5]), rest[5], rest[6]
+        at = _BODY.size
+        stream = body[at : at + slen].decode()
+        at += slen
+        segs = []
+        for _ in range(nsegs):
+            rlen, a, b = _SEG.unpack_from(body, at)
+            at += _SEG.size
+            segs.append(Segment(body[at : at + rlen].decode(), a, b))
+            at += rlen
+        if at + mlen != len(body):
+            raise ValueError(f"header of {len(body)} body bytes, fields account for {at + mlen}")
+        meta = msgpack.unpackb(body[at:]) if mlen else {}
+        if not isinstance(meta, dict):
+            raise ValueError("meta is not a map")
+        h = ChunkHeader(stream, 0, ChunkDesc(tuple(segs), l0, l1, KINDS[kinds]), _DTYPE_LIST[dtype], shape, nbytes, 0, meta)
     except ChunkCorrupted:
         raise
-    except Exception as e:  # msgpack errors, wrong arity, bad values
+    except Exception as e:  # struct/msgpack errors, bad UTF-8, bad values
         raise ChunkCorrupted(f"unreadable chunk header: {e}") from e
+    return h, mlen
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -208,13 +239,16 @@ def preferred_chunk_bytes(cache_bytes: int | None = None) -> int:
 
 CHUNK_BYTES = preferred_chunk_bytes()
 
-# torch.frombuffer warns about read-only buffers (ZeroMQ frames, read-only maps); chunk views are read-only by contract.
+# torch warns about read-only buffers (ZeroMQ frames, read-only maps); chunk views are read-only by contract.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+_NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # numpy has no bfloat16: its bits as uint16
 
 
 def payload_tensor(h: ChunkHeader, payload: memoryview | bytes) -> torch.Tensor:
     """A zero-copy tensor view of a verified payload (read-only memory: copy it out, never write)."""
     if h.nbytes == 0:
         return torch.empty(h.shape, dtype=h.torch_dtype)
-    dtype = DTYPES[h.dtype]
-    return torch.frombuffer(payload, dtype=dtype, count=h.nbytes // dtype.itemsize).view(h.shape)
+    np_dtype = _NUMPY[h.dtype]
+    t = torch.from_numpy(np.frombuffer(payload, dtype=np_dtype, count=h.nbytes // np.dtype(np_dtype).itemsize).reshape(h.shape))
+    return t.view(torch.bfloat16) if h.dtype == "bfloat16" else t

@@ -44,6 +44,21 @@ def test_header_roundtrip_and_payload_is_byte_exact():
         assert c.header.desc == DESC and torch.equal(c.data, x)
 
 
+def test_header_bodies_are_validated_once_yet_every_header_is_its_own():
+    """The receiver reuses a decoded body (all but seq and checksum) for the next chunk of a
+    transfer; each header still gets its own seq, checksum and meta."""
+    meta = {"kv": {"a": {"blocks": [1, 2]}}}
+    d1 = decode_header(encode_header(make_header("s", 1, DESC, data(0), meta)))
+    d1.meta["kv"]["a"]["blocks"].append(3)
+    d2 = decode_header(encode_header(make_header("s", 2, DESC, data(1), meta)))
+    assert d2.desc is d1.desc and d2.meta == {"kv": {"a": {"blocks": [1, 2]}}}
+    assert (d2.seq, d2.checksum) == (2, make_header("s", 2, DESC, data(1)).checksum) != (d1.seq, d1.checksum)
+    head = bytearray(encode_header(make_header("s", 3, DESC, data(0))))
+    head[40] ^= 0x01  # the shape's layer count: no longer the described layers
+    with pytest.raises(ChunkCorrupted):
+        decode_header(bytes(head))
+
+
 def send_raw(ch, header: bytes, payload: bytes) -> None:
     ch.sender.send(header, memoryview(payload))
 
