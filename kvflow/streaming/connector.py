@@ -35,7 +35,7 @@ import torch
 
 from kvflow.kv.cache import KVCache
 from kvflow.streaming.errors import StreamingError
-from kvflow.streaming.primitives import InStream, OutStream, fetch, flush
+from kvflow.streaming.primitives import InStream, OutStream, fetch_many, flush
 from kvflow.streaming.region import KVRegion, SeqRegion
 from kvflow.streaming.scatter import KVSink
 from kvflow.streaming.staging import StagingPool
@@ -295,32 +295,36 @@ class KVReceiver:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                chunk = fetch(self.inp, timeout=0.2)
+                batch = fetch_many(self.inp, 64, timeout=0.2)
             except TimeoutError:
                 continue
             except Exception as e:  # failed verification: already rejected back to its sender
                 self.on_error(f"KV chunk rejected: {type(e).__name__}: {e}")
                 continue
-            done = []
-            try:
-                with chunk, self.lock:  # releasing the chunk acknowledges it (or reports the error)
-                    if chunk.header.meta.get("epoch", 0) < self.epoch:
-                        self.stale += 1
-                        continue
-                    self._expect_from(chunk.header.meta)
-                    self.sink.write(chunk)
-                    self.nbytes += chunk.header.nbytes
-                    for seg in chunk.header.desc.segments:
-                        rid = seg.request_id
-                        if rid in self.sink.expected and self.sink.complete_for([rid]):
-                            done.append((rid, self.spans.pop(rid)))
-                            self.sink.forget(rid)
-                            self.tables.pop(rid, None)
-            except Exception as e:
-                self.on_error(f"KV chunk rejected: {type(e).__name__}: {e}")
-                continue
-            if done:
-                self.on_complete([r for r, _ in done], [n for _, n in done])
+            for chunk in batch:
+                self._write(chunk)
+
+    def _write(self, chunk) -> None:
+        done = []
+        try:
+            with chunk, self.lock:  # releasing the chunk acknowledges it (or reports the error)
+                if chunk.header.meta.get("epoch", 0) < self.epoch:
+                    self.stale += 1
+                    return
+                self._expect_from(chunk.header.meta)
+                self.sink.write(chunk)
+                self.nbytes += chunk.header.nbytes
+                for seg in chunk.header.desc.segments:
+                    rid = seg.request_id
+                    if rid in self.sink.expected and self.sink.complete_for([rid]):
+                        done.append((rid, self.spans.pop(rid)))
+                        self.sink.forget(rid)
+                        self.tables.pop(rid, None)
+        except Exception as e:
+            self.on_error(f"KV chunk rejected: {type(e).__name__}: {e}")
+            return
+        if done:
+            self.on_complete([r for r, _ in done], [n for _, n in done])
 
     def close(self) -> None:
         self._stop.set()

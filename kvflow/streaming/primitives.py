@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import uuid
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +65,7 @@ class InStream:
         self.secret = secret  # when set, a chunk whose header MAC does not verify is rejected
         self.max_chunk_bytes = max_chunk_bytes
         self.expected_seq: dict[str, int] = {}
+        self.pending: deque[RawChunk] = deque()  # received by `fetch_many`, not yet verified and handed out
 
     def check_order(self, h: ChunkHeader) -> None:
         want = self.expected_seq.get(h.stream, 0)
@@ -100,16 +103,40 @@ def flush(out: OutStream, desc: ChunkDesc, data: torch.Tensor, meta: dict[str, A
     ValueError for a tensor that does not match `desc`, and the transport's PeerError when the
     destination is gone, unresponsive or rejected an earlier chunk.
     """
-    if data.dim() != 5 or tuple(data.shape[:3]) != (desc.num_layers, len(desc.kinds), desc.num_tokens):
-        raise ValueError(f"tensor of shape {tuple(data.shape)} does not match {desc}")
-    payload = tensor_bytes(data)
-    header = make_header(out.stream_id, out.next_seq, desc, data, meta, payload)
-    head = encode_header(header)
-    out.sender.send(authenticate(head, out.secret) if out.secret else head, payload)
+    header, head, payload = _frame(out, out.next_seq, desc, data, meta)
+    out.sender.send(head, payload)
     out.next_seq += 1
     out.chunks_sent += 1
     out.bytes_sent += header.nbytes
     return header
+
+
+def flush_many(out: OutStream, items: Iterable[tuple[ChunkDesc, torch.Tensor]], meta: dict[str, Any] | None = None) -> list[ChunkHeader]:
+    """`flush` of each (desc, tensor) in order, handed to the transport together (`send_many`: one
+    system call, one publication for many chunks), so small chunks share the per-chunk costs.
+    Same contract as `flush`, except that after a PeerError the stream is to be abandoned (which
+    of the chunks went out is not known)."""
+    headers, frames = [], []
+    for desc, data in items:
+        header, head, payload = _frame(out, out.next_seq + len(headers), desc, data, meta)
+        headers.append(header)
+        frames.append((head, payload))
+    if frames:
+        out.sender.send_many(frames)
+    out.next_seq += len(headers)
+    out.chunks_sent += len(headers)
+    out.bytes_sent += sum(h.nbytes for h in headers)
+    return headers
+
+
+def _frame(out: OutStream, seq: int, desc: ChunkDesc, data: torch.Tensor, meta: dict[str, Any] | None) -> tuple[ChunkHeader, bytes, memoryview]:
+    """(header, its bytes as sent, payload view) of chunk `seq` of `out`."""
+    if data.dim() != 5 or tuple(data.shape[:3]) != (desc.num_layers, len(desc.kinds), desc.num_tokens):
+        raise ValueError(f"tensor of shape {tuple(data.shape)} does not match {desc}")
+    payload = tensor_bytes(data)
+    header = make_header(out.stream_id, seq, desc, data, meta, payload)
+    head = encode_header(header)
+    return header, authenticate(head, out.secret) if out.secret else head, payload
 
 
 def fetch(inp: InStream, timeout: float | None = None) -> Chunk:
@@ -121,17 +148,40 @@ def fetch(inp: InStream, timeout: float | None = None) -> Chunk:
     ChunkTruncated, ChunkOversized, ChunkOutOfOrder, DuplicateChunk). TimeoutError if nothing arrives.
     The caller copies `data` out and releases the chunk (or uses it as a context manager).
     """
-    raw = inp.receiver.recv(timeout)
+    raw = inp.pending.popleft() if inp.pending else inp.receiver.recv(timeout)
     chunk = verify(raw, inp.max_chunk_bytes, inp.secret, inp.check_order)
     inp.expected_seq[chunk.header.stream] = chunk.header.seq + 1
     return chunk
 
 
+def fetch_many(inp: InStream, max_chunks: int = 64, timeout: float | None = None) -> list[Chunk]:
+    """`fetch` of the next chunk (waiting up to `timeout`) and of those already there after it, at
+    most `max_chunks` in all, in order. Each is verified as `fetch` verifies it; a chunk that fails
+    is released as rejected and its ChunkError raised, by this call when it is the first, else by
+    the next call (the chunks verified before it are returned first; none is dropped)."""
+    if not inp.pending:
+        inp.pending.extend(inp.receiver.recv_many(max_chunks, timeout))
+    chunks: list[Chunk] = []
+    while inp.pending and len(chunks) < max_chunks:
+        try:
+            chunk = verify(inp.pending[0], inp.max_chunk_bytes, inp.secret, inp.check_order, release_on_error=not chunks)
+        except ChunkError:
+            if chunks:
+                break  # left pending: the next call rejects it and raises
+            inp.pending.popleft()
+            raise
+        inp.pending.popleft()
+        inp.expected_seq[chunk.header.stream] = chunk.header.seq + 1
+        chunks.append(chunk)
+    return chunks
+
+
 def verify(raw: RawChunk, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, secret: bytes | None = None,
-           check=None) -> Chunk:
+           check=None, release_on_error: bool = True) -> Chunk:
     """A raw chunk as a verified `Chunk` (header MAC when `secret`, header, size, checksum, then
-    `check(header)`), or the raw chunk released as rejected and the ChunkError raised. `fetch` is
-    this plus the stream's order; the KV tiers' disk store reads its slots with it."""
+    `check(header)`), or the raw chunk released as rejected (unless `release_on_error` is False)
+    and the ChunkError raised. `fetch` is this plus the stream's order; the KV tiers' disk store
+    reads its slots with it."""
     try:
         head = verified_header(raw.header, secret) if secret else raw.header
         header = decode_header(head)
@@ -139,6 +189,7 @@ def verify(raw: RawChunk, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, secret
         if check is not None:
             check(header)
     except ChunkError as e:
-        raw.release(f"{type(e).__name__}: {e}")
+        if release_on_error:
+            raw.release(f"{type(e).__name__}: {e}")
         raise
     return Chunk(header, payload_tensor(header, raw.payload), raw)

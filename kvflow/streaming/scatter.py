@@ -13,11 +13,12 @@ import torch
 from kvflow.kv.cache import KVCache
 from kvflow.streaming.chunk import CHUNK_BYTES, DTYPE_NAMES, ChunkDesc, Segment
 from kvflow.streaming.errors import ChunkMismatch, DuplicateChunk
-from kvflow.streaming.primitives import Chunk, InStream, OutStream, fetch, flush
+from kvflow.streaming.primitives import Chunk, InStream, OutStream, fetch, fetch_many, flush, flush_many
 from kvflow.streaming.region import KVRegion, SeqRegion, contiguous_pieces, flat_layers, piece_view, unpack
 from kvflow.streaming.staging import Staging
 
 Mode = Literal["naive", "buffered"]
+NAIVE_BATCH = 64  # naive pieces per flush_many
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,14 @@ def scatter(
     """
     lay = cache.layout
     chunks = nbytes = 0
-    if mode == "naive":
+    if mode == "naive":  # the pieces handed to the transport together (flush_many), NAIVE_BATCH at a time
+        items = []
         for p in contiguous_pieces(region, lay.block_size, coalesce):
             s = region.seqs[p.seq]
-            desc = ChunkDesc((Segment(s.request_id, p.token_start, p.token_start + p.length),), p.layer, p.layer + 1, "kv"[p.kind])
-            h = flush(out, desc, piece_view(cache, p), meta)
-            chunks, nbytes = chunks + 1, nbytes + h.nbytes
+            items.append((ChunkDesc((Segment(s.request_id, p.token_start, p.token_start + p.length),), p.layer, p.layer + 1, "kv"[p.kind]), piece_view(cache, p)))
+        for i in range(0, len(items), NAIVE_BATCH):
+            hs = flush_many(out, items[i : i + NAIVE_BATCH], meta)
+            chunks, nbytes = chunks + len(hs), nbytes + sum(h.nbytes for h in hs)
         return TransferStats(chunks, nbytes)
     if mode != "buffered":
         raise ValueError(f"mode must be 'naive' or 'buffered', got {mode!r}")
@@ -184,9 +187,17 @@ def gather(inp: InStream, sink: KVSink, num_chunks: int | None = None, timeout: 
     done = until or (lambda: sink.complete)
     chunks = nbytes = 0
     while (num_chunks is None and not done()) or (num_chunks is not None and chunks < num_chunks):
-        with fetch(inp, timeout) as chunk:
-            sink.write(chunk)
-        chunks, nbytes = chunks + 1, nbytes + chunk.header.nbytes
+        # a known count is fetched in batches; otherwise one at a time, so nothing past `until` is taken
+        batch = fetch_many(inp, num_chunks - chunks, timeout) if num_chunks is not None else [fetch(inp, timeout)]
+        for i, chunk in enumerate(batch):
+            try:
+                with chunk:
+                    sink.write(chunk)
+            except BaseException as e:
+                for rest in batch[i + 1 :]:  # verified but not written: rejected, never dropped silently
+                    rest.release(f"not written: chunk {chunk.header.stream}#{chunk.header.seq} before it failed ({type(e).__name__})")
+                raise
+            chunks, nbytes = chunks + 1, nbytes + chunk.header.nbytes
     return TransferStats(chunks, nbytes)
 
 

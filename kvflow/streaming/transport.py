@@ -53,12 +53,19 @@ class ChunkSender(_Endpoint):
     - `reserve(nbytes)` may return a uint8 host tensor living in transport memory (zero-copy
       staging): a payload packed there and passed to `send` is not copied again. None means "use
       your own buffer".
+    - `send_many([(header, payload), ...])` is `send` of each in order, with the per-message work
+      (system calls, publishing, acknowledgement reads) shared where the transport can. If it
+      raises, which of them went out is not known: the stream is to be abandoned.
     """
 
     timeout: float
 
     @abstractmethod
     def send(self, header: bytes, payload: memoryview) -> None: ...
+
+    def send_many(self, frames: list[tuple[bytes, memoryview]]) -> None:
+        for header, payload in frames:
+            self.send(header, payload)
 
     @abstractmethod
     def drain(self) -> None: ...
@@ -73,10 +80,21 @@ class ChunkReceiver(_Endpoint):
     Contract: `recv(timeout)` returns the next `RawChunk` in arrival order (per sender, in send
     order), or raises `TimeoutError` after `timeout` seconds (None = wait forever). The caller must
     `release()` every chunk it got; that is the acknowledgement flow control waits for.
+    `recv_many(max_chunks, timeout)` waits like `recv` for the first chunk, then adds those that
+    are already there (at most `max_chunks` in all), without waiting for more.
     """
 
     @abstractmethod
     def recv(self, timeout: float | None = None) -> RawChunk: ...
+
+    def recv_many(self, max_chunks: int, timeout: float | None = None) -> list[RawChunk]:
+        got = [self.recv(timeout)]
+        while len(got) < max_chunks:
+            try:
+                got.append(self.recv(0))
+            except TimeoutError:
+                break
+        return got
 
 
 def buffer_address(buf) -> int:

@@ -250,31 +250,55 @@ class ShmSender(ChunkSender):
         return link._full(nbytes) or (link.inflight and link._next_tag - next(iter(link.inflight)) >= DESCRIPTORS)
 
     def send(self, header: bytes, payload: memoryview) -> None:
+        self.send_many([(header, payload)])
+
+    def send_many(self, frames: list[tuple[bytes, memoryview]]) -> None:
+        """Places each chunk, then publishes them together (one store of HEAD, one fence, at most
+        one wake-up); what is placed is published before any wait for room."""
+        self._connect()
+        self._take_acks()
+        try:
+            for header, payload in frames:
+                self._put(header, payload)
+        finally:
+            self._publish()
+
+    def _put(self, header: bytes, payload: memoryview) -> None:
         n = payload.nbytes
         if n > self.slot_bytes:
             raise ChunkOversized(f"payload of {n} bytes exceeds the shared-memory slot size {self.slot_bytes}")
-        self._connect()
-        self._take_acks()
-        while self._full(n):
-            self._make_room()
         hoff = -(-n // ALIGN) * ALIGN  # the header goes after the payload, in the same range
         room = hoff + max(len(header), ERROR_ROOM)
         if room > self.ring.size:
             raise ChunkOversized(f"a {len(header)}-byte header with a {n}-byte payload does not fit the {self.ring.size}-byte segment")
+        if self._full(n):
+            self._publish()  # the receiver can only release what it sees
+            while self._full(n):
+                self._make_room()
         r, self._reserved = self._reserved, None
         if r is not None and (r[1] - r[0] < room or buffer_address(payload) != self._base + r[0]):
             self.ring.free(r)  # not packed there after all, or no room for this header: copied (numpy copies overlaps right)
             r = None
         if r is None:
-            r = self._alloc(room)
+            r = self.ring.alloc(room)
+            if r is None:
+                self._publish()
+                r = self._alloc(room)
             if n:
                 self._bytes[r[0] : r[0] + n] = np.frombuffer(payload, dtype=np.uint8)
         hoff += r[0]
         self._bytes[hoff : hoff + len(header)] = np.frombuffer(header, dtype=np.uint8)
         tag = self.link._open(r, r[1] - r[0]) & ~URGENT
         self._desc[tag % DESCRIPTORS] = (tag, r[0], n, hoff, len(header), PENDING, 0, 0)
-        self._published = tag + 1
-        self._ctl[HEAD] = self._published  # published: after the payload, header and descriptor (x86 keeps stores in order)
+
+    def _publish(self) -> None:
+        """Make every placed chunk visible (HEAD, after their payloads, headers and descriptors:
+        x86 keeps stores in order) and wake the receiver if it sleeps."""
+        placed = self.link._next_tag
+        if placed == self._published:
+            return
+        self._published = placed
+        self._ctl[HEAD] = placed
         _fence()
         if self._ctl[RX_SLEEPING]:
             self._ctl[RX_SLEEPING] = 0
@@ -443,6 +467,19 @@ class ShmReceiver(ChunkReceiver):
                 if p.alive:
                     p.ctl[RX_SLEEPING] = 0
             self._since_poll = 0
+
+    def recv_many(self, max_chunks: int, timeout: float | None = None) -> list[RawChunk]:
+        got = [self.recv(timeout)]
+        while len(got) < max_chunks:
+            for _ in range(len(self.order)):
+                peer = self.order[0]
+                self.order.rotate(-1)
+                if peer.ready():
+                    got.append(self._take(peer))
+                    break
+            else:
+                break
+        return got
 
     def _spin(self) -> bool:
         """Poll the rings a while (`_spin`) when the last chunk came within `SPIN_S`: a busy stream."""

@@ -35,6 +35,7 @@ MAX_HEAD = 16 << 20  # a longer header means a broken stream: the connection is 
 MAX_PAYLOAD = 1 << 31  # a longer payload is read and dropped, the chunk handed out empty (so rejected)
 INBOX = 256 << 10  # bytes read at a time while looking for the next message
 POOL_BYTES = 64 << 20  # receive buffers a receiver keeps for reuse, at most
+IOV_BATCH = 256  # messages per sendmsg at most (two buffers each; the kernel takes up to IOV_MAX = 1024)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -129,22 +130,37 @@ class TcpSender(ChunkSender):
 
     # -------------------------------------------------------------- the contract
     def send(self, header: bytes, payload: memoryview) -> None:
-        sock = self._connect()
-        if len(header) > MAX_HEAD:
-            raise ValueError(f"chunk header of {len(header)} bytes is over the {MAX_HEAD}-byte limit")
-        link, n = self.link, payload.nbytes
+        self.send_many([(header, payload)])
+
+    def send_many(self, frames: list[tuple[bytes, memoryview]]) -> None:
+        """One `sendmsg` for as many messages as the window lets out at once (up to `IOV_BATCH`)."""
+        sock, link = self._connect(), self.link
+        for header, _ in frames:
+            if len(header) > MAX_HEAD:
+                raise ValueError(f"chunk header of {len(header)} bytes is over the {MAX_HEAD}-byte limit")
         if link.inflight:
             while self._read_acks():
                 pass
-        while link._full(n):
-            self._wait_one_ack()
-        tag = link._open(None, n)
-        parts = [_MSG.pack(tag, len(header), n) + header, payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload]
-        try:
-            self._send_all(sock, parts)
-        except BaseException:
-            link._forget(tag)
-            raise
+        i = 0
+        while i < len(frames):
+            parts, tags = [], []
+            while i < len(frames) and len(tags) < IOV_BATCH:
+                header, payload = frames[i]
+                n = payload.nbytes
+                if link._full(n):
+                    if tags:
+                        break  # send what is open first; the receiver acknowledges it
+                    self._wait_one_ack()
+                    continue
+                tags.append(tag := link._open(None, n))
+                parts += (_MSG.pack(tag, len(header), n) + header, payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload)
+                i += 1
+            try:
+                self._send_all(sock, parts)
+            except BaseException:
+                for tag in tags:
+                    link._forget(tag)
+                raise
 
     def _send_all(self, sock: socket.socket, parts: list) -> None:
         """One sendmsg for the whole message in the usual case; where the socket's buffer is full,
