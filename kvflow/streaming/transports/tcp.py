@@ -364,27 +364,40 @@ class TcpReceiver(CoalescedAcks, ChunkReceiver):
     def recv(self, timeout: float | None = None) -> RawChunk:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            while self._ready:
-                conn = self._ready[0]
-                if conn.ident not in self.conns:  # dropped meanwhile
-                    self._ready.popleft()
-                    continue
-                try:
-                    msg = conn.next()
-                except _Closed:
-                    self._ready.popleft()
-                    self._drop(conn)
-                    continue
-                if msg is None:
-                    self._ready.popleft()
-                    continue
-                self._ready.rotate(-1)  # take turns between senders
-                return self._chunk(conn.ident, *msg)
+            if (chunk := self._next_ready()) is not None:
+                return chunk
             self.flush_acks()  # about to wait: nothing may hold a sender up
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"no chunk at {self.address} within {timeout}s")
             self._select(left)
+
+    def recv_many(self, max_chunks: int, timeout: float | None = None) -> list[RawChunk]:
+        got = [self.recv(timeout)]
+        while len(got) < max_chunks and (chunk := self._next_ready()) is not None:  # what was read already, or is readable now
+            got.append(chunk)
+        return got
+
+    def _next_ready(self) -> RawChunk | None:
+        """The next whole message of a connection that had input at the last look (reading on
+        without waiting), or None when none has one."""
+        while self._ready:
+            conn = self._ready[0]
+            if conn.ident not in self.conns:  # dropped meanwhile
+                self._ready.popleft()
+                continue
+            try:
+                msg = conn.next()
+            except _Closed:
+                self._ready.popleft()
+                self._drop(conn)
+                continue
+            if msg is None:
+                self._ready.popleft()
+                continue
+            self._ready.rotate(-1)  # take turns between senders
+            return self._chunk(conn.ident, *msg)
+        return None
 
     def _chunk(self, ident: int, tag: int, head: bytes, payload: memoryview, buf: np.ndarray | None) -> RawChunk:
         def release(err: str | None) -> None:
