@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-# Room for a chunk file's prefix and msgpack header, per slot and per pipeline stage, that a disk
+# Room for a chunk file's prefix and header, per slot and per pipeline stage, that a disk
 # slot's byte budget counts beside the KV payload (asserted by the executor when it writes a slot).
 DISK_SLOT_OVERHEAD = 1024
 
