@@ -20,7 +20,6 @@ LayerHook = Callable[[int, ForwardBatch], None]
 SMALL_PATHS = ("plain", "prepacked", "padded", "kernel")
 PADDED_ROWS = 4
 SMALL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts measured at load; 5 uses 4's choice, and so on
-ROW_BUCKET = 16  # above SMALL_ROWS, prepacked projections run on rows padded to a multiple of this
 
 
 class Linear:
@@ -38,13 +37,6 @@ class Linear:
     over SmolLM2's projections 0.78x the prepacked time at 1 row, 0.81x at 8, 0.9x at 12, even at
     16; bf16 up to 4 rows 0.6-0.85x, see docs/model.md). The price of prepacking is a second copy of
     the projection weights in memory (never both read in one step).
-
-    Above 16 rows the prepacked path pads the rows with zeros to a multiple of `ROW_BUCKET`: oneDNN
-    builds (JIT-compiles) a primitive per distinct row count and keeps 1,024 of them; a server's
-    steps carry every token count from 17 to budget + decodes, so with 4 projection shapes its cache
-    thrashed (cycling row counts 17-320 over the 4 shapes, a third pass was as slow as the first; a
-    call with a row count not in the cache cost ~0.8 ms more in bf16 [M, 576] x [576, 3072]). Buckets
-    of 16 keep it to budget / 16 primitives per shape, for at most 15 padded rows of compute.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -56,11 +48,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight)
-        n = x.shape[0]
-        if n in self.small:
-            return getattr(self, self.small[n])(x)
-        pad = -n % ROW_BUCKET
-        return self.prepacked(F.pad(x, (0, 0, 0, pad)))[:n] if pad else self.prepacked(x)
+        return getattr(self, self.small.get(x.shape[0], "prepacked"))(x)
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
