@@ -129,11 +129,11 @@ def start_servers(args) -> dict[str, Server]:
 
 async def measure(server: Server, rate: float, seed: int, args) -> dict:
     """One rate against `server`, after `args.warmup` requests of the same shape (all at once, output
-    16 tokens, prompts of their own) whose results are dropped, the same for every server: without them, kvflow's
-    first rate after a pause (stopped while vLLM started and ran) gave TTFT p50 366-649 ms and TPOT
-    p50 42-52 ms at 0.5 req/s, where the same server measured alone gave 80 ms and 28 ms. `seed`
-    sets the rate's prompts: every rate has its own (both servers get the same ones), since both
-    servers cache prefixes and a rate that repeated an earlier rate's prompts measured cache hits."""
+    16 tokens, prompts of their own) whose results are dropped, the same for every server, as vLLM's
+    `bench serve` sends a test prompt first: a server that was stopped while the other ran starts
+    each rate warm. `seed` sets the rate's prompts: every rate has its own (both servers get the same
+    ones), since both servers cache prefixes, and a rate that repeated an earlier rate's prompts
+    measured cache hits (kvflow's TTFT p50 fell from 337 ms at the first rate to 99 ms at the next)."""
     import httpx
 
     from kvflow.bench.dataset import DatasetSpec, LengthDist, build_requests
