@@ -6,8 +6,8 @@ vLLM-CPU serving kvflow's own converted copy of the default model in `--vllm-dty
 (default 0.5, 1, 2, inf req/s) sends both servers the same open-loop workload from kvflow's client
 (`kvflow.bench`, which `kvflow bench serve` runs: random prompts of 256 token ids, 128 output
 tokens with ignore_eos, Poisson arrivals, new prompts for every rate), the order alternating from
-rate to rate. While one server is measured the other is stopped (SIGSTOP of its whole process group, SIGCONT after), so
-an idle server's polling cannot take the measured one's cores. Prints each side's output tok/s,
+rate to rate. While one server is measured the other is stopped (SIGSTOP of its whole process
+group, SIGCONT after), so an idle server's polling cannot take the measured one's cores. Prints each side's output tok/s,
 TTFT p50 and TPOT p50 and the ratios kvflow / vLLM; without the peer, kvflow's side only.
 
     python benchmarks/serving.py [--rates 0.5,1,2,inf] [--num-requests 24] [--kvflow-args "--dtype float32"]
