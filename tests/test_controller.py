@@ -185,6 +185,32 @@ def test_without_recovery_a_killed_worker_fails_in_flight_requests_quickly(tiny_
     asyncio.run(main())
 
 
+def test_a_bug_in_the_controller_loop_fails_requests_instead_of_hanging(tiny_ckpt_dir):
+    # An exception on the controller thread (here: applying a step's result) used to end the thread
+    # silently, and every client waited forever. Now it fails the requests with the error and the
+    # controller reports itself unhealthy; a later request is refused with the same error.
+    async def main():
+        ctrl = Controller(_cfg(tiny_ckpt_dir, mode="colocated", depth=1))
+        await ctrl.start()
+        sched = ctrl.pipelines[0].sched
+
+        def broken_update(out, sampled):
+            raise RuntimeError("injected scheduler bug")
+
+        sched.update = broken_update
+        try:
+            _, last = await asyncio.wait_for(_collect(ctrl, [5, 6, 7], 4, "r0"), timeout=60)
+            assert last.finished and last.finish_reason == "error"
+            assert "controller error" in last.error and "injected scheduler bug" in last.error
+            assert not ctrl.healthy()
+            with pytest.raises(BackendUnavailable, match="injected scheduler bug"):
+                await _collect(ctrl, [5, 6], 3, "late")
+        finally:
+            await ctrl.shutdown()
+
+    asyncio.run(main())
+
+
 def test_bad_configs_and_requests_rejected(tiny_ckpt_dir):
     with pytest.raises(ValueError, match="mode"):
         ClusterConfig(mode="ring")

@@ -345,22 +345,40 @@ class Controller:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         while not self._stop.is_set():
-            if poller.poll(5):
-                while True:
-                    try:
-                        frames = self.inbox.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    msg, tensor = self._decode(frames)
-                    if msg is not None:
-                        self._handle(msg, tensor)
-                        if isinstance(msg, (StepResult, KVArrived)) and self.failure is None:
-                            self._schedule()  # as the simulator: decide after each result, however they arrive
-            self._store_events()
-            self._take_submissions()
-            self._check_liveness()
-            if self.failure is None:
-                self._schedule()
+            try:
+                self._turn(poller)
+            except Exception as e:  # a bug, not a worker's failure: fail every request loudly, keep serving errors
+                log.exception("controller loop failed")
+                message = f"controller error: {type(e).__name__}: {e}"
+                try:
+                    self._fail(message)
+                except Exception:  # the state is beyond repair: at least no client waits forever
+                    log.exception("failing the requests after a controller error failed too")
+                    self.failure = self.failure or message
+                    for r in list(self.reqs.values()):
+                        if not r.is_finished:
+                            r.finish("error", message)
+                            self._emit(r)
+                    self.reqs.clear()
+
+    def _turn(self, poller: zmq.Poller) -> None:
+        """One turn of the loop: drain the inbox, take submissions, check the workers, schedule."""
+        if poller.poll(5):
+            while True:
+                try:
+                    frames = self.inbox.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg, tensor = self._decode(frames)
+                if msg is not None:
+                    self._handle(msg, tensor)
+                    if isinstance(msg, (StepResult, KVArrived)) and self.failure is None:
+                        self._schedule()  # as the simulator: decide after each result, however they arrive
+        self._store_events()
+        self._take_submissions()
+        self._check_liveness()
+        if self.failure is None:
+            self._schedule()
 
     def _take_submissions(self) -> None:
         while self.submissions:
