@@ -289,4 +289,28 @@ def test_serve_flags_reach_the_scheduler_config():
     assert _scheduler_config(args) == SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=64,
                                                       reserve_kv=False)
     defaults = _scheduler_config(build_parser().parse_args(["serve"]))
-    assert (defaults.max_num_batched_tokens, defaults.prefill_chunk_size, defaults.reserve_kv) == (256, 256, True)
+    assert (defaults.max_num_batched_tokens, defaults.prefill_chunk_size, defaults.reserve_kv) == (256 + 64, 256, True)
+    # the default budget follows the chunk and the concurrency: a whole chunk beside every decode
+    assert _scheduler_config(build_parser().parse_args(["serve", "--prefill-chunk-size", "100", "--max-num-seqs", "10"])
+                             ).max_num_batched_tokens == 110
+
+
+def test_a_prompt_that_fits_a_chunk_is_not_split_by_the_decodes():
+    # 3 requests decoding, then a 256-token prompt: with the default budget (chunk + max_num_seqs) it
+    # runs whole beside the 3 decode tokens; a budget of just the chunk would leave a 3-token tail step.
+    for budget, chunks in ((None, [256]), (256, [253, 3])):
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), KVCacheManager(256, 16), 2048)
+        olds = [req(f"d{i}", 8, 50) for i in range(3)]
+        for r in olds:
+            s.add(r)
+        out = s.schedule()
+        s.update(out, {r.request_id: 1 for r in olds})
+        new = req("p", 256, 4)
+        s.add(new)
+        got = []
+        while not got or sum(got) < 256:
+            out = s.schedule()
+            got += [x.num_new_tokens for x in out.seqs if x.request is new]
+            assert sum(x.num_new_tokens for x in out.seqs if x.request is not new) == 3  # the decodes ran too
+            s.update(out, {r.request_id: 1 for r in olds} | ({"p": 1} if sum(got) == 256 else {}))
+        assert got == chunks

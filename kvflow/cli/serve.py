@@ -23,7 +23,7 @@ def register(sub) -> None:
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step: decodes first, then prompt chunks (default: SchedulerConfig's, 256)")
+                   help="token budget of one step: decodes first, then prompt chunks (default: prefill chunk size + max-num-seqs, 320)")
     s.add_argument("--prefill-chunk-size", type=int, default=None,
                    help="most prompt tokens of one request per step (default: SchedulerConfig's, 256)")
     s.add_argument("--reserve-kv", action=argparse.BooleanOptionalAction, default=True,

@@ -26,6 +26,10 @@ POLICIES = ("continuous", "microbatch")
 ROLES = ("both", "prompt", "token")
 
 
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """policy: "continuous" (iteration-level batching with chunked prefill, as vLLM) or "microbatch"
@@ -45,7 +49,10 @@ class SchedulerConfig:
     tokens first, then prompt chunks up to the token budget, so a prompt never stalls the decodes
     for longer than `max_num_batched_tokens` tokens of compute. The budget trades TTFT (a prompt
     needs ceil(len / budget) steps) against TPOT (every step carries up to a budget of prompt
-    tokens); the defaults (256/256) come from the sweep in docs/serving.md ("Token budget").
+    tokens). Its default is `prefill_chunk_size + max_num_seqs` (256 + 64): room for a whole prompt
+    chunk beside every running request's decode token, so the decodes never split a prompt that
+    fits one chunk into a long step and a short tail step (a 256-token prompt took two steps
+    beside any decode at a budget of 256; docs/serving.md, "Token budget").
     `reserve_kv` (continuous, role "both"): a concurrency cap derived from the KV budget — a waiting
     request is admitted only while the blocks every running request may still need (prompt +
     max_tokens, capped at the context) plus its own fit in the pool, so a running request never
@@ -54,7 +61,7 @@ class SchedulerConfig:
 
     policy: str = "continuous"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int | None = None  # None: prefill_chunk_size + max_num_seqs
     prefill_chunk_size: int = 256
     microbatch_size: int | None = None
     max_in_flight: int = 1
@@ -63,6 +70,8 @@ class SchedulerConfig:
     reserve_kv: bool = True
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None and _positive_int(self.prefill_chunk_size) and _positive_int(self.max_num_seqs):
+            object.__setattr__(self, "max_num_batched_tokens", self.prefill_chunk_size + self.max_num_seqs)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.swap_regions:
@@ -73,7 +82,7 @@ class SchedulerConfig:
             keys.append("microbatch_size")
         for key in keys:
             v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            if not _positive_int(v):
                 raise ValueError(f"SchedulerConfig.{key} must be a positive integer, got {v!r}")
         if not isinstance(self.reserve_kv, bool):
             raise ValueError(f"SchedulerConfig.reserve_kv must be a bool, got {self.reserve_kv!r}")
