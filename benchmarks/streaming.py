@@ -10,7 +10,10 @@ forward, plus whatever KV sending it does on its compute thread), for the same b
 
 Every variant runs in its own cluster (`Controller` + worker subprocesses, the exact code
 `kvflow serve` runs); the clusters are started together and the rounds interleave the variants
-(shuffled order per round) so machine noise hits them alike. The slowdown of a variant is the
+(shuffled order per round) so machine noise hits them alike. Each prompt worker runs on CPU 0 and
+everything else on the other CPUs (`--no-pin` leaves placement to the OS), as if the prompt worker
+had its machine to itself, as in DéjàVu: the token worker's receiving and the controllers then do
+not compete with the timed pass, while the prompt worker's own KV sender thread does. The slowdown of a variant is the
 median over rounds of (its prompt-worker busy seconds / off's) - 1; the target is <= 2% (Fig. 7).
 Transport bandwidth vs raw sockets/memcpy/file writes is `benchmarks/transports.py`.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -79,6 +83,29 @@ async def one_round(ctrl, variant: str, r: int, args, prompts) -> dict:
     return {"steps": [list(s) for s in steps], "busy_s": sum(b for _, b in steps), "wall_s": wall}
 
 
+def pin(ctrls: dict, args) -> dict | None:
+    """Each prompt worker on CPU 0, everything else (token workers, this process with the
+    controllers' threads) on the other CPUs: as if the prompt worker had a machine of its own, which
+    is DéjàVu's setting. The prompt worker's KV sender thread shares CPU 0 with its compute thread,
+    so every CPU cycle streaming costs the prompt worker is in its pass time. Without it (or on one
+    CPU) the token worker's receiver and the controllers compete with the timed pass for the same
+    cores, which a machine per worker would not."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not args.pin or len(cpus) < 2:
+        return None
+    mine, rest = {cpus[0]}, set(cpus[1:])
+    os.sched_setaffinity(0, rest)  # (the controllers' loop threads run in this process)
+    placed = {}
+    for v, ctrl in ctrls.items():
+        for name, s in ctrl.stages.items():
+            prompt_side = s in ctrl.pipelines[0].stages
+            cpu = mine if prompt_side else rest
+            for tid in os.listdir(f"/proc/{s.process.pid}/task"):  # every thread, the torch pool included
+                os.sched_setaffinity(int(tid), cpu)
+            placed[f"{v}/{name}"] = sorted(cpu)
+    return placed
+
+
 async def run(args) -> dict:
     from kvflow.controller.controller import Controller
 
@@ -90,6 +117,8 @@ async def run(args) -> dict:
             print(f"starting the {v!r} cluster ...", flush=True)
             ctrls[v] = Controller(cluster_config(v, args))
             await ctrls[v].start()
+        placed = pin(ctrls, args)
+        print(f"CPU placement: {placed}" if placed else "CPU placement: none (the OS schedules every process)", flush=True)
         rounds = {v: [] for v in VARIANTS}
         for r in range(-1, args.rounds):  # round -1 warms every cluster up and is not counted
             prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt)] for _ in range(args.batch)]
@@ -108,7 +137,8 @@ async def run(args) -> dict:
             await c.shutdown()
     shapes = {v: [[t for t, _ in x["steps"]] for x in rounds[v]] for v in VARIANTS}
     same_batches = all(shapes[v] == shapes["off"] for v in VARIANTS)
-    out = {"config": vars(args), "same_batches": same_batches, "kv_bytes_sent": kv_bytes, "variants": {}}
+    out = {"config": vars(args), "same_batches": same_batches, "kv_bytes_sent": kv_bytes, "placement": placed,
+           "variants": {}}
     for v in VARIANTS:
         busy = [x["busy_s"] for x in rounds[v]]
         ratio = [b / o["busy_s"] for b, o in zip(busy, rounds["off"])]
@@ -130,6 +160,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="prompt workers on CPU 0, the rest on the other CPUs (default on; --no-pin: the OS places them)")
     args = ap.parse_args()
     args.model = args.model or str(default_model_path())
     res = asyncio.run(run(args))
