@@ -174,7 +174,8 @@ def main() -> None:
     perf_workers = ProfiledPerfModel(profile, executor=True)
     print(f"profile: prompt fit {perf.prompt_fit.coef} (max rel. error {perf.prompt_fit.max_rel_error:.0%}), "
           f"token fit {perf.token_fit.coef} (max rel. error {perf.token_fit.max_rel_error:.0%}), "
-          f"worker overhead per stage {profile.stage_overhead_s * 1e3:.1f} ms, beside a busy worker prefill "
+          f"worker overhead per stage {profile.stage_overhead_s * 1e3:.1f} ms, engine host-side work per step "
+          f"{profile.engine_host_s * 1e3:.1f} ms (not paid by workers), beside a busy worker prefill "
           f"x{profile.co_run[0]:.2f} decode x{profile.co_run[1]:.2f}")
     w = workload(args.requests, args.rate, args.seed)
     print(f"workload: {w.n} requests, Poisson {args.rate}/s, prompts {int(w.prompt_len.min())}-{int(w.prompt_len.max())} "

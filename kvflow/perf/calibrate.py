@@ -54,7 +54,36 @@ def time_prefill(engine, b: int, s: int, repeats: int, rng) -> float:
     return statistics.median(times[1:])
 
 
-def time_decode(engine, b: int, c: int, steps: int, rng) -> list[Sample]:
+class ForwardTimer:
+    """Times the model's forward inside the engine's steps (installed on the engine's model), so
+    a step's host-side work (scheduling, sampling, outputs) can be told from the forward a worker
+    process runs; `host_s` holds step - forward of each timed step."""
+
+    def __init__(self, engine) -> None:
+        self.model = engine.model
+        self._forward = engine.model.forward
+        self.last = 0.0
+        self.host_s: list[float] = []
+        engine.model.forward = self._timed
+
+    def _timed(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return self._forward(*a, **kw)
+        finally:
+            self.last = time.perf_counter() - t0
+
+    def step(self, engine) -> float:
+        """One engine step; returns its seconds and records its host-side share."""
+        self.last = 0.0
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        self.host_s.append(dt - self.last)
+        return dt
+
+
+def time_decode(engine, b: int, c: int, steps: int, rng, timer: ForwardTimer | None = None) -> list[Sample]:
     """Seconds of each of `steps` decode steps of `b` requests whose prompts have `c` tokens."""
     from kvflow.sched.sampling import SamplingParams
 
@@ -65,6 +94,9 @@ def time_decode(engine, b: int, c: int, steps: int, rng) -> list[Sample]:
     engine.step()  # first decode (warm-up)
     out = []
     for k in range(steps):
+        if timer is not None:
+            out.append(Sample(b, c + 2 + k, timer.step(engine)))
+            continue
         t0 = time.perf_counter()
         engine.step()
         out.append(Sample(b, c + 2 + k, time.perf_counter() - t0))
@@ -83,10 +115,11 @@ def profile_engine(model: str | None, batches: tuple[int, ...], prompt_lens: tup
     engine = _engine(model, max(batches), max(batches) * max(max(prompt_lens), max(contexts)), threads)
     rng = np.random.default_rng(0)
     prompt = tuple(Sample(b, s, time_prefill(engine, b, s, repeats, rng)) for b in batches for s in prompt_lens)
-    token = tuple(x for b in batches for c in contexts for x in time_decode(engine, b, c, repeats, rng))
+    timer = ForwardTimer(engine)
+    token = tuple(x for b in batches for c in contexts for x in time_decode(engine, b, c, repeats, rng, timer))
     meta = {"threads": threads, "torch": torch.__version__, "platform": platform.platform(),
             "processor": platform.processor(), "model": model or "embedded SmolLM2-135M", "repeats": repeats}
-    return Profile(shape_of(engine), "1xCPU", prompt, token, meta)
+    return Profile(shape_of(engine), "1xCPU", prompt, token, meta, engine_host_s=statistics.median(timer.host_s))
 
 
 def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 4), prompt_len: int = 16, steps: int = 8,

@@ -11,6 +11,10 @@ work, both split among the stages; charging every stage the whole intercept made
 pipeline's steps about 1.5x too slow. What a stage pays whatever its share — messages, codec, the
 controller's share — is `stage_overhead_s` per stage and pass, measured by
 `calibrate.executor_overhead` through a one-stage worker pipeline; 0 for a profile without it.
+The engine's fits include the engine's own host-side work per step (scheduling, sampling,
+outputs: `engine_host_s`, the median of step minus model forward over the decode samples); in a
+worker pipeline that work is the controller's and is inside `stage_overhead_s`, so a worker
+stage is priced without it (it was counted twice: pipelines' TPOT came out 30-40% slow).
 `co_run` is how much slower prefill and decode steps run while another worker process of the same
 host computes (`calibrate.co_run_slowdown`); the simulator applies it to stages that share a host.
 """
@@ -91,10 +95,12 @@ class Profile:
     meta: dict
     stage_overhead_s: float = 0.0
     co_run: tuple[float, float] = (1.0, 1.0)  # (prefill, decode) slowdown beside a busy neighbour
+    engine_host_s: float = 0.0  # of an engine step, what is not the model forward (a worker does not pay it)
 
     def save(self, path: str | Path) -> None:
         doc = {"shape": asdict(self.shape), "machine": self.machine, "meta": self.meta,
                "stage_overhead_s": self.stage_overhead_s, "co_run": list(self.co_run),
+               "engine_host_s": self.engine_host_s,
                "prompt": [asdict(s) for s in self.prompt], "token": [asdict(s) for s in self.token]}
         Path(path).write_text(json.dumps(doc, indent=1))
 
@@ -103,7 +109,7 @@ class Profile:
         doc = json.loads(Path(path).read_text())
         return cls(ModelShape(**doc["shape"]), doc["machine"], tuple(Sample(**s) for s in doc["prompt"]),
                    tuple(Sample(**s) for s in doc["token"]), doc.get("meta", {}), doc.get("stage_overhead_s", 0.0),
-                   tuple(doc.get("co_run", (1.0, 1.0))))
+                   tuple(doc.get("co_run", (1.0, 1.0))), doc.get("engine_host_s", 0.0))
 
 
 class ProfiledPerfModel(PerfModel):
@@ -170,6 +176,8 @@ class ProfiledPerfModel(PerfModel):
         p0, p1, p2 = self.prompt_fit.coef
         q0, q1, q2 = self.token_fit.coef
         c0 = max(p0 if batch.prefill_seqs else 0.0, q0 if batch.decode_seqs else 0.0)
+        if depth > 1 or self.executor:  # a worker stage: the engine's host-side work is the controller's
+            c0 = max(0.0, c0 - self.profile.engine_host_s)
         weights = c0 + p1 * batch.prefill_tokens + q1 * batch.decode_seqs
         attention = p2 * batch.prefill_attention + q2 * batch.decode_context
         return w * weights + a * attention + self._overhead(depth)

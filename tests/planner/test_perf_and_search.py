@@ -70,8 +70,24 @@ def test_nonneg_lstsq_and_profiled_fit_recover_coefficients():
     assert sum(stages) == pytest.approx(perf.step_time(mixed, 1))
 
 
+def test_worker_stages_do_not_pay_the_engines_host_side_work():
+    # the fits are of engine steps (forward + the engine's scheduling, sampling, outputs); in worker
+    # processes that host-side work is the controller's, inside the per-stage overhead
+    token = [Sample(b, c, 0.030 + 1e-3 * b + 1e-7 * b * c) for b in (1, 2, 4) for c in (32, 128, 512)]
+    prompt = [Sample(b, s, 0.040 + 1e-5 * b * s + 2e-9 * b * s * s) for b in (1, 2, 4) for s in (16, 64, 256)]
+    prof = Profile(model_shape("smollm2-135m"), "1xCPU", tuple(prompt), tuple(token), {}, stage_overhead_s=0.005,
+                   engine_host_s=0.004)
+    engine, workers = ProfiledPerfModel(prof), ProfiledPerfModel(prof, executor=True)
+    assert engine.token_stage_time(2, 128, 1) == pytest.approx(0.030 + 2e-3 + 2 * 128e-7)
+    assert workers.token_stage_time(2, 128, 1) == pytest.approx(0.030 - 0.004 + 2e-3 + 2 * 128e-7 + 0.005)
+    sh = prof.shape
+    w = (15 * sh.params_per_layer + sh.vocab * sh.hidden) / (30 * sh.params_per_layer + sh.vocab * sh.hidden)
+    assert engine.token_stage_time(2, 128, 2) == pytest.approx(w * (0.026 + 2e-3) + 0.5 * 2 * 128e-7 + 0.005)
+
+
 def test_profile_roundtrip(tmp_path):
-    prof = Profile(model_shape("opt-13b"), "2xA100-80GB", (Sample(1, 2, 0.5),), (Sample(3, 4, 0.25),), {"k": 1})
+    prof = Profile(model_shape("opt-13b"), "2xA100-80GB", (Sample(1, 2, 0.5),), (Sample(3, 4, 0.25),), {"k": 1},
+                   stage_overhead_s=0.004, co_run=(1.1, 1.2), engine_host_s=0.003)
     prof.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == prof
 
@@ -104,3 +120,15 @@ def test_goodput_binary_search_brackets_the_target():
     assert g.attainment >= 0.9
     from kvflow.planner.goodput import attainment_at
     assert attainment_at(perf, lay, g.rate * 1.12, wl, slo) < 0.9
+
+
+def test_profile_tells_the_engines_host_side_work_from_the_forward():
+    from conftest import tiny_engine
+
+    from kvflow.perf.calibrate import ForwardTimer, time_decode
+
+    eng = tiny_engine(num_kv_blocks=64, block_size=4)
+    timer = ForwardTimer(eng)
+    samples = time_decode(eng, 2, 8, 3, np.random.default_rng(0), timer)
+    assert [(s.batch, s.length) for s in samples] == [(2, 10), (2, 11), (2, 12)]
+    assert len(timer.host_s) == 3 and all(0 < h < s.seconds for h, s in zip(timer.host_s, samples))
