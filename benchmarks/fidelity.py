@@ -76,11 +76,9 @@ def backend_for(layout: str):
 
     eng = EngineConfig(scheduler=scheduler_config(), num_threads=1, num_kv_blocks=1024, block_size=16)
     if layout == "engine":
-        from kvflow.engine.engine import LLMEngine
         from kvflow.serving.backend import EngineBackend
 
-        engine = LLMEngine.from_config(eng)
-        return EngineBackend(engine, "smollm2"), None
+        return EngineBackend.from_config(eng, "smollm2"), None
     from kvflow.controller.controller import Controller
 
     if layout == "colocated-2":

@@ -235,7 +235,6 @@ def run_serve(args) -> int:
         raise SystemExit("--swapping is for pipeline modes (--mode colocated or disaggregated)")
     if args.mode == "engine":
         from kvflow.config import EngineConfig
-        from kvflow.engine.engine import LLMEngine
         from kvflow.serving.backend import EngineBackend
 
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
@@ -243,8 +242,7 @@ def run_serve(args) -> int:
                               enable_prefix_caching=args.enable_prefix_caching, host_kv_bytes=args.host_kv_bytes,
                               disk_kv_bytes=args.disk_kv_bytes, disk_kv_path=args.disk_kv_path,
                               scheduler=_scheduler_config(args))
-        engine = LLMEngine.from_config(config)
-        backend = EngineBackend(engine, args.served_model_name or engine.model.cfg.name)
+        backend = EngineBackend.from_config(config, args.served_model_name)  # the engine built on its own thread
     else:
         backend = _controller(args)
     print(f"[kvflow] serving {backend.model_name!r} ({args.mode}, context {backend.max_model_len}) on "

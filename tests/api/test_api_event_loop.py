@@ -126,3 +126,33 @@ def test_backend_unavailable_is_503(tiny_ckpt_dir):
         assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert err["type"] == "server_error" and err["code"] == "backend_unavailable" and "shut down" in err["message"]
+
+
+def test_from_config_builds_and_runs_the_engine_on_one_thread_not_the_main_one(tiny_ckpt_dir, monkeypatch):
+    # OpenMP gives each thread that starts parallel regions its own team: loading the model on the
+    # main thread and stepping on another left two teams, more threads than cores, and slow steps
+    # (EngineBackend's class note). The engine is built, warmed and stepped on the engine thread.
+    from kvflow.config import EngineConfig
+    from kvflow.engine.engine import LLMEngine
+
+    threads: dict[str, set] = {"build": set(), "step": set()}
+    build, step = LLMEngine.from_config, LLMEngine.step
+
+    def built(config):
+        threads["build"].add(threading.get_ident())
+        return build(config)
+
+    def stepped(self):
+        threads["step"].add(threading.get_ident())
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(built))
+    monkeypatch.setattr(LLMEngine, "step", stepped)
+    backend = EngineBackend.from_config(EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=64, block_size=4), MODEL)
+    with BackgroundServer(backend) as srv:
+        out = client(srv).completions.create(model=MODEL, prompt="hello", max_tokens=3)
+        assert out.choices[0].text is not None and out.usage.completion_tokens == 3
+    assert threads["build"] == threads["step"] == {backend._thread.ident}
+    assert threading.main_thread().ident not in threads["build"]
+    with pytest.raises(Exception, match="nope"):  # a model that cannot load fails at construction
+        EngineBackend.from_config(EngineConfig(model=str(tiny_ckpt_dir / "nope"), num_kv_blocks=64, block_size=4))
