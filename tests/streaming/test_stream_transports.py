@@ -525,3 +525,31 @@ def test_fetch_many_returns_the_good_chunks_before_a_corrupted_one_then_raises(k
         tx.drain()
     tx.close()
     rx.close()
+
+
+def test_tcp_message_read_while_acknowledging_the_previous_one_is_not_left_behind():
+    # Acknowledging a chunk asks the connection whether more input is there, and that look reads the
+    # start of the next message off the socket. The selector does not report those bytes again, so
+    # a message that arrived just then waited for the next byte on that socket: for ever when it was
+    # the sender's last (seen as a disaggregated request whose hand-off KV never completed).
+    import select
+
+    rx = TcpReceiver()
+    tx = TcpSender(rx.address, timeout=10.0)
+    try:
+        tx.send(b"first", memoryview(b"x" * 100))
+        first = rx.recv(timeout=10)
+        assert first.header == b"first"
+        with pytest.raises(TimeoutError):
+            rx.recv(timeout=0.05)  # nothing more now: the connection leaves the ready list
+        tx.send(b"second", memoryview(b"y" * 100))
+        conn = next(iter(rx.conns.values()))
+        assert select.select([conn.sock], [], [], 10)[0], "the second message never reached the socket"
+        first.release()  # the acknowledgement's look for more input reads the second message's bytes
+        second = rx.recv(timeout=5)
+        assert second.header == b"second" and bytes(second.payload) == b"y" * 100
+        second.release()
+        tx.drain()
+    finally:
+        tx.close()
+        rx.close()

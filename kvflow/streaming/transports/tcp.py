@@ -412,7 +412,16 @@ class TcpReceiver(CoalescedAcks, ChunkReceiver):
         return ident in self.conns
 
     def _has_input(self, ident: int) -> bool:
-        return self.conns[ident].has_input()
+        conn = self.conns[ident]
+        if not conn.has_input():
+            return False
+        # has_input may have read the start of the next message off the socket: the selector will not
+        # report those bytes again, so the connection goes back on the ready list (else a message
+        # that arrived while its sender's previous one was being acknowledged waited for the next
+        # byte on that socket, or for ever when none came: a request's hand-off KV never completed)
+        if conn not in self._ready:
+            self._ready.append(conn)
+        return True
 
     def _send_ack_batch(self, ident: int, acks: list) -> None:
         conn = self.conns.get(ident)
