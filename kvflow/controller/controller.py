@@ -349,17 +349,10 @@ class Controller:
                 self._turn(poller)
             except Exception as e:  # a bug, not a worker's failure: fail every request loudly, keep serving errors
                 log.exception("controller loop failed")
-                message = f"controller error: {type(e).__name__}: {e}"
                 try:
-                    self._fail(message)
-                except Exception:  # the state is beyond repair: at least no client waits forever
-                    log.exception("failing the requests after a controller error failed too")
-                    self.failure = self.failure or message
-                    for r in list(self.reqs.values()):
-                        if not r.is_finished:
-                            r.finish("error", message)
-                            self._emit(r)
-                    self.reqs.clear()
+                    self._fail(f"controller error: {type(e).__name__}: {e}")
+                except Exception:  # (the requests were failed first; only the clean-up broke)
+                    log.exception("cleaning up after a controller error failed too")
 
     def _turn(self, poller: zmq.Poller) -> None:
         """One turn of the loop: drain the inbox, take submissions, check the workers, schedule."""
@@ -702,12 +695,12 @@ class Controller:
         if self.failure is None:
             self.failure = message
         self.epoch += 1  # whatever is still on the wire from before is stale
+        reqs, self.reqs = list(self.reqs.values()), {}
+        for r in reqs:  # first: whatever the clean-up below meets, no client waits
+            if not r.is_finished:
+                self._finish(r, "error", message)
         for p in self.pipelines:
             p.sched.fail_all()
             p.in_flight.clear()
         if self.handoff is not None:
             self.handoff.reset()
-        for r in list(self.reqs.values()):
-            if not r.is_finished:
-                self._finish(r, "error", message)
-        self.reqs.clear()

@@ -60,7 +60,6 @@ class ForwardTimer:
     process runs; `host_s` holds step - forward of each timed step."""
 
     def __init__(self, engine) -> None:
-        self.model = engine.model
         self._forward = engine.model.forward
         self.last = 0.0
         self.host_s: list[float] = []
@@ -95,11 +94,12 @@ def time_decode(engine, b: int, c: int, steps: int, rng, timer: ForwardTimer | N
     out = []
     for k in range(steps):
         if timer is not None:
-            out.append(Sample(b, c + 2 + k, timer.step(engine)))
-            continue
-        t0 = time.perf_counter()
-        engine.step()
-        out.append(Sample(b, c + 2 + k, time.perf_counter() - t0))
+            dt = timer.step(engine)
+        else:
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+        out.append(Sample(b, c + 2 + k, dt))
     while engine.has_unfinished():
         engine.step()
     return out

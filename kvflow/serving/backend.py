@@ -133,22 +133,22 @@ class EngineBackend:
 
         def thread_main() -> None:
             try:
-                built["engine"] = LLMEngine.from_config(config)
-            except BaseException as e:  # reported by from_config, in the caller's thread
+                engine = LLMEngine.from_config(config)
+                built["backend"] = backend = cls(engine, model_name or engine.model.cfg.name)
+            except BaseException as e:  # raised by from_config, in the caller's thread
                 built["error"] = e
                 return
             finally:
                 ready.set()
             go.wait()
-            built["backend"]._loop()
+            backend._loop()
 
         thread = threading.Thread(target=thread_main, name="kvflow-engine", daemon=True)
         thread.start()
         ready.wait()
         if "error" in built:
             raise built["error"]
-        self = cls(built["engine"], model_name or built["engine"].model.cfg.name)
-        built["backend"] = self
+        self = built["backend"]
         self._thread, self._go = thread, go
         return self
 
