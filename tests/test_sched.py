@@ -295,6 +295,25 @@ def test_serve_flags_reach_the_scheduler_config():
                              ).max_num_batched_tokens == 110
 
 
+def test_serve_block_size_sets_the_engine_config_and_the_pipelines_block_count(tiny_ckpt_dir):
+    # --block-size (default: 128 on CPU) reaches the EngineConfig in every mode, and a pipeline's
+    # --kv-cache-gb is turned into blocks of that size (it was computed for 16-token blocks whatever
+    # the block size)
+    from kvflow.cli.main import build_parser
+    from kvflow.cli.serve import _engine_config
+    from kvflow.kv.cache import KVLayout
+    from kvflow.model.loader import load_config
+
+    mc, _ = load_config(str(tiny_ckpt_dir))
+    base = ["serve", "--model", str(tiny_ckpt_dir), "--dtype", "float32", "--kv-cache-gb", "0.01"]
+    for extra, size in (([], 128), (["--block-size", "8"], 8)):
+        engine = _engine_config(build_parser().parse_args(base + ["--mode", "engine"] + extra))
+        assert (engine.block_size, engine.num_kv_blocks, engine.kv_cache_memory_gb) == (size, None, 0.01)
+        pipe = _engine_config(build_parser().parse_args(base + ["--mode", "colocated"] + extra))
+        per_block = KVLayout.for_model(mc, 1, size, dtype=pipe.torch_dtype).bytes_per_block
+        assert (pipe.block_size, pipe.num_kv_blocks) == (size, int(0.01 * 2**30 // per_block))
+
+
 def test_a_prompt_that_fits_a_chunk_is_not_split_by_the_decodes():
     # 3 requests decoding, then a 256-token prompt: with the default budget (chunk + max_num_seqs) it
     # runs whole beside the 3 decode tokens; a budget of just the chunk would leave a 3-token tail step.

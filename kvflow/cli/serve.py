@@ -31,6 +31,8 @@ def register(sub) -> None:
                         "so none is ever preempted (default on; --no-reserve-kv: admit greedily, preempt when full)")
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the checkpoint's)")
     s.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
+    s.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 128 on CPU, where bigger blocks read KV faster; 16 on CUDA)")
     s.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    dest="enable_prefix_caching",
                    help="keep full KV blocks after a request and reuse them for prompts that start the same way "
@@ -152,20 +154,35 @@ def _scheduler_config(args):
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, reserve_kv=args.reserve_kv, **given)
 
 
-def _controller(args):
-    from kvflow.config import ClusterConfig, EngineConfig
-    from kvflow.controller.controller import Controller
-    from kvflow.controller.launcher import ExternalLauncher, SubprocessLauncher
+def _engine_config(args):
+    """The EngineConfig of `kvflow serve` in every mode: blocks of --block-size tokens (default
+    `default_block_size`); the pipeline modes account KV in blocks, so --kv-cache-gb becomes an
+    explicit number of blocks there."""
+    import dataclasses
+
+    from kvflow.config import EngineConfig, default_block_size
     from kvflow.kv.cache import KVLayout
     from kvflow.model.loader import load_config
 
-    mc, _ = load_config(args.model)
-    per_block = KVLayout.for_model(mc, 1, 16, dtype=EngineConfig(dtype=args.dtype).torch_dtype).bytes_per_block
-    engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          num_kv_blocks=max(1, int(args.kv_cache_gb * 2**30 // per_block)),
+    block_size = default_block_size(args.device) if args.block_size is None else args.block_size
+    engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=block_size,
+                          max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_gb,
                           enable_prefix_caching=args.enable_prefix_caching, host_kv_bytes=args.host_kv_bytes,
                           disk_kv_bytes=args.disk_kv_bytes, disk_kv_path=args.disk_kv_path,
                           scheduler=_scheduler_config(args))
+    if args.mode == "engine":
+        return dataclasses.replace(engine, num_threads=args.threads)
+    mc, _ = load_config(args.model)
+    per_block = KVLayout.for_model(mc, 1, engine.block_size, dtype=engine.torch_dtype).bytes_per_block
+    return dataclasses.replace(engine, num_kv_blocks=engine.kv_blocks(per_block))
+
+
+def _controller(args):
+    from kvflow.config import ClusterConfig
+    from kvflow.controller.controller import Controller
+    from kvflow.controller.launcher import ExternalLauncher, SubprocessLauncher
+
+    engine = _engine_config(args)
     ray_cfg = None
     if args.launcher == "ray":
         from kvflow.controller.ray_launcher import Placement, RayConfig, connect
@@ -234,14 +251,9 @@ def run_serve(args) -> int:
     if args.mode == "engine" and args.swapping:
         raise SystemExit("--swapping is for pipeline modes (--mode colocated or disaggregated)")
     if args.mode == "engine":
-        from kvflow.config import EngineConfig
         from kvflow.serving.backend import EngineBackend
 
-        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
-                              max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_gb,
-                              enable_prefix_caching=args.enable_prefix_caching, host_kv_bytes=args.host_kv_bytes,
-                              disk_kv_bytes=args.disk_kv_bytes, disk_kv_path=args.disk_kv_path,
-                              scheduler=_scheduler_config(args))
+        config = _engine_config(args)
         backend = EngineBackend.from_config(config, args.served_model_name)  # the engine built on its own thread
     else:
         backend = _controller(args)

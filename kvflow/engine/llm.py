@@ -7,7 +7,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvflow.config import EngineConfig, resolve_dtype
+from kvflow.config import EngineConfig, default_block_size, resolve_dtype
 
 from kvflow.engine.engine import LLMEngine
 from kvflow.sched.request import RequestOutput
@@ -33,8 +33,8 @@ class LLM:
     Keyword arguments are `EngineConfig` fields (dtype, device, block_size, kv_cache_memory_gb,
     num_kv_blocks, max_model_len, num_threads) or `SchedulerConfig` fields (max_num_seqs,
     max_num_batched_tokens, prefill_chunk_size). dtype defaults to "auto": bfloat16 where the CPU
-    (or GPU) has native bf16, float32 elsewhere; `float32` is the reference mode. The token budget
-    defaults to `OFFLINE_TOKEN_BUDGET` (both budget fields, unless either is given).
+    (or GPU) has native bf16, float32 elsewhere; `float32` is the reference mode. block_size defaults
+    to `default_block_size` (128 tokens on CPU, 16 on CUDA). The token budget defaults to `OFFLINE_TOKEN_BUDGET` (both budget fields, unless either is given).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -44,6 +44,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM argument(s): {sorted(unknown)}")
         kwargs.setdefault("dtype", "auto")
+        kwargs.setdefault("block_size", default_block_size(kwargs.get("device", "cpu")))
         dtype, why = resolve_dtype(kwargs["dtype"], kwargs.get("device", "cpu"))
         log.info("dtype %s (%s)", dtype, why)
         kwargs["dtype"] = dtype

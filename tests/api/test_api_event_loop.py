@@ -150,7 +150,7 @@ def test_from_config_builds_and_runs_the_engine_on_one_thread_not_the_main_one(t
     monkeypatch.setattr(LLMEngine, "step", stepped)
     backend = EngineBackend.from_config(EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=64, block_size=4), MODEL)
     with BackgroundServer(backend) as srv:
-        out = client(srv).completions.create(model=MODEL, prompt="hello", max_tokens=3)
+        out = client(srv).completions.create(model=MODEL, prompt="hello", max_tokens=3, extra_body={"ignore_eos": True})
         assert out.choices[0].text is not None and out.usage.completion_tokens == 3
     assert threads["build"] == threads["step"] == {backend._thread.ident}
     assert threading.main_thread().ident not in threads["build"]
