@@ -58,7 +58,7 @@ def default_block_size(device: str = "cpu") -> int:
     none is given: 128 tokens on CPU (vLLM's CPU default too), 16 elsewhere. On CPU a sequence's
     blocks lie scattered in memory and every block is a new stream for the prefetcher and new pages
     for the TLB, so bigger blocks read KV faster: a batch-16 decode step with 256 + 128 tokens took
-    45.0 / 39.4 / 37.1 ms at 16 / 64 / 128-token blocks (bf16, 2-core AMD EPYC, interleaved; the
+    45.0 / 39.4 / 37.8 ms at 16 / 64 / 128-token blocks (bf16, 2-core AMD EPYC, interleaved; the
     paged kernel alone at 2048 tokens of context read 9.4 / 12.1 / 12.4 GB/s). The price is coarser
     prefix sharing (whole blocks only) and up to a block of unused KV per sequence."""
     return 16 if device.startswith("cuda") else 128

@@ -34,7 +34,8 @@ class LLM:
     num_kv_blocks, max_model_len, num_threads) or `SchedulerConfig` fields (max_num_seqs,
     max_num_batched_tokens, prefill_chunk_size). dtype defaults to "auto": bfloat16 where the CPU
     (or GPU) has native bf16, float32 elsewhere; `float32` is the reference mode. block_size defaults
-    to `default_block_size` (128 tokens on CPU, 16 on CUDA). The token budget defaults to `OFFLINE_TOKEN_BUDGET` (both budget fields, unless either is given).
+    to `default_block_size` (128 tokens on CPU, 16 on CUDA). The token budget defaults to
+    `OFFLINE_TOKEN_BUDGET` (both budget fields, unless either is given).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
