@@ -21,7 +21,7 @@
    replayed N times (rounds interleaved), the error is against the median of the real runs, and
    how far the runs lie from their median is printed: the noise floor of the comparison.
 
-    python benchmarks/fidelity.py [--profile results/profile.json] [--reprofile] [--requests 48] [--rate 0.8] [--repeats 1]
+    python benchmarks/fidelity.py [--profile results/profile.json] [--no-reprofile] [--requests 48] [--rate 0.8] [--repeats 1]
 
 Prints a table; writes results/fidelity.json and results/fidelity.png.
 """
@@ -155,7 +155,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", type=Path, default=ROOT / "results" / "profile.json",
                     help="profile to use; written by `kvflow profile` on the calibration grid if missing")
-    ap.add_argument("--reprofile", action="store_true", help="profile again even if the file exists")
+    ap.add_argument("--reprofile", action=argparse.BooleanOptionalAction, default=True,
+                    help="calibrate afresh (default): the machine's speed drifts by 10-15%% over minutes here, so "
+                         "a profile from an earlier run prices every step off by that much; --no-reprofile reuses "
+                         "the file when it exists")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=0.8, help="Poisson requests/s")
     ap.add_argument("--seed", type=int, default=0)
