@@ -142,3 +142,36 @@ def test_model_with_kernels_equals_pytorch_path(dtype, tol, monkeypatch):
             steps.append(model.forward(torch.tensor([n % 31]), b, kv))
         outs.append(torch.stack(steps))
     _close(outs[0], outs[1], tol * 10 if dtype != torch.float32 else 1e-5)
+
+
+@DTYPES
+@pytest.mark.parametrize("path", cpu_kernels.DECODE_PATHS)
+def test_native_decode_step_is_bitwise_the_op_by_op_one(dtype, tol, path, monkeypatch):
+    # decode_layers runs a decode step's layers in one C++ call; it must be exactly the per-op
+    # Python path (same kernels, same projections, same order), for every projection path, at
+    # batch 1 and 5 (5: padded/skinny choices differ by row count), on a 3-layer stage of a
+    # 4-layer model (layer_start > 0: global KV layer indices)
+    monkeypatch.setenv("KVFLOW_LINEAR_SMALL_ROWS", path)
+    cfg = tiny_config(num_layers=4)
+    sd = tiny_state_dict(cfg, 5)
+    model = LlamaModel.from_state_dict(cfg, sd, dtype=dtype, layer_range=(1, 4))
+    if path in ("prepacked", "padded") and model.layers[0].qkv.packed is None:
+        pytest.skip(f"no oneDNN prepacked linear for {dtype} on this CPU")
+    assert model.native_decode
+    calls = []
+    native_call = cpu_kernels.decode_layers
+    monkeypatch.setattr(cpu_kernels, "decode_layers", lambda *a: calls.append(a) or native_call(*a))
+    for batch in (1, 5):
+        kv = KVCache(KVLayout.for_model(cfg, 64, 4, dtype=dtype, layer_range=(1, 4)))
+        kv.data.normal_(generator=torch.Generator().manual_seed(batch))
+        fb = ForwardBatch.build([SeqSlice(i, 1, 8 + i, tuple(range(3 * i, 3 * i + 3))) for i in range(batch)], 4)
+        hidden = torch.randn(batch, cfg.hidden_size, generator=torch.Generator().manual_seed(7)).to(dtype)
+        out = {}
+        for native in (False, True):
+            model.native_decode = native
+            cache = KVCache(kv.layout)
+            cache.data.copy_(kv.data)
+            out[native] = (model.run_layers(hidden.clone(), fb, cache), cache.data)
+        assert len(calls) == batch // 5 + 1  # the native step ran (once per batch size)
+        assert torch.equal(out[True][0], out[False][0])
+        assert torch.equal(out[True][1], out[False][1])  # the same K/V written

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -399,6 +400,55 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tabl
   }
   return out;
 }
+
+// ---------------------------------------------------------------- a decode step's layers in one call
+// The layer loop of LlamaModel.run_layers for a batch of decode rows only, in C++: the same kernels
+// and projections in the same order (the results are bitwise the model's), without a Python call per
+// op. Run from Python, the ~25 calls per layer left the OpenMP worker waiting for a third of a
+// decode step (docs/model.md). Projections take the path the model chose for this row count:
+// 0 skinny_linear on the plain weight, 1 oneDNN's prepacked linear, 2 the same on rows padded to 4,
+// 3 at::linear on the plain weight.
+static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed, int64_t path) {
+  if (path == 0) return skinny_linear(x, w);
+  if (path == 3) return at::linear(x, w);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t n = x.size(0);
+  const bool pad = path == 2 && n < 4;
+  torch::jit::Stack st{pad ? at::constant_pad_nd(x, {0, 0, 0, 4 - n}) : x, packed, c10::IValue(), c10::IValue(std::string("none")),
+                       c10::IValue(c10::List<std::optional<c10::Scalar>>()), c10::IValue(std::string(""))};
+  op.callBoxed(&st);
+  torch::Tensor y = st[0].toTensor();
+  return pad ? y.narrow(0, 0, n) : y;
+}
+
+// x [T, hidden] (the residual stream), per layer: norms, the four projections' plain weights and
+// prepacked ones (w / packed: qkv, o, gate_up, down of layer 0, then layer 1, ...), its KV view;
+// -> (residual stream, the last MLP output still to be added to it).
+std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Tensor> in_norm, std::vector<torch::Tensor> post_norm,
+    std::vector<torch::Tensor> w, std::vector<torch::Tensor> packed, int64_t path, std::vector<torch::Tensor> kv,
+    torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor table, torch::Tensor ctx,
+    double eps, double scale, int64_t H, int64_t KVH) {
+  const int64_t L = in_norm.size(), T = x.size(0), D = cos.size(1);
+  TORCH_CHECK(post_norm.size() == L && kv.size() == L && w.size() == 4 * L && packed.size() == 4 * L, "decode_layers: per-layer lists");
+  torch::Tensor delta;
+  for (int64_t l = 0; l < L; ++l) {
+    torch::Tensor h;
+    if (delta.defined()) {
+      h = add_rms_norm(delta, x, in_norm[l], eps);  // delta += x: the sum is the residual stream
+      x = delta;
+    } else {
+      h = rms_norm(x, in_norm[l], eps);
+    }
+    torch::Tensor qkv = project(h, w[4 * l], packed[4 * l], path);
+    rope_write(qkv, cos, sin, H, KVH, kv[l], slots);
+    torch::Tensor attn = paged_decode(qkv.narrow(1, 0, H * D).view({T, H, D}).contiguous(), kv[l], table, ctx, scale);
+    torch::Tensor o = project(attn.view({T, H * D}), w[4 * l + 1], packed[4 * l + 1], path);
+    h = add_rms_norm(o, x, post_norm[l], eps);
+    x = o;
+    delta = project(silu_mul(project(h, w[4 * l + 2], packed[4 * l + 2], path)), w[4 * l + 3], packed[4 * l + 3], path);
+  }
+  return {x, delta};
+}
 """
 
 _lock = threading.Lock()
@@ -433,7 +483,7 @@ def _build():
         return load_inline(
             name=build_dir.name,
             cpp_sources=_SOURCE,
-            functions=["paged_decode", "vec_size", "rms_norm", "add_rms_norm", "silu_mul", "rope_write", "skinny_linear"],
+            functions=["paged_decode", "vec_size", "rms_norm", "add_rms_norm", "silu_mul", "rope_write", "skinny_linear", "decode_layers"],
             extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_defines()],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -463,6 +513,7 @@ def _cpu_flags() -> str:
 
 
 GRAIN = 32768  # elements; the C++ kGrain (a call splits rows over threads only above it)
+DECODE_PATHS = ("kernel", "prepacked", "padded", "plain")  # `decode_layers`' projection paths, by number
 
 
 def enabled() -> bool:
@@ -541,3 +592,30 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     reading the weight: each weight row is read from memory once for all N rows of x. Call
     `available()` first."""
     return _op.skinny_linear(x, weight)
+
+
+def decode_layers(
+    hidden: torch.Tensor,
+    input_norms: list[torch.Tensor],
+    post_norms: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    packed: list[torch.Tensor],
+    path: int,
+    kv_layers: list[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    eps: float,
+    scale: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's layers in one call (see `LlamaModel.run_layers`): hidden [T, D], one query token
+    per sequence -> (residual stream, last MLP output). Per layer its norms, KV view and the four
+    projections (qkv, o, gate_up, down; plain and prepacked weights, `path` the index in
+    `DECODE_PATHS` of the `Linear` path to take). Call `available()` first."""
+    x, delta = _op.decode_layers(hidden, input_norms, post_norms, weights, packed, path, kv_layers, cos, sin, slots,
+                                 block_table, context_lens, eps, scale, num_heads, num_kv_heads)
+    return x, delta

@@ -203,6 +203,18 @@ class LlamaModel:
         # decode attention reads K/V in place; otherwise the PyTorch path (see `_decode_attention`).
         self.cpu_kernels = cpu_kernels.available(device)
         self.paged_kernel = self.cpu_kernels and cpu_kernels.paged_decode_supported(cfg.head_dim)
+        # A step of decode rows only runs its layers in one native call (`cpu_kernels.decode_layers`:
+        # the same kernels and projections, bitwise the same result, no Python call per op); False
+        # runs them op by op from Python (for comparison; hooks and prompt chunks always do).
+        self.native_decode = self.paged_kernel
+        projections = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
+        self._decode_weights = (
+            [w.input_norm for w in layers],
+            [w.post_norm for w in layers],
+            [lin.weight for lin in projections],
+            [lin.packed if lin.packed is not None else lin.weight.new_empty(0) for lin in projections],
+        )
+        self._prepacked = all(lin.packed is not None for lin in projections)
         if cfg.rope_scaling.kind == "default":  # the same float32 arithmetic as transformers
             exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float().to(device) / cfg.head_dim
             self.inv_freq = 1.0 / (cfg.rope_theta**exponent)
@@ -310,11 +322,31 @@ class LlamaModel:
         if hidden.shape != (batch.num_tokens, self.cfg.hidden_size):
             raise ValueError(f"hidden states {tuple(hidden.shape)} do not match the batch ({batch.num_tokens} tokens)")
         cos, sin = self._rope(batch.positions)
+        if hook is None and self._native_decode_ok(hidden, batch, kv):
+            x, delta = cpu_kernels.decode_layers(
+                hidden, *self._decode_weights, self._decode_path(hidden.shape[0]),
+                [kv.layer_kv(layer) for layer in range(self.layer_start, self.layer_end)], cos, sin, batch.slot_mapping,
+                batch.decode_block_table, batch.decode_context_lens, self.cfg.rms_norm_eps, self.scale,
+                self.cfg.num_heads, self.cfg.num_kv_heads,
+            )
+            return x + delta
         delta = None  # the last layer's MLP output, added to `hidden` by the next layer's norm
         for i, lw in enumerate(self.layers):
             layer = self.layer_start + i
             hidden, delta = self._layer(layer, lw, hidden, delta, batch, kv, cos, sin, hook)
         return hidden + delta
+
+    def _native_decode_ok(self, hidden: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> bool:
+        """Whether `cpu_kernels.decode_layers` runs this step: decode rows only (in order), and the
+        fused kernels take the tensors (one dtype, contiguous), as `_layer`'s fused path requires."""
+        return (self.native_decode and not batch.prefill and batch.decode_rows.numel() > 0
+                and hidden.dtype == kv.data.dtype == self.layers[0].input_norm.dtype and hidden.is_contiguous())
+
+    def _decode_path(self, rows: int) -> int:
+        """The projection path `Linear.__call__` takes for `rows` rows, as `decode_layers` numbers them."""
+        if not self._prepacked:
+            return cpu_kernels.DECODE_PATHS.index("plain")
+        return cpu_kernels.DECODE_PATHS.index(self.layers[0].qkv.small.get(rows, "prepacked"))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, head_dim] of each token's position, in the model's dtype."""
