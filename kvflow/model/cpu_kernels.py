@@ -11,6 +11,9 @@
 - `skinny_linear(x, w)`: a projection of a few rows that reads each weight row once (a decode step of
   a few sequences is bound by reading the weights; oneDNN's prepacked GEMM reached ~75% of the memory
   bandwidth there), in float32, bf16 or fp16, accumulated in float32.
+- `decode_layers(...)`: a decode-only step's whole layer loop, calling the kernels above and the
+  model's chosen projection path from C++ (bitwise the model's per-op path, without ~25 Python
+  calls per layer).
 
 Every elementwise pass is vectorised in every dtype: bf16/fp16 values are widened to float32, and
 rounded back to the dtype at the points where the PyTorch formula they replace stores a tensor.
