@@ -175,3 +175,6 @@ def test_native_decode_step_is_bitwise_the_op_by_op_one(dtype, tol, path, monkey
         assert len(calls) == batch // 5 + 1  # the native step ran (once per batch size)
         assert torch.equal(out[True][0], out[False][0])
         assert torch.equal(out[True][1], out[False][1])  # the same K/V written
+    model.paged_kernel = False  # the gather path (benchmarks/engine.py compares the two): no native loop
+    model.run_layers(hidden.clone(), fb, KVCache(kv.layout))
+    assert len(calls) == 2

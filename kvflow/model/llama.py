@@ -337,9 +337,10 @@ class LlamaModel:
         return hidden + delta
 
     def _native_decode_ok(self, hidden: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> bool:
-        """Whether `cpu_kernels.decode_layers` runs this step: decode rows only (in order), and the
-        fused kernels take the tensors (one dtype, contiguous), as `_layer`'s fused path requires."""
-        return (self.native_decode and not batch.prefill and batch.decode_rows.numel() > 0
+        """Whether `cpu_kernels.decode_layers` runs this step: decode rows only (in order), the paged
+        kernel on (it is what the native loop calls), and the fused kernels take the tensors (one
+        dtype, contiguous), as `_layer`'s fused path requires."""
+        return (self.native_decode and self.paged_kernel and not batch.prefill and batch.decode_rows.numel() > 0
                 and hidden.dtype == kv.data.dtype == self.layers[0].input_norm.dtype and hidden.is_contiguous())
 
     def _decode_path(self, rows: int) -> int:
