@@ -46,9 +46,12 @@ class Linear:
         self.small = {1: "plain", 2: "plain", 3: "prepacked"}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight)
-        return getattr(self, self.small.get(x.shape[0], "prepacked"))(x)
+        return getattr(self, self.path(x.shape[0]))(x)
+
+    def path(self, rows: int) -> str:
+        """The path (one of `SMALL_PATHS`) a call with `rows` rows takes: "plain" without a prepacked
+        weight, else the measured choice up to 16 rows and "prepacked" above."""
+        return "plain" if self.packed is None else self.small.get(rows, "prepacked")
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -214,7 +217,6 @@ class LlamaModel:
             [lin.weight for lin in projections],
             [lin.packed if lin.packed is not None else lin.weight.new_empty(0) for lin in projections],
         )
-        self._prepacked = all(lin.packed is not None for lin in projections)
         if cfg.rope_scaling.kind == "default":  # the same float32 arithmetic as transformers
             exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float().to(device) / cfg.head_dim
             self.inv_freq = 1.0 / (cfg.rope_theta**exponent)
@@ -324,7 +326,7 @@ class LlamaModel:
         cos, sin = self._rope(batch.positions)
         if hook is None and self._native_decode_ok(hidden, batch, kv):
             x, delta = cpu_kernels.decode_layers(
-                hidden, *self._decode_weights, self._decode_path(hidden.shape[0]),
+                hidden, *self._decode_weights, cpu_kernels.DECODE_PATHS.index(self.layers[0].qkv.path(hidden.shape[0])),
                 [kv.layer_kv(layer) for layer in range(self.layer_start, self.layer_end)], cos, sin, batch.slot_mapping,
                 batch.decode_block_table, batch.decode_context_lens, self.cfg.rms_norm_eps, self.scale,
                 self.cfg.num_heads, self.cfg.num_kv_heads,
@@ -342,12 +344,6 @@ class LlamaModel:
         dtype, contiguous), as `_layer`'s fused path requires."""
         return (self.native_decode and self.paged_kernel and not batch.prefill and batch.decode_rows.numel() > 0
                 and hidden.dtype == kv.data.dtype == self.layers[0].input_norm.dtype and hidden.is_contiguous())
-
-    def _decode_path(self, rows: int) -> int:
-        """The projection path `Linear.__call__` takes for `rows` rows, as `decode_layers` numbers them."""
-        if not self._prepacked:
-            return cpu_kernels.DECODE_PATHS.index("plain")
-        return cpu_kernels.DECODE_PATHS.index(self.layers[0].qkv.small.get(rows, "prepacked"))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, head_dim] of each token's position, in the model's dtype."""

@@ -46,9 +46,7 @@ def time_prefill(engine, b: int, s: int, repeats: int, rng) -> float:
     for _ in range(repeats + 1):  # first run warms up
         for p in _prompts(rng, b, s, engine.model.cfg.vocab_size):
             engine.add_request(p, params)
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+        times.append(timed_step(engine))
         while engine.has_unfinished():
             engine.step()
     return statistics.median(times[1:])
@@ -75,11 +73,16 @@ class ForwardTimer:
     def step(self, engine) -> float:
         """One engine step; returns its seconds and records its host-side share."""
         self.last = 0.0
-        t0 = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t0
+        dt = timed_step(engine)
         self.host_s.append(dt - self.last)
         return dt
+
+
+def timed_step(engine) -> float:
+    """Seconds of one engine step."""
+    t0 = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t0
 
 
 def time_decode(engine, b: int, c: int, steps: int, rng, timer: ForwardTimer | None = None) -> list[Sample]:
@@ -93,13 +96,7 @@ def time_decode(engine, b: int, c: int, steps: int, rng, timer: ForwardTimer | N
     engine.step()  # first decode (warm-up)
     out = []
     for k in range(steps):
-        if timer is not None:
-            dt = timer.step(engine)
-        else:
-            t0 = time.perf_counter()
-            engine.step()
-            dt = time.perf_counter() - t0
-        out.append(Sample(b, c + 2 + k, dt))
+        out.append(Sample(b, c + 2 + k, timer.step(engine) if timer is not None else timed_step(engine)))
     while engine.has_unfinished():
         engine.step()
     return out
