@@ -194,6 +194,82 @@ def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 2), (8, 1)], ids=["gqa2", "mha", "gqa3", "mqa"])
+def test_paged_prefill_kernel_equals_sdpa_path(dtype, tol, heads):
+    # prompt chunks attended by the C++ kernel over the paged cache against the per-sequence SDPA path
+    # and against the definition, in a step that also has decode rows: whole prompts, a chunk after
+    # cached context, chunks longer than a query tile (the kernel's tile is 64 rows / G tokens)
+    from kvflow.model import cpu_kernels
+
+    if not cpu_kernels.available("cpu"):
+        pytest.skip("no C++ compiler for the CPU kernels on this machine")
+    cfg = tiny_config(num_heads=heads[0], num_kv_heads=heads[1])
+    model = tiny_model(cfg)
+    assert model.paged_kernel
+    kv = KVCache(KVLayout.for_model(cfg, 160, 4, dtype=dtype))
+    kv.data.normal_(generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(5)
+    perm = torch.randperm(160, generator=g).tolist()  # non-contiguous, shuffled blocks
+    shapes = [(2, 2), (1, 9), (70, 70), (5, 33), (1, 4), (130, 200), (3, 3)]  # (query_len, context_len)
+    seqs, start, at = [], 0, 0
+    for ql, n in shapes:
+        blocks = tuple(perm[at : at + -(-n // 4)])
+        at += len(blocks)
+        seqs.append(SeqSlice(start, ql, n, blocks))
+        start += ql
+    batch = ForwardBatch.build(seqs, 4)
+    T = batch.num_tokens
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
+    q = qkv[:, : H * D].view(T, H, D)  # strided rows, as the model passes them
+    flat = kv.layer_kv(0).view(2, -1, KVH, D)  # the step's own K/V, as rope_write left them in the cache
+    k, v = flat[0, batch.slot_mapping], flat[1, batch.slot_mapping]
+    fast = model._attention(0, q, k, v, batch, kv)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = model._attention(0, q, k, v, batch, kv)
+        torch.set_num_threads(5)
+        five = model._attention(0, q, k, v, batch, kv)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, fast) and torch.equal(five, fast)  # each tile is computed whole by one thread
+    model.paged_kernel = False
+    slow = model._attention(0, q, k, v, batch, kv)
+    assert fast.dtype == dtype and (fast.float() - slow.float()).abs().max().item() < tol
+    for s in seqs:  # the definition: softmax over keys up to the query's position
+        keys, vals = (x.float().repeat_interleave(H // KVH, dim=1) for x in kv.read(0, list(s.block_ids), s.context_len))
+        rows = slice(s.query_start, s.query_start + s.query_len)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * model.scale
+        pos = torch.arange(s.query_len)[:, None] + s.context_len - s.query_len
+        scores = scores.masked_fill(torch.arange(s.context_len)[None, :] > pos, float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vals)
+        assert (fast[rows].float() - ref).abs().max().item() < tol, s
+
+
+def test_paged_prefill_kernel_rejects_bad_tables():
+    from kvflow.model import cpu_kernels
+
+    if not cpu_kernels.available("cpu"):
+        pytest.skip("no C++ compiler for the CPU kernels on this machine")
+    cfg = tiny_config()
+    kv = KVCache(KVLayout.for_model(cfg, 8, 4))
+    q = torch.randn(6, cfg.num_heads, cfg.head_dim)
+    one = lambda *xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    run = lambda table, start, qlen, ctx: cpu_kernels.paged_prefill_attention(  # noqa: E731
+        q, kv.layer_kv(0), torch.tensor([table], dtype=torch.long), one(start), one(qlen), one(ctx), 0.1)
+    assert run([0, 1], 0, 6, 6).shape == q.shape
+    with pytest.raises(RuntimeError, match="block id"):
+        run([0, 8], 0, 6, 6)
+    with pytest.raises(RuntimeError, match="too few blocks"):
+        run([0], 0, 6, 6)
+    with pytest.raises(RuntimeError, match="rows"):
+        run([0, 1], 2, 6, 6)
+    with pytest.raises(RuntimeError, match="rows"):
+        run([0, 1], 0, 6, 5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_prepared_linear_equals_f_linear_on_every_row_count(dtype, tol):
     from kvflow.model import llama
     from kvflow.model.llama import Linear

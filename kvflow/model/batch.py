@@ -32,7 +32,8 @@ class ForwardBatch:
 
     Decode-shaped sequences (query_len == 1) are attended in one batch straight from the paged cache
     (block table + context lengths; the padded key mask serves the gather fallback); longer queries
-    (prompt chunks) one sequence at a time.
+    (prompt chunks) too, by the CPU kernel (their own block table, chunk rows and context lengths),
+    else one sequence at a time.
     """
 
     seqs: list[SeqSlice]
@@ -45,6 +46,10 @@ class ForwardBatch:
     decode_key_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
     decode_context_lens: torch.Tensor  # [Bd] long: tokens each decode sequence attends to
     prefill: list[SeqSlice]
+    prefill_block_table: torch.Tensor  # [Sp, max_blocks] long, per prompt-chunk sequence (padded like decode's)
+    prefill_query_start: torch.Tensor  # [Sp] long: first token row of each chunk
+    prefill_query_len: torch.Tensor  # [Sp] long
+    prefill_context_lens: torch.Tensor  # [Sp] long: cached tokens after the step (the chunk is the last)
 
     @property
     def num_tokens(self) -> int:
@@ -67,14 +72,13 @@ class ForwardBatch:
                 slots.append(s.block_ids[p // block_size] * block_size + p % block_size)
         decode = [s for s in seqs if s.query_len == 1]
         prefill = [s for s in seqs if s.query_len > 1]
-        max_blocks = max((-(-s.context_len // block_size) for s in decode), default=0)
-        table = [list(s.block_ids[: -(-s.context_len // block_size)]) for s in decode]
-        table = [row + [row[0]] * (max_blocks - len(row)) for row in table]
+        table, max_blocks = _block_table(decode, block_size)
         span = torch.arange(max_blocks * block_size)
         ctx = torch.tensor([s.context_len for s in decode], dtype=torch.long)
         mask = (span[None, :] < ctx[:, None])[:, None, None, :]
         dev = torch.device(device)
         long = dict(dtype=torch.long, device=dev)
+        prefill_table, prefill_blocks = _block_table(prefill, block_size)
         return cls(
             seqs=list(seqs),
             block_size=block_size,
@@ -86,4 +90,15 @@ class ForwardBatch:
             decode_key_mask=mask.to(dev),
             decode_context_lens=ctx.to(dev),
             prefill=prefill,
+            prefill_block_table=torch.tensor(prefill_table, **long).reshape(len(prefill), prefill_blocks),
+            prefill_query_start=torch.tensor([s.query_start for s in prefill], **long),
+            prefill_query_len=torch.tensor([s.query_len for s in prefill], **long),
+            prefill_context_lens=torch.tensor([s.context_len for s in prefill], **long),
         )
+
+
+def _block_table(seqs: list[SeqSlice], block_size: int) -> tuple[list[list[int]], int]:
+    """The blocks holding each sequence's context, rows padded with the row's first block -> (rows, width)."""
+    width = max((-(-s.context_len // block_size) for s in seqs), default=0)
+    rows = [list(s.block_ids[: -(-s.context_len // block_size)]) for s in seqs]
+    return [row + [row[0]] * (width - len(row)) for row in rows], width

@@ -4,6 +4,10 @@
   per sequence over the sequence's first `context_lens[b]` cached tokens, walking its block table
   block by block: every K and V byte is read once, straight from the cache, with no gathered copy.
   Work is split over (sequence, KV head) pairs; scores and output accumulate in float32.
+- `paged_prefill_attention(...)`: causal attention of prompt chunks (whole prompts, or chunks after
+  cached context) over the same paged cache, flash-attention style: register-blocked float32 tiles,
+  an online softmax, no per-sequence K/V gather and no mask tensor. About 2x `scaled_dot_product_
+  attention` on a 256-token prompt (docs/model.md).
 - `rms_norm(x, w, eps)` and `add_rms_norm(x, res, w, eps)` (x += res, then the norm of x, one pass).
 - `silu_mul(gate_up)`: SiLU(gate) * up from the fused gate_up projection's output.
 - `rope_write(qkv, cos, sin, heads, kv_heads, kv_layer, slots)`: RoPE in place on the query and key
@@ -47,9 +51,12 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -404,6 +411,249 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tabl
   return out;
 }
 
+// ---------------------------------------------------------------- prefill attention over the paged cache
+// Causal attention for the query tokens of prefill chunks, reading K and V from the paged cache (the
+// chunk's own K/V were written there by rope_write before the call). Sequence s has q_len[s] query
+// tokens at rows q_start[s].. of q, the last of its ctx[s] cached tokens; query i sees keys
+// 0 .. ctx - q_len + i. A flash-attention loop in float32:
+// - a first pass widens each (sequence, KV head)'s K and V rows to float32 once (every query tile of
+//   the sequence reuses them);
+// - work items are (sequence, KV head, query tile): up to kRowVecs vectors of rows, a row being one
+//   query token x one of the G query heads that share the KV head (GQA: K/V are read once for all G);
+// - queries are held transposed ([D][rows]), so a score tile is register-blocked as JB keys x the
+//   rows' vectors (one broadcast K value per FMA row), and the online softmax runs down columns with
+//   the rows in vector lanes; P V accumulates in register tiles of kAccRegs / (D / vector width) rows x D.
+// Items are handed out largest first from a shared counter, so causal tiles of unequal cost balance.
+// Register budget for accumulator tiles: 24 of AVX512's 32 vector registers, 12 of AVX2's 16.
+constexpr int64_t kRowVecs = 4, kKT = 64;
+constexpr int kAccRegs = Vec::size() >= 16 ? 24 : 12;
+
+// s[j][0..NRV vectors) = sum_d k[j][d] * qt[d][..] for j < JB (k rows of D floats, qt [D][ld]).
+template <int NRV, int JB>
+static inline void score_tile(const float* qt, int64_t ld, const float* const* k, int64_t D, float* s, int64_t lds) {
+  constexpr int64_t V = Vec::size();
+  Vec acc[JB][NRV];
+#pragma GCC unroll 32
+  for (int j = 0; j < JB; ++j)
+#pragma GCC unroll 8
+    for (int c = 0; c < NRV; ++c) acc[j][c] = Vec(0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    Vec qd[NRV];
+#pragma GCC unroll 8
+    for (int c = 0; c < NRV; ++c) qd[c] = Vec::loadu(qt + d * ld + c * V);
+#pragma GCC unroll 32
+    for (int j = 0; j < JB; ++j) {
+      const Vec kj(k[j][d]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NRV; ++c) acc[j][c] = at::vec::fmadd(kj, qd[c], acc[j][c]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int j = 0; j < JB; ++j)
+#pragma GCC unroll 8
+    for (int c = 0; c < NRV; ++c) acc[j][c].store(s + j * lds + c * V);
+}
+
+// o[r][0..C vectors) += sum_j p[j][r] * v[j][..] for r < RB (p [keys][ldp], v rows of C vectors).
+template <int C, int RB>
+static inline void pv_tile(const float* p, int64_t ldp, const float* const* v, int64_t nk, float* o, int64_t ldo) {
+  constexpr int64_t V = Vec::size();
+  Vec acc[RB][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = Vec::loadu(o + r * ldo + c * V);
+  for (int64_t j = 0; j < nk; ++j) {
+    Vec vj[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) vj[c] = Vec::loadu(v[j] + c * V);
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      const Vec pr(p[j * ldp + r]);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[r][c] = at::vec::fmadd(pr, vj[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c].store(o + r * ldo + c * V);
+}
+
+template <int NRV>
+static void score_tiles(const float* qt, int64_t ld, const float* const* k, int64_t nk, int64_t D, float* s) {
+  constexpr int JB = kAccRegs / NRV;  // JB keys x NRV row vectors of accumulators
+  int64_t j = 0;
+  for (; j + JB <= nk; j += JB) score_tile<NRV, JB>(qt, ld, k + j, D, s + j * ld, ld);
+  for (; j < nk; ++j) score_tile<NRV, 1>(qt, ld, k + j, D, s + j * ld, ld);
+}
+
+template <int C>
+static void pv_tiles(const float* p, int64_t ldp, const float* const* v, int64_t nk, int64_t R, float* o) {
+  constexpr int64_t D = C * Vec::size();
+  constexpr int RB = std::max(1, kAccRegs / C);  // RB rows x C vectors of accumulators
+  int64_t r = 0;
+  for (; r + RB <= R; r += RB) pv_tile<C, RB>(p + r, ldp, v, nk, o + r * D, D);
+  for (; r < R; ++r) pv_tile<C, 1>(p + r, ldp, v, nk, o + r * D, D);
+}
+
+template <typename T, int C>
+static void prefill_kernel(const T* q, int64_t q_row_stride, const T* kv, int64_t v_offset, const int64_t* table,
+                           int64_t max_blocks, const int64_t* q_start, const int64_t* q_len, const int64_t* ctx, T* out,
+                           int64_t S, int64_t H, int64_t KVH, int64_t BS, float scale) {
+  constexpr int64_t V = Vec::size(), D = C * V;
+  const int64_t G = H / KVH, tok_stride = KVH * D, blk_stride = BS * KVH * D;
+  const int64_t QT = std::max<int64_t>(1, kRowVecs * V / G);  // query tokens per tile
+  // K and V of every (sequence, KV head), widened: [2][keys][D] floats at base[s * KVH + h]
+  std::vector<int64_t> base(S * KVH + 1, 0);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t h = 0; h < KVH; ++h) base[s * KVH + h + 1] = base[s * KVH + h] + 2 * ctx[s] * D;
+  std::unique_ptr<float[]> kvf(new float[base.back()]);  // every float is written below
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t s = w / KVH, h = w % KVH, n = ctx[s];
+      float* kf = kvf.get() + base[w];
+      float* vf = kf + n * D;
+      for (int64_t t = 0; t < n; ++t) {
+        const T* kr = kv + table[s * max_blocks + t / BS] * blk_stride + (t % BS) * tok_stride + h * D;
+        for (int c = 0; c < C; ++c) {
+          load_f32<T>(kr + c * V).store(kf + t * D + c * V);
+          load_f32<T>(kr + v_offset + c * V).store(vf + t * D + c * V);
+        }
+      }
+    }
+  });
+  struct Item { int64_t s, h, i0, cost; };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t i0 = 0; i0 < q_len[s]; i0 += QT) {
+      const int64_t keys = ctx[s] - q_len[s] + std::min(q_len[s], i0 + QT);
+      for (int64_t h = 0; h < KVH; ++h) items.push_back({s, h, i0, keys * std::min(QT, q_len[s] - i0)});
+    }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = items.size(), LD = kRowVecs * V;
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t, int64_t) {
+    std::vector<float> qt(D * LD), sc(kKT * LD), o(LD * D), m(LD), l(LD), lim(LD);
+    std::vector<const float*> kp(kKT), vp(kKT);
+    for (int64_t w = next++; w < n_items; w = next++) {
+      const Item it = items[w];
+      const int64_t nq = std::min(QT, q_len[it.s] - it.i0), R = nq * G, NRV = (R + V - 1) / V, past = ctx[it.s] - q_len[it.s];
+      const float* kf = kvf.get() + base[it.s * KVH + it.h];
+      const float* vf = kf + ctx[it.s] * D;
+      // queries transposed, pre-scaled: qt[d][r], r = i * G + g (query token it.i0 + i, head it.h * G + g)
+      if (R % V)  // rows padding the last vector: zero queries (their outputs are not stored)
+        for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * LD + R, qt.data() + d * LD + NRV * V, 0.f);
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const T* src = q + (q_start[it.s] + it.i0 + i) * q_row_stride + (it.h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) qt[d * LD + i * G + g] = static_cast<float>(src[d]) * scale;
+        }
+      for (int64_t r = 0; r < LD; ++r) lim[r] = static_cast<float>(past + it.i0 + std::min(r / G, nq - 1));
+      std::fill(o.begin(), o.begin() + R * D, 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t n_keys = past + it.i0 + nq;  // keys seen by the tile's last query token
+      for (int64_t j0 = 0; j0 < n_keys; j0 += kKT) {
+        const int64_t nk = std::min(kKT, n_keys - j0);
+        for (int64_t j = 0; j < nk; ++j) { kp[j] = kf + (j0 + j) * D; vp[j] = vf + (j0 + j) * D; }
+        switch (NRV) {
+          case 1: score_tiles<1>(qt.data(), LD, kp.data(), nk, D, sc.data()); break;
+          case 2: score_tiles<2>(qt.data(), LD, kp.data(), nk, D, sc.data()); break;
+          case 3: score_tiles<3>(qt.data(), LD, kp.data(), nk, D, sc.data()); break;
+          default: score_tiles<4>(qt.data(), LD, kp.data(), nk, D, sc.data()); break;
+        }
+        // causal mask where a tile reaches past the first row's position; online softmax per row
+        const bool masked = j0 + nk - 1 > past + it.i0;
+        for (int64_t c = 0; c < NRV; ++c) {
+          const Vec lim_c = Vec::loadu(lim.data() + c * V);
+          Vec mx = Vec::loadu(m.data() + c * V);
+          for (int64_t j = 0; j < nk; ++j) {
+            Vec sj = Vec::loadu(sc.data() + j * LD + c * V);
+            if (masked) {
+              sj = Vec::blendv(Vec(-std::numeric_limits<float>::infinity()), sj, Vec(static_cast<float>(j0 + j)) <= lim_c);
+              sj.store(sc.data() + j * LD + c * V);
+            }
+            mx = at::vec::maximum(mx, sj);
+          }
+          const Vec corr = (Vec::loadu(m.data() + c * V) - mx).exp();
+          Vec sum(0.f);
+          for (int64_t j = 0; j < nk; ++j) {
+            const Vec p = (Vec::loadu(sc.data() + j * LD + c * V) - mx).exp();
+            p.store(sc.data() + j * LD + c * V);
+            sum = sum + p;
+          }
+          (Vec::loadu(l.data() + c * V) * corr + sum).store(l.data() + c * V);
+          mx.store(m.data() + c * V);
+          if (j0 > 0) {
+            float cf[V];
+            corr.store(cf);
+            for (int64_t rr = 0; rr < V && c * V + rr < R; ++rr) {
+              float* orow = o.data() + (c * V + rr) * D;
+              for (int cc = 0; cc < C; ++cc) (Vec::loadu(orow + cc * V) * Vec(cf[rr])).store(orow + cc * V);
+            }
+          }
+        }
+        pv_tiles<C>(sc.data(), LD, vp.data(), nk, R, o.data());
+      }
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          T* dst = out + ((q_start[it.s] + it.i0 + i) * H + it.h * G + g) * D;
+          const Vec inv(1.f / l[r]);
+          for (int c = 0; c < C; ++c) store_t<T>(dst + c * V, Vec::loadu(o.data() + r * D + c * V) * inv);
+        }
+    }
+  });
+}
+
+// q [T, H, D] (rows may be strided, e.g. a view of the qkv projection), kv [2, blocks, BS, KVH, D];
+// per sequence: q_start, q_len, ctx (int64 [S]) and its block table row -> out [T, H, D] (rows of
+// tokens outside the sequences are left unset).
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv, torch::Tensor table, torch::Tensor q_start, torch::Tensor q_len,
+                            torch::Tensor ctx, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "q [T, H, D], kv [2, blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q heads contiguous within a row");
+  TORCH_CHECK(kv.is_contiguous() && table.is_contiguous() && q_start.is_contiguous() && q_len.is_contiguous() && ctx.is_contiguous(),
+              "contiguous kv and tables");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
+  TORCH_CHECK(table.scalar_type() == at::kLong && q_start.scalar_type() == at::kLong && q_len.scalar_type() == at::kLong &&
+              ctx.scalar_type() == at::kLong, "int64 tables");
+  const int64_t S = q_start.size(0), H = q.size(1), D = q.size(2), KVH = kv.size(3), BS = kv.size(2);
+  TORCH_CHECK(kv.size(4) == D && H % KVH == 0 && table.size(0) == S && q_len.size(0) == S && ctx.size(0) == S, "shape mismatch");
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  const int64_t* cl = ctx.data_ptr<int64_t>();
+  const int64_t* tb = table.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(ql[s] >= 1 && qs[s] >= 0 && qs[s] + ql[s] <= q.size(0) && cl[s] >= ql[s], "paged_prefill: sequence ", s,
+                " has rows ", qs[s], "+", ql[s], " of ", q.size(0), " and context ", cl[s]);
+    TORCH_CHECK((cl[s] + BS - 1) / BS <= table.size(1), "paged_prefill: sequence ", s, " has too few blocks");
+    for (int64_t b = 0; b < (cl[s] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tb[s * table.size(1) + b] >= 0 && tb[s * table.size(1) + b] < kv.size(1), "paged_prefill: block id out of range");
+  }
+  auto out = torch::empty({q.size(0), H, D}, q.options());
+  auto run = [&](auto tag, auto chunks) {
+    using T = decltype(tag);
+    prefill_kernel<T, decltype(chunks)::value>(q.data_ptr<T>(), q.stride(0), kv.data_ptr<T>(), kv.stride(0),
+        table.data_ptr<int64_t>(), table.size(1), q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(),
+        ctx.data_ptr<int64_t>(), out.data_ptr<T>(), S, H, KVH, BS, static_cast<float>(scale));
+  };
+  auto by_dim = [&](auto tag) {
+    switch (D / Vec::size()) {
+      case 1: run(tag, std::integral_constant<int, 1>{}); break;
+      case 2: run(tag, std::integral_constant<int, 2>{}); break;
+      case 4: run(tag, std::integral_constant<int, 4>{}); break;
+      case 8: run(tag, std::integral_constant<int, 8>{}); break;
+      case 16: run(tag, std::integral_constant<int, 16>{}); break;
+      default: TORCH_CHECK(false, "paged_prefill: unsupported head_dim ", D);
+    }
+  };
+  TORCH_CHECK(D % Vec::size() == 0, "head_dim must be a multiple of the vector width");
+  by_dtype(q.scalar_type(), "paged_prefill", [&](auto tag) { by_dim(tag); });
+  return out;
+}
+
 // ---------------------------------------------------------------- a decode step's layers in one call
 // The layer loop of LlamaModel.run_layers for a batch of decode rows only, in C++: the same kernels
 // and projections in the same order (the results are bitwise the model's), without a Python call per
@@ -486,7 +736,7 @@ def _build():
         return load_inline(
             name=build_dir.name,
             cpp_sources=_SOURCE,
-            functions=["paged_decode", "vec_size", "rms_norm", "add_rms_norm", "silu_mul", "rope_write", "skinny_linear", "decode_layers"],
+            functions=["paged_decode", "paged_prefill", "vec_size", "rms_norm", "add_rms_norm", "silu_mul", "rope_write", "skinny_linear", "decode_layers"],
             extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_defines()],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -540,10 +790,10 @@ def available(device: torch.device | str = "cpu") -> bool:
     return _op is not None
 
 
-def paged_decode_supported(head_dim: int) -> bool:
-    """Whether `paged_decode_attention` handles heads of `head_dim` (a multiple of the vector width,
+def paged_attention_supported(head_dim: int) -> bool:
+    """Whether `paged_decode_attention` and `paged_prefill_attention` handle heads of `head_dim` (a multiple of the vector width,
     1-16 vectors). Call `available()` first."""
-    assert _op is not None, "paged_decode_supported called before available()"
+    assert _op is not None, "paged_attention_supported called before available()"
     chunks = head_dim // _op.vec_size()
     return head_dim % _op.vec_size() == 0 and chunks in (1, 2, 4, 8, 16)
 
@@ -556,6 +806,25 @@ def paged_decode_attention(
     Query head j attends with KV head j // (H // kv_heads). Call `available()` first."""
     assert _op is not None, "paged_decode_attention called before available()"
     return _op.paged_decode(q.contiguous(), kv_layer, block_table, context_lens, scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    query_len: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of prompt chunks over the paged cache. q [T, H, D] (each row's heads contiguous;
+    rows may be strided, as in a view of the qkv projection), kv_layer [2, num_blocks, block_size,
+    kv_heads, D] holding every sequence's K/V including the chunk's own; per sequence s (int64 [S]):
+    its chunk is rows query_start[s] .. + query_len[s] of q, the last tokens of its context_lens[s]
+    cached tokens, in blocks block_table[s] ([S, max_blocks]). -> [T, H, D]; rows that belong to no
+    sequence are left unset. Same head_dims as `paged_attention_supported`. Call `available()` first."""
+    assert _op is not None, "paged_prefill_attention called before available()"
+    return _op.paged_prefill(q, kv_layer, block_table, query_start, query_len, context_lens, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

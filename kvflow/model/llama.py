@@ -203,9 +203,10 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
         device = layers[0].input_norm.device
         # On CPU with a C++ compiler the layer's elementwise passes run as fused kernels (`cpu_kernels`) and
-        # decode attention reads K/V in place; otherwise the PyTorch path (see `_decode_attention`).
+        # attention (decode rows and prompt chunks) reads K/V in place; otherwise the PyTorch path (see
+        # `_decode_attention` and `_attention`).
         self.cpu_kernels = cpu_kernels.available(device)
-        self.paged_kernel = self.cpu_kernels and cpu_kernels.paged_decode_supported(cfg.head_dim)
+        self.paged_kernel = self.cpu_kernels and cpu_kernels.paged_attention_supported(cfg.head_dim)
         # A step of decode rows only runs its layers in one native call (`cpu_kernels.decode_layers`:
         # the same kernels and projections, bitwise the same result, no Python call per op); False
         # runs them op by op from Python (for comparison; hooks and prompt chunks always do).
@@ -423,12 +424,18 @@ class LlamaModel:
         cfg = self.cfg
         if not batch.prefill and batch.decode_rows.numel():  # all rows decode, in order: no row gather/scatter
             return self._decode_attention(layer, q, batch, kv)
-        out = torch.empty_like(q)
+        if self.paged_kernel:  # every prompt chunk in one call, K/V read in place (decode rows filled in after)
+            out = cpu_kernels.paged_prefill_attention(
+                q, kv.layer_kv(layer), batch.prefill_block_table, batch.prefill_query_start,
+                batch.prefill_query_len, batch.prefill_context_lens, self.scale,
+            )
+        else:
+            out = torch.empty_like(q)
         group = cfg.num_heads // cfg.num_kv_heads
         if batch.decode_rows.numel():
             qd = q.index_select(0, batch.decode_rows)
             out.index_copy_(0, batch.decode_rows, self._decode_attention(layer, qd, batch, kv))
-        for s in batch.prefill:
+        for s in [] if self.paged_kernel else batch.prefill:
             rows = slice(s.query_start, s.query_start + s.query_len)
             qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, ql, hd]
             if s.context_len == s.query_len:  # whole prompt in this chunk: attend to the fresh K/V
