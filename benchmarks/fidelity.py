@@ -3,9 +3,9 @@
 1. Calibrate: `kvflow profile` (the real single-process engine, one torch thread) on its own grid of
    shapes (`kvflow.perf.calibrate.GRID_*`: whole prompts in small batches, decode steps at a few
    contexts) — never the replay's requests or its mixed, chunked batches — plus the
-   per-stage overhead of worker processes (`calibrate.executor_overhead`: decode steps of 1 and 4
-   requests through a one-stage worker pipeline, the client's token gap minus the worker's own
-   compute time of the same steps) and the slowdown of a prefill and a decode step beside another busy engine process
+   overhead of worker processes (`calibrate.executor_overhead`: decode steps of 1, 2 and 4 requests
+   through one- and two-stage worker pipelines, the client's token gap minus the workers' own
+   compute time of the same steps: a pass's cost, its cost per sequence, and per further stage) and the slowdown of a prefill and a decode step beside another busy engine process
    (`calibrate.co_run_slowdown`).
 2. Replay one open-loop Poisson workload (prompt and output lengths from the Azure conversation
    trace in ../shared/traces, scaled to a 135M model on a shared 2-core CPU: prompts / 16 clipped
@@ -175,7 +175,8 @@ def main() -> None:
     perf_workers = ProfiledPerfModel(profile, executor=True)
     print(f"profile: prompt fit {perf.prompt_fit.coef} (max rel. error {perf.prompt_fit.max_rel_error:.0%}), "
           f"token fit {perf.token_fit.coef} (max rel. error {perf.token_fit.max_rel_error:.0%}), "
-          f"worker overhead per stage {profile.stage_overhead_s * 1e3:.1f} ms, engine host-side work per step "
+          f"worker overhead per pass {profile.pass_overhead_s * 1e3:.1f} ms + {profile.seq_overhead_s * 1e3:.2f} ms per "
+          f"sequence, per further stage {profile.hop_overhead_s * 1e3:.1f} ms, engine host-side work per step "
           f"{profile.engine_host_s * 1e3:.1f} ms (not paid by workers), beside a busy worker prefill "
           f"x{profile.co_run[0]:.2f} decode x{profile.co_run[1]:.2f}")
     w = workload(args.requests, args.rate, args.seed)

@@ -90,6 +90,7 @@ class Step:
     tier_ops: list[list[int]] = field(default_factory=list)  # kv.tiers.TierPlan.to_wire(): done before the forward
     tier_failed: list[int] = field(default_factory=list)  # host slots whose disk block a stage rejected (so far)
     swap_region: int = -1  # microbatch swapping: the device region the step computes in (-1: none)
+    busy_s: float = 0.0  # compute seconds of the stages before this one (a stage adds its own before forwarding)
 
 
 @dataclass
@@ -99,7 +100,7 @@ class StepResult:
     epoch: int
     batch: int
     rids: list[str]
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # compute seconds of the step in every stage of the pipeline, summed
     tier_failed: list[int] = field(default_factory=list)  # host slots whose disk block any stage rejected
 
 

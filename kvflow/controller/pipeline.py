@@ -52,7 +52,7 @@ class Pipeline:
     in_flight: dict[int, SchedulerOutput] = field(default_factory=dict)
     pending_free: list[str] = field(default_factory=list)  # forget these with the next step
     # The latest LOG_LEN batches, for tests and benchmarks: (scheduler batch id, [(request, new tokens)])
-    # and (tokens, last stage's busy seconds).
+    # and (tokens, the step's compute seconds summed over the stages).
     batch_log: deque[tuple[int, list[tuple[str, int]]]] = field(default_factory=lambda: deque(maxlen=LOG_LEN))
     step_log: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=LOG_LEN))
     # replication watermark: stage -> request -> tokens [0, n) of that stage's KV held by its replica

@@ -11,6 +11,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
 from kvflow.perf.model_shape import ModelShape
 from kvflow.perf.profiled import Profile, Sample
@@ -119,18 +120,34 @@ def profile_engine(model: str | None, batches: tuple[int, ...], prompt_lens: tup
     return Profile(shape_of(engine), "1xCPU", prompt, token, meta, engine_host_s=statistics.median(timer.host_s))
 
 
-def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 4), prompt_len: int = 16, steps: int = 8,
-                      threads: int = 1) -> float:
-    """Seconds a pipeline of worker processes adds per stage and pass to the step's compute time
-    (messages and their codec, the controller's round trip and sampling): through a one-stage
-    colocated `Controller`, decode steps of `batches` requests, the median gap between tokens at the
-    client minus the median compute time the worker itself reports for those steps (`busy_s` of each
-    step result); the median over batches.
+@dataclass(frozen=True)
+class ExecutorOverhead:
+    """What worker processes add to a pass's compute (`calibrate.executor_overhead`): per pass,
+    `pass_s + seq_s * sequences` (the controller's round trip: its codec, sampling and outputs, and
+    the first stage's messages), plus `hop_s` for each further stage."""
 
-    Both terms come from the same steps of the same run, so the step time's own run-to-run noise
-    (5-10% of a ~75 ms step here) cancels. (Subtracting the engine's steps timed just before, in
-    this process, gave 2.7 to 13.7 ms in four quiet calibrations: the difference of two medians of
-    noisy steps; subtracting a fit of them measured the fit's error as much.)"""
+    pass_s: float
+    seq_s: float
+    hop_s: float
+    measured: dict  # "depth,batch" -> seconds: client gap minus the workers' compute
+
+
+def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 2, 4), depths: tuple[int, ...] = (1, 2),
+                      prompt_len: int = 16, steps: int = 16, threads: int = 1) -> ExecutorOverhead:
+    """What a pipeline of worker processes adds per pass to the step's compute (messages and their
+    codec, the controller's round trip and sampling): through a colocated `Controller` of each depth
+    in `depths`, decode steps of each of `batches` requests: the median gap between tokens at the
+    client minus the median compute time the workers themselves report for those steps (`busy_s` of
+    each step result: every stage's compute, summed). A line in the batch size through the one-stage
+    measurements gives the pass's cost and its cost per sequence; the median extra of a two-stage
+    pass over a one-stage one at the same batch is the cost of one more stage.
+
+    Both terms of a measurement come from the same steps of the same run, so the step time's own
+    run-to-run noise (5-10% of a ~75 ms step here) cancels. Measured on a 2-core AMD EPYC (fp32,
+    one thread per process): 3.6-4.7 ms at batch 1, 5.2-5.4 at 2, 7.0 at 4, one stage. The earlier
+    single number (the median over batches 1 and 4, charged to every stage) priced a depth-2
+    pipeline's decode step ~6 ms too slow in the fidelity replay, where the median step decodes
+    one sequence and the second stage adds ~1 ms, not a whole round trip."""
     import asyncio
 
     import numpy as np
@@ -140,13 +157,15 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 4), prom
     from kvflow.sched.sampling import SamplingParams
     from kvflow.sched.scheduler import SchedulerConfig
 
+    if not batches or min(batches) < 1 or 1 not in depths or min(depths) < 1:
+        raise ValueError("batches >= 1, and depths must include 1")
     rng = np.random.default_rng(1)
     sched = SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
                             prefill_chunk_size=prompt_len)
-    cfg = ClusterConfig(engine=EngineConfig(model=model, num_kv_blocks=256, num_threads=threads, scheduler=sched),
-                        mode="colocated", depth=1, microbatch_size=max(batches), threads_per_worker=threads)
 
-    async def run() -> dict[int, float]:
+    async def run(depth: int) -> dict[int, float]:
+        cfg = ClusterConfig(engine=EngineConfig(model=model, num_kv_blocks=256, num_threads=threads, scheduler=sched),
+                            mode="colocated", depth=depth, microbatch_size=max(batches), threads_per_worker=threads)
         ctrl = Controller(cfg)
         await ctrl.start()
         over: dict[int, float] = {}
@@ -159,7 +178,7 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 4), prom
 
                 async def one(i: int) -> None:
                     prompt = [int(x) for x in rng.integers(10, ctrl.vocab_size - 10, prompt_len)]
-                    async for out in ctrl.generate(prompt, params, f"calib-{k}-{i}"):
+                    async for out in ctrl.generate(prompt, params, f"calib-{depth}-{k}-{i}"):
                         if i == 0:
                             stamps.extend([time.perf_counter()] * len(out.new_token_ids))
 
@@ -167,13 +186,21 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 4), prom
                 # the decode steps of this round (one new token per sequence), after the first one
                 busy = [s for n, s in list(log)[before:] if n == b][1:]
                 gap = float(np.median(np.diff(stamps)[1:]))
-                over[b] = gap - float(np.median(busy))
+                if k:
+                    over[b] = gap - float(np.median(busy))
         finally:
             await ctrl.shutdown()
         return over
 
-    over = asyncio.run(run())
-    return max(0.0, statistics.median(over.values()))
+    measured = {d: asyncio.run(run(d)) for d in depths}
+    one = measured[1]
+    deeper = [(measured[d][b] - one[b]) / (d - 1) for d in depths if d > 1 for b in batches]
+    hop = max(0.0, statistics.median(deeper)) if deeper else 0.0
+    xs = np.array(sorted(one), dtype=float)
+    ys = np.array([one[int(b)] for b in xs])
+    seq = max(0.0, float(np.polyfit(xs, ys, 1)[0])) if len(xs) > 1 else 0.0
+    base = max(0.0, float(np.median(ys - seq * xs)))
+    return ExecutorOverhead(base, seq, hop, {f"{d},{b}": v for d in depths for b, v in measured[d].items()})
 
 
 def co_runner(model: str | None, threads: int = 1) -> None:
@@ -242,17 +269,19 @@ GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS = (1, 2, 4), (8, 16, 24, 32, 48, 80, 1
 
 def calibrated_profile(path, model: str | None = None, reprofile: bool = False) -> Profile:
     """The profile saved at `path`; when missing (or `reprofile`), profile the engine on the grid
-    above (one torch thread), the per-stage overhead of worker processes and the slowdown beside a
-    busy neighbour (`co_run_slowdown`), and save it there."""
+    above (one torch thread), the overhead of worker pipelines (`executor_overhead`) and the
+    slowdown beside a busy neighbour (`co_run_slowdown`), and save it there."""
     from dataclasses import replace
     from pathlib import Path
 
     path = Path(path)
     if reprofile or not path.exists():
         t0 = time.perf_counter()
-        print(f"profiling the engine and a one-stage worker pipeline -> {path} ...", flush=True)
+        print(f"profiling the engine and worker pipelines of one and two stages -> {path} ...", flush=True)
         prof = profile_engine(model, GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS, repeats=3, threads=1)
-        prof = replace(prof, stage_overhead_s=executor_overhead(model), co_run=co_run_slowdown(model))
+        over = executor_overhead(model)
+        prof = replace(prof, pass_overhead_s=over.pass_s, seq_overhead_s=over.seq_s, hop_overhead_s=over.hop_s,
+                       co_run=co_run_slowdown(model))
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.save(path)
         print(f"profiled in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -9,11 +9,13 @@ proportion to its layers. The intercept scales too: on a CPU it is mostly the ti
 weights once per step (a decode step of one sequence is memory-bound) and the per-layer Python
 work, both split among the stages; charging every stage the whole intercept made a depth-2
 pipeline's steps about 1.5x too slow. What a stage pays whatever its share — messages, codec, the
-controller's share — is `stage_overhead_s` per stage and pass, measured by
-`calibrate.executor_overhead` through a one-stage worker pipeline; 0 for a profile without it.
+controller's share — is measured by `calibrate.executor_overhead` through worker pipelines of one
+and two stages: per pass `pass_overhead_s + seq_overhead_s * sequences` (the controller's round
+trip, charged to the last stage, whose result ends the pass) and `hop_overhead_s` for every further
+stage; 0 for a profile without them.
 The engine's fits include the engine's own host-side work per step (scheduling, sampling,
 outputs: `engine_host_s`, the median of step minus model forward over the decode samples); in a
-worker pipeline that work is the controller's and is inside `stage_overhead_s`, so a worker
+worker pipeline that work is the controller's and is inside the pass overhead, so a worker
 stage is priced without it (else it is counted twice; measured 0.7 ms per step on SmolLM2-135M).
 `co_run` is how much slower prefill and decode steps run while another worker process of the same
 host computes (`calibrate.co_run_slowdown`); the simulator applies it to stages that share a host.
@@ -93,14 +95,17 @@ class Profile:
     prompt: tuple[Sample, ...]
     token: tuple[Sample, ...]
     meta: dict
-    stage_overhead_s: float = 0.0
+    pass_overhead_s: float = 0.0  # worker pipelines: per pass (the controller's round trip), ...
     co_run: tuple[float, float] = (1.0, 1.0)  # (prefill, decode) slowdown beside a busy neighbour
     engine_host_s: float = 0.0  # of an engine step, what is not the model forward (a worker does not pay it)
+    seq_overhead_s: float = 0.0  # ... plus this per sequence of the batch, ...
+    hop_overhead_s: float = 0.0  # ... plus this per stage after the first
 
     def save(self, path: str | Path) -> None:
         doc = {"shape": asdict(self.shape), "machine": self.machine, "meta": self.meta,
-               "stage_overhead_s": self.stage_overhead_s, "co_run": list(self.co_run),
-               "engine_host_s": self.engine_host_s,
+               "pass_overhead_s": self.pass_overhead_s, "co_run": list(self.co_run),
+               "engine_host_s": self.engine_host_s, "seq_overhead_s": self.seq_overhead_s,
+               "hop_overhead_s": self.hop_overhead_s,
                "prompt": [asdict(s) for s in self.prompt], "token": [asdict(s) for s in self.token]}
         Path(path).write_text(json.dumps(doc, indent=1))
 
@@ -108,15 +113,17 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         doc = json.loads(Path(path).read_text())
         return cls(ModelShape(**doc["shape"]), doc["machine"], tuple(Sample(**s) for s in doc["prompt"]),
-                   tuple(Sample(**s) for s in doc["token"]), doc.get("meta", {}), doc.get("stage_overhead_s", 0.0),
-                   tuple(doc.get("co_run", (1.0, 1.0))), doc.get("engine_host_s", 0.0))
+                   tuple(Sample(**s) for s in doc["token"]), doc.get("meta", {}),
+                   doc.get("pass_overhead_s", doc.get("stage_overhead_s", 0.0)),
+                   tuple(doc.get("co_run", (1.0, 1.0))), doc.get("engine_host_s", 0.0), doc.get("seq_overhead_s", 0.0),
+                   doc.get("hop_overhead_s", 0.0))
 
 
 class ProfiledPerfModel(PerfModel):
     """PerfModel whose prompt and token times come from fits of a measured `Profile`."""
 
     def __init__(self, profile: Profile, machine_spec: MachineSpec | None = None, executor: bool = False) -> None:
-        """`executor`: the batches run in worker processes even at depth 1 (pay `stage_overhead_s`)."""
+        """`executor`: the batches run in worker processes even at depth 1 (pay the pass overhead)."""
         super().__init__(profile.shape, machine_spec or machine(profile.machine))
         self.profile = profile
         self.executor = executor
@@ -145,8 +152,16 @@ class ProfiledPerfModel(PerfModel):
         n, per_layer, head = sh.stage_layers(depth, stage), sh.params_per_layer, sh.vocab * sh.hidden
         return (n * per_layer + (head if stage == depth - 1 else 0)) / (sh.layers * per_layer + head), n / sh.layers
 
-    def _overhead(self, depth: int) -> float:
-        return self.profile.stage_overhead_s if depth > 1 or self.executor else 0.0
+    def _overhead(self, batch: BatchShape, depth: int, stage: int) -> float:
+        """What worker processes add to stage `stage`'s compute: each stage after the first its hop;
+        the last stage (its result ends the pass) the pass's round trip, which grows with the batch."""
+        if depth == 1 and not self.executor:
+            return 0.0
+        p = self.profile
+        hop = p.hop_overhead_s if stage > 0 else 0.0
+        if stage < depth - 1:
+            return hop
+        return hop + p.pass_overhead_s + p.seq_overhead_s * (batch.prefill_seqs + batch.decode_seqs)
 
     def prompt_stage_time(self, batch: int, prompt_len: int, depth: int) -> float:
         _check(batch, prompt_len)
@@ -168,9 +183,10 @@ class ProfiledPerfModel(PerfModel):
         """`step_time` with stage `stage`'s own shares of the weights and layers: with the LM head on
         the last stage, a depth-2 pipeline's stages differ by ~1.5x on a small model, and a request's
         token passes both (its TPOT is their sum, not twice the slower)."""
-        return self._priced(batch, depth, *self._stage_shares(depth, stage))
+        return self._priced(batch, depth, *self._stage_shares(depth, stage), stage=stage)
 
-    def _priced(self, batch: BatchShape, depth: int, w: float, a: float) -> float:
+    def _priced(self, batch: BatchShape, depth: int, w: float, a: float, stage: int | None = None) -> float:
+        """`stage` None: the most loaded stage (the last: it holds the LM head and ends the pass)."""
         if not batch.seqs:
             raise ValueError("an empty batch has no step time")
         p0, p1, p2 = self.prompt_fit.coef
@@ -180,7 +196,7 @@ class ProfiledPerfModel(PerfModel):
             c0 = max(0.0, c0 - self.profile.engine_host_s)
         weights = c0 + p1 * batch.prefill_tokens + q1 * batch.decode_seqs
         attention = p2 * batch.prefill_attention + q2 * batch.decode_context
-        return w * weights + a * attention + self._overhead(depth)
+        return w * weights + a * attention + self._overhead(batch, depth, depth - 1 if stage is None else stage)
 
     def co_run_factor(self, batch: BatchShape) -> float:
         """The profile's slowdown beside a busy neighbour on the same host, prefill and decode

@@ -366,10 +366,11 @@ class Worker:
         if self.model.is_last:
             logits = self.model.logits(hidden, batch).float() if batch is not None else torch.empty(0)
             dt = time.perf_counter() - t0
-            res = StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], dt, msg.tier_failed)
+            res = StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], msg.busy_s + dt, msg.tier_failed)
             self.out.send_multipart(encode(res, self.secret, logits))
         else:
             msg.token_ids = []
+            msg.busy_s += time.perf_counter() - t0  # the pipeline's compute so far, for the controller's step log
             self.out.send_multipart(encode(msg, self.secret, hidden if batch is not None else None))
 
     # ------------------------------------------------------------------ token role: KV arrivals

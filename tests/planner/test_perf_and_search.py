@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -75,7 +78,7 @@ def test_worker_stages_do_not_pay_the_engines_host_side_work():
     # processes that host-side work is the controller's, inside the per-stage overhead
     token = [Sample(b, c, 0.030 + 1e-3 * b + 1e-7 * b * c) for b in (1, 2, 4) for c in (32, 128, 512)]
     prompt = [Sample(b, s, 0.040 + 1e-5 * b * s + 2e-9 * b * s * s) for b in (1, 2, 4) for s in (16, 64, 256)]
-    prof = Profile(model_shape("smollm2-135m"), "1xCPU", tuple(prompt), tuple(token), {}, stage_overhead_s=0.005,
+    prof = Profile(model_shape("smollm2-135m"), "1xCPU", tuple(prompt), tuple(token), {}, pass_overhead_s=0.005,
                    engine_host_s=0.004)
     engine, workers = ProfiledPerfModel(prof), ProfiledPerfModel(prof, executor=True)
     assert engine.token_stage_time(2, 128, 1) == pytest.approx(0.030 + 2e-3 + 2 * 128e-7)
@@ -85,11 +88,37 @@ def test_worker_stages_do_not_pay_the_engines_host_side_work():
     assert engine.token_stage_time(2, 128, 2) == pytest.approx(w * (0.026 + 2e-3) + 0.5 * 2 * 128e-7 + 0.005)
 
 
+def test_worker_overhead_is_one_round_trip_per_pass_plus_a_hop_per_further_stage():
+    # the controller's round trip (growing with the batch) once per pass, on the last stage, whose
+    # result ends the pass; each stage after the first adds its hop
+    token = [Sample(b, c, 0.030 + 1e-3 * b + 1e-7 * b * c) for b in (1, 2, 4) for c in (32, 128, 512)]
+    prompt = [Sample(b, s, 0.040 + 1e-5 * b * s + 2e-9 * b * s * s) for b in (1, 2, 4) for s in (16, 64, 256)]
+    prof = Profile(model_shape("smollm2-135m"), "1xCPU", tuple(prompt), tuple(token), {}, pass_overhead_s=0.004,
+                   seq_overhead_s=0.001, hop_overhead_s=0.002)
+    engine, workers = ProfiledPerfModel(prof), ProfiledPerfModel(prof, executor=True)
+    bare = ProfiledPerfModel(replace(prof, pass_overhead_s=0.0, seq_overhead_s=0.0, hop_overhead_s=0.0), executor=True)
+    three = BatchShape(decode_seqs=3, decode_context=3 * 100)
+    assert engine.step_time(three, 1) == pytest.approx(bare.step_time(three, 1))  # the engine pays none of it
+    assert workers.step_time(three, 1) == pytest.approx(bare.step_time(three, 1) + 0.004 + 3 * 0.001)
+    first, last = (workers.stage_step_time(three, 2, k) for k in range(2))
+    assert first == pytest.approx(bare.stage_step_time(three, 2, 0))
+    assert last == pytest.approx(bare.stage_step_time(three, 2, 1) + 0.002 + 0.004 + 3 * 0.001)
+    assert workers.step_time(three, 2) == pytest.approx(last)  # the most loaded stage is the last
+    assert workers.stage_step_time(three, 3, 1) == pytest.approx(bare.stage_step_time(three, 3, 1) + 0.002)
+
+
 def test_profile_roundtrip(tmp_path):
     prof = Profile(model_shape("opt-13b"), "2xA100-80GB", (Sample(1, 2, 0.5),), (Sample(3, 4, 0.25),), {"k": 1},
-                   stage_overhead_s=0.004, co_run=(1.1, 1.2), engine_host_s=0.003)
+                   pass_overhead_s=0.004, co_run=(1.1, 1.2), engine_host_s=0.003, seq_overhead_s=0.001,
+                   hop_overhead_s=0.002)
     prof.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == prof
+    doc = json.loads((tmp_path / "p.json").read_text())  # a profile written before the split
+    doc["stage_overhead_s"] = doc.pop("pass_overhead_s")
+    for k in ("seq_overhead_s", "hop_overhead_s"):
+        doc.pop(k)
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    assert Profile.load(tmp_path / "old.json") == replace(prof, seq_overhead_s=0.0, hop_overhead_s=0.0)
 
 
 def test_recommend_prefers_disaggregation_for_long_prompts():
