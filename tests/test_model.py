@@ -267,6 +267,12 @@ def test_paged_prefill_kernel_rejects_bad_tables():
         run([0, 1], 2, 6, 6)
     with pytest.raises(RuntimeError, match="rows"):
         run([0, 1], 0, 6, 5)
+    g = cpu_kernels._op.prefill_max_group() + 1  # a query tile holds at least one token's heads
+    assert not cpu_kernels.paged_attention_supported(cfg.head_dim, g, 1)
+    assert cpu_kernels.paged_attention_supported(cfg.head_dim, g - 1, 1)
+    with pytest.raises(RuntimeError, match="query heads per KV head"):
+        cpu_kernels.paged_prefill_attention(torch.randn(6, g, cfg.head_dim), torch.zeros(2, 2, 4, 1, cfg.head_dim),
+                                            torch.tensor([[0, 1]]), one(0), one(6), one(6), 0.1)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])

@@ -377,6 +377,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w) {
 }
 
 int64_t vec_size() { return Vec::size(); }
+int64_t prefill_max_group();
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor table, torch::Tensor ctx, double scale) {
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "q [B, H, D], kv [2, blocks, block_size, kv_heads, D]");
@@ -607,6 +608,9 @@ static void prefill_kernel(const T* q, int64_t q_row_stride, const T* kv, int64_
   });
 }
 
+// A query tile holds at least one token's G heads: up to kRowVecs vectors of rows.
+int64_t prefill_max_group() { return kRowVecs * Vec::size(); }
+
 // q [T, H, D] (rows may be strided, e.g. a view of the qkv projection), kv [2, blocks, BS, KVH, D];
 // per sequence: q_start, q_len, ctx (int64 [S]) and its block table row -> out [T, H, D] (rows of
 // tokens outside the sequences are left unset).
@@ -621,6 +625,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv, torch::Tensor tab
               ctx.scalar_type() == at::kLong, "int64 tables");
   const int64_t S = q_start.size(0), H = q.size(1), D = q.size(2), KVH = kv.size(3), BS = kv.size(2);
   TORCH_CHECK(kv.size(4) == D && H % KVH == 0 && table.size(0) == S && q_len.size(0) == S && ctx.size(0) == S, "shape mismatch");
+  TORCH_CHECK(H / KVH <= prefill_max_group(), "paged_prefill: more than ", prefill_max_group(), " query heads per KV head");
   const int64_t* qs = q_start.data_ptr<int64_t>();
   const int64_t* ql = q_len.data_ptr<int64_t>();
   const int64_t* cl = ctx.data_ptr<int64_t>();
@@ -736,7 +741,7 @@ def _build():
         return load_inline(
             name=build_dir.name,
             cpp_sources=_SOURCE,
-            functions=["paged_decode", "paged_prefill", "vec_size", "rms_norm", "add_rms_norm", "silu_mul", "rope_write", "skinny_linear", "decode_layers"],
+            functions=["paged_decode", "paged_prefill", "prefill_max_group", "vec_size", "rms_norm", "add_rms_norm", "silu_mul", "rope_write", "skinny_linear", "decode_layers"],
             extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_defines()],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -790,12 +795,14 @@ def available(device: torch.device | str = "cpu") -> bool:
     return _op is not None
 
 
-def paged_attention_supported(head_dim: int) -> bool:
-    """Whether `paged_decode_attention` and `paged_prefill_attention` handle heads of `head_dim` (a multiple of the vector width,
-    1-16 vectors). Call `available()` first."""
+def paged_attention_supported(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether `paged_decode_attention` and `paged_prefill_attention` handle this attention: heads of
+    `head_dim` a multiple of the vector width (1-16 vectors), and (prefill) at most 32-64 query heads per
+    KV head (four vectors of rows, by the CPU's vector width). Call `available()` first."""
     assert _op is not None, "paged_attention_supported called before available()"
     chunks = head_dim // _op.vec_size()
-    return head_dim % _op.vec_size() == 0 and chunks in (1, 2, 4, 8, 16)
+    return (head_dim % _op.vec_size() == 0 and chunks in (1, 2, 4, 8, 16)
+            and num_heads // num_kv_heads <= _op.prefill_max_group())
 
 
 def paged_decode_attention(

@@ -206,7 +206,8 @@ class LlamaModel:
         # attention (decode rows and prompt chunks) reads K/V in place; otherwise the PyTorch path (see
         # `_decode_attention` and `_attention`).
         self.cpu_kernels = cpu_kernels.available(device)
-        self.paged_kernel = self.cpu_kernels and cpu_kernels.paged_attention_supported(cfg.head_dim)
+        self.paged_kernel = self.cpu_kernels and cpu_kernels.paged_attention_supported(
+            cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
         # A step of decode rows only runs its layers in one native call (`cpu_kernels.decode_layers`:
         # the same kernels and projections, bitwise the same result, no Python call per op); False
         # runs them op by op from Python (for comparison; hooks and prompt chunks always do).
@@ -421,21 +422,26 @@ class LlamaModel:
         return torch.matmul(probs, vals).reshape(bd, cfg.num_heads, cfg.head_dim)
 
     def _attention(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        cfg = self.cfg
         if not batch.prefill and batch.decode_rows.numel():  # all rows decode, in order: no row gather/scatter
             return self._decode_attention(layer, q, batch, kv)
-        if self.paged_kernel:  # every prompt chunk in one call, K/V read in place (decode rows filled in after)
+        if self.paged_kernel:  # every prompt chunk in one call, K/V read in place from the cache
             out = cpu_kernels.paged_prefill_attention(
                 q, kv.layer_kv(layer), batch.prefill_block_table, batch.prefill_query_start,
                 batch.prefill_query_len, batch.prefill_context_lens, self.scale,
             )
         else:
-            out = torch.empty_like(q)
-        group = cfg.num_heads // cfg.num_kv_heads
+            out = self._sdpa_prefill(layer, q, k, v, batch, kv)
         if batch.decode_rows.numel():
             qd = q.index_select(0, batch.decode_rows)
             out.index_copy_(0, batch.decode_rows, self._decode_attention(layer, qd, batch, kv))
-        for s in [] if self.paged_kernel else batch.prefill:
+        return out
+
+    def _sdpa_prefill(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """The fallback for prompt chunks: one `scaled_dot_product_attention` per sequence, a chunk after
+        cached context over its gathered K/V with a mask -> [T, H, hd] (decode rows left unset)."""
+        out = torch.empty_like(q)
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        for s in batch.prefill:
             rows = slice(s.query_start, s.query_start + s.query_len)
             qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, ql, hd]
             if s.context_len == s.query_len:  # whole prompt in this chunk: attend to the fresh K/V
