@@ -153,9 +153,10 @@ def test_bad_inputs_rejected(cfg):
         tiny_model(cfg, layer_range=(1, 5))
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 2)], ids=["gqa2", "mha", "gqa3"])
-def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads):
+def _paged_setup(heads: tuple[int, int], dtype: torch.dtype, blocks: int, seed: int):
+    """A tiny model with the paged attention kernels on, its cache of `blocks` 4-token blocks filled with
+    random K/V, and the block ids shuffled (non-contiguous tables) -> (cfg, model, kv, block ids, generator).
+    Skips where the kernels cannot be built."""
     from kvflow.model import cpu_kernels
 
     if not cpu_kernels.available("cpu"):
@@ -163,11 +164,17 @@ def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads):
     cfg = tiny_config(num_heads=heads[0], num_kv_heads=heads[1])
     model = tiny_model(cfg)
     assert model.paged_kernel
-    kv = KVCache(KVLayout.for_model(cfg, 64, 4, dtype=dtype))
+    kv = KVCache(KVLayout.for_model(cfg, blocks, 4, dtype=dtype))
     kv.data.normal_(generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(seed)
+    return cfg, model, kv, torch.randperm(blocks, generator=g).tolist(), g
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 2)], ids=["gqa2", "mha", "gqa3"])
+def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads):
+    cfg, model, kv, perm, g = _paged_setup(heads, dtype, 64, 4)
     lens = [1, 4, 5, 17, 30]  # ragged: a single token, exactly one block, block + 1, long
-    g = torch.Generator().manual_seed(4)
-    perm = torch.randperm(64, generator=g).tolist()  # non-contiguous, shuffled blocks
     tables, at = [], 0
     for n in lens:
         tables.append(tuple(perm[at : at + -(-n // 4)]))
@@ -199,17 +206,7 @@ def test_paged_prefill_kernel_equals_sdpa_path(dtype, tol, heads):
     # prompt chunks attended by the C++ kernel over the paged cache against the per-sequence SDPA path
     # and against the definition, in a step that also has decode rows: whole prompts, a chunk after
     # cached context, chunks longer than a query tile (the kernel's tile is 64 rows / G tokens)
-    from kvflow.model import cpu_kernels
-
-    if not cpu_kernels.available("cpu"):
-        pytest.skip("no C++ compiler for the CPU kernels on this machine")
-    cfg = tiny_config(num_heads=heads[0], num_kv_heads=heads[1])
-    model = tiny_model(cfg)
-    assert model.paged_kernel
-    kv = KVCache(KVLayout.for_model(cfg, 160, 4, dtype=dtype))
-    kv.data.normal_(generator=torch.Generator().manual_seed(3))
-    g = torch.Generator().manual_seed(5)
-    perm = torch.randperm(160, generator=g).tolist()  # non-contiguous, shuffled blocks
+    cfg, model, kv, perm, g = _paged_setup(heads, dtype, 160, 5)
     shapes = [(2, 2), (1, 9), (70, 70), (5, 33), (1, 4), (130, 200), (3, 3)]  # (query_len, context_len)
     seqs, start, at = [], 0, 0
     for ql, n in shapes:

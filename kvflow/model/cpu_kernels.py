@@ -268,6 +268,19 @@ template <typename F> static void by_dtype(at::ScalarType t, const char* name, F
   }
 }
 
+// Calls f(std::integral_constant<int, C>{}) for heads of D = C vectors (C in 1, 2, 4, 8, 16).
+template <typename F> static void by_head_vectors(int64_t D, const char* name, F f) {
+  TORCH_CHECK(D % Vec::size() == 0, name, ": head_dim must be a multiple of the vector width");
+  switch (D / Vec::size()) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    default: TORCH_CHECK(false, name, ": unsupported head_dim ", D);
+  }
+}
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1), "x [T, D], w [D]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w dtypes differ");
@@ -377,7 +390,6 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w) {
 }
 
 int64_t vec_size() { return Vec::size(); }
-int64_t prefill_max_group();
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor table, torch::Tensor ctx, double scale) {
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "q [B, H, D], kv [2, blocks, block_size, kv_heads, D]");
@@ -387,28 +399,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tabl
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = kv.size(3), BS = kv.size(2);
   TORCH_CHECK(kv.size(4) == D && H % KVH == 0 && table.size(0) == B && ctx.size(0) == B, "shape mismatch");
   auto out = torch::empty_like(q);
-  auto run = [&](auto tag, auto chunks) {
+  by_dtype(q.scalar_type(), "paged_decode", [&](auto tag) {
     using T = decltype(tag);
-    decode_kernel<T, decltype(chunks)::value>(q.data_ptr<T>(), kv.data_ptr<T>(), table.data_ptr<int64_t>(),
-        ctx.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, KVH, BS, table.size(1), kv.stride(0), static_cast<float>(scale));
-  };
-  auto by_dim = [&](auto tag) {
-    switch (D / Vec::size()) {
-      case 1: run(tag, std::integral_constant<int, 1>{}); break;
-      case 2: run(tag, std::integral_constant<int, 2>{}); break;
-      case 4: run(tag, std::integral_constant<int, 4>{}); break;
-      case 8: run(tag, std::integral_constant<int, 8>{}); break;
-      case 16: run(tag, std::integral_constant<int, 16>{}); break;
-      default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", D);
-    }
-  };
-  TORCH_CHECK(D % Vec::size() == 0, "head_dim must be a multiple of the vector width");
-  switch (q.scalar_type()) {
-    case at::kFloat: by_dim(float{}); break;
-    case at::kBFloat16: by_dim(at::BFloat16{}); break;
-    case at::kHalf: by_dim(at::Half{}); break;
-    default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
-  }
+    by_head_vectors(D, "paged_decode", [&](auto chunks) {
+      decode_kernel<T, decltype(chunks)::value>(q.data_ptr<T>(), kv.data_ptr<T>(), table.data_ptr<int64_t>(),
+          ctx.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, KVH, BS, table.size(1), kv.stride(0), static_cast<float>(scale));
+    });
+  });
   return out;
 }
 
@@ -638,24 +635,14 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv, torch::Tensor tab
       TORCH_CHECK(tb[s * table.size(1) + b] >= 0 && tb[s * table.size(1) + b] < kv.size(1), "paged_prefill: block id out of range");
   }
   auto out = torch::empty({q.size(0), H, D}, q.options());
-  auto run = [&](auto tag, auto chunks) {
+  by_dtype(q.scalar_type(), "paged_prefill", [&](auto tag) {
     using T = decltype(tag);
-    prefill_kernel<T, decltype(chunks)::value>(q.data_ptr<T>(), q.stride(0), kv.data_ptr<T>(), kv.stride(0),
-        table.data_ptr<int64_t>(), table.size(1), q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(),
-        ctx.data_ptr<int64_t>(), out.data_ptr<T>(), S, H, KVH, BS, static_cast<float>(scale));
-  };
-  auto by_dim = [&](auto tag) {
-    switch (D / Vec::size()) {
-      case 1: run(tag, std::integral_constant<int, 1>{}); break;
-      case 2: run(tag, std::integral_constant<int, 2>{}); break;
-      case 4: run(tag, std::integral_constant<int, 4>{}); break;
-      case 8: run(tag, std::integral_constant<int, 8>{}); break;
-      case 16: run(tag, std::integral_constant<int, 16>{}); break;
-      default: TORCH_CHECK(false, "paged_prefill: unsupported head_dim ", D);
-    }
-  };
-  TORCH_CHECK(D % Vec::size() == 0, "head_dim must be a multiple of the vector width");
-  by_dtype(q.scalar_type(), "paged_prefill", [&](auto tag) { by_dim(tag); });
+    by_head_vectors(D, "paged_prefill", [&](auto chunks) {
+      prefill_kernel<T, decltype(chunks)::value>(q.data_ptr<T>(), q.stride(0), kv.data_ptr<T>(), kv.stride(0),
+          table.data_ptr<int64_t>(), table.size(1), q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(),
+          ctx.data_ptr<int64_t>(), out.data_ptr<T>(), S, H, KVH, BS, static_cast<float>(scale));
+    });
+  });
   return out;
 }
 

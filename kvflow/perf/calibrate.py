@@ -280,6 +280,10 @@ def calibrated_profile(path, model: str | None = None, reprofile: bool = False) 
         print(f"profiling the engine and worker pipelines of one and two stages -> {path} ...", flush=True)
         prof = profile_engine(model, GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS, repeats=3, threads=1)
         over = executor_overhead(model)
+        print("worker pipelines, client gap minus the workers' compute (depth,batch: ms): "
+              + ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in over.measured.items())
+              + f" -> {over.pass_s * 1e3:.1f} ms a pass + {over.seq_s * 1e3:.2f} a sequence, {over.hop_s * 1e3:.1f} a further stage",
+              flush=True)
         prof = replace(prof, pass_overhead_s=over.pass_s, seq_overhead_s=over.seq_s, hop_overhead_s=over.hop_s,
                        co_run=co_run_slowdown(model))
         path.parent.mkdir(parents=True, exist_ok=True)
