@@ -176,7 +176,8 @@ def main() -> None:
     print(f"profile: prompt fit {perf.prompt_fit.coef} (max rel. error {perf.prompt_fit.max_rel_error:.0%}), "
           f"token fit {perf.token_fit.coef} (max rel. error {perf.token_fit.max_rel_error:.0%}), "
           f"worker overhead per pass {profile.pass_overhead_s * 1e3:.1f} ms + {profile.seq_overhead_s * 1e3:.2f} ms per "
-          f"sequence, per further stage {profile.hop_overhead_s * 1e3:.1f} ms, engine host-side work per step "
+          f"sequence, per further stage {profile.hop_overhead_s * 1e3:.1f} ms, per prompt pass "
+          f"{profile.prompt_overhead_s * 1e3:.1f} ms more, engine host-side work per step "
           f"{profile.engine_host_s * 1e3:.1f} ms (not paid by workers), beside a busy worker prefill "
           f"x{profile.co_run[0]:.2f} decode x{profile.co_run[1]:.2f}")
     w = workload(args.requests, args.rate, args.seed)

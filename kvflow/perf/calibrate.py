@@ -124,12 +124,14 @@ def profile_engine(model: str | None, batches: tuple[int, ...], prompt_lens: tup
 class ExecutorOverhead:
     """What worker processes add to a pass's compute (`calibrate.executor_overhead`): per pass,
     `pass_s + seq_s * sequences` (the controller's round trip: its codec, sampling and outputs, and
-    the first stage's messages), plus `hop_s` for each further stage."""
+    the first stage's messages), plus `hop_s` for each further stage, plus `prompt_s` for a pass
+    that prefills."""
 
     pass_s: float
     seq_s: float
     hop_s: float
     measured: dict  # "depth,batch" -> seconds: client gap minus the workers' compute
+    prompt_s: float = 0.0  # what a prompt pass adds to that (one stage): time to first token minus its compute
 
 
 def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 2, 4), depths: tuple[int, ...] = (1, 2),
@@ -140,7 +142,12 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 2, 4), d
     client minus the median compute time the workers themselves report for those steps (`busy_s` of
     each step result: every stage's compute, summed). A line in the batch size through the one-stage
     measurements gives the pass's cost and its cost per sequence; the median extra of a two-stage
-    pass over a one-stage one at the same batch is the cost of one more stage.
+    pass over a one-stage one at the same batch is the cost of one more stage. A prompt pass costs
+    more than a decode pass of as many sequences (measured: one stage, 16-128-token prompts, time
+    to first token minus the prompt pass's compute 5-11 ms, where decode passes gave 3-5): its
+    extra, the first request's time to first token minus the compute of the round's first step
+    (its prefill) minus the decode line's price for that step's sequences, median over the
+    one-stage rounds, is `prompt_s`.
 
     Both terms of a measurement come from the same steps of the same run, so the step time's own
     run-to-run noise (5-10% of a ~75 ms step here) cancels. Measured on a 2-core AMD EPYC (fp32,
@@ -163,18 +170,20 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 2, 4), d
     sched = SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
                             prefill_chunk_size=prompt_len)
 
-    async def run(depth: int) -> dict[int, float]:
+    async def run(depth: int) -> tuple[dict[int, float], list[tuple[int, float]]]:
         cfg = ClusterConfig(engine=EngineConfig(model=model, num_kv_blocks=256, num_threads=threads, scheduler=sched),
                             mode="colocated", depth=depth, microbatch_size=max(batches), threads_per_worker=threads)
         ctrl = Controller(cfg)
         await ctrl.start()
         over: dict[int, float] = {}
+        first: list[tuple[int, float]] = []  # (sequences of the round's prefill step, TTFT minus its compute)
         try:
             log = ctrl.pipelines[0].step_log
             for k, b in enumerate((batches[0],) + tuple(batches)):  # the first round warms up
                 stamps: list[float] = []
                 params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
                 before = len(log)
+                submitted = time.perf_counter()
 
                 async def one(i: int) -> None:
                     prompt = [int(x) for x in rng.integers(10, ctrl.vocab_size - 10, prompt_len)]
@@ -188,11 +197,14 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 2, 4), d
                 gap = float(np.median(np.diff(stamps)[1:]))
                 if k:
                     over[b] = gap - float(np.median(busy))
+                    n, prefill_busy = list(log)[before]  # the round's first step: request 0's prefill
+                    first.append((max(1, n // prompt_len), stamps[0] - submitted - prefill_busy))
         finally:
             await ctrl.shutdown()
-        return over
+        return over, first
 
-    measured = {d: asyncio.run(run(d)) for d in depths}
+    runs = {d: asyncio.run(run(d)) for d in depths}
+    measured = {d: r[0] for d, r in runs.items()}
     one = measured[1]
     deeper = [(measured[d][b] - one[b]) / (d - 1) for d in depths if d > 1 for b in batches]
     hop = max(0.0, statistics.median(deeper)) if deeper else 0.0
@@ -200,7 +212,8 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 2, 4), d
     ys = np.array([one[int(b)] for b in xs])
     seq = max(0.0, float(np.polyfit(xs, ys, 1)[0])) if len(xs) > 1 else 0.0
     base = max(0.0, float(np.median(ys - seq * xs)))
-    return ExecutorOverhead(base, seq, hop, {f"{d},{b}": v for d in depths for b, v in measured[d].items()})
+    prompt = max(0.0, float(np.median([gap - base - seq * n for n, gap in runs[1][1]])))
+    return ExecutorOverhead(base, seq, hop, {f"{d},{b}": v for d in depths for b, v in measured[d].items()}, prompt)
 
 
 def co_runner(model: str | None, threads: int = 1) -> None:
@@ -282,10 +295,10 @@ def calibrated_profile(path, model: str | None = None, reprofile: bool = False) 
         over = executor_overhead(model)
         print("worker pipelines, client gap minus the workers' compute (depth,batch: ms): "
               + ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in over.measured.items())
-              + f" -> {over.pass_s * 1e3:.1f} ms a pass + {over.seq_s * 1e3:.2f} a sequence, {over.hop_s * 1e3:.1f} a further stage",
-              flush=True)
+              + f" -> {over.pass_s * 1e3:.1f} ms a pass + {over.seq_s * 1e3:.2f} a sequence, {over.hop_s * 1e3:.1f} a further stage,"
+              f" {over.prompt_s * 1e3:.1f} more for a prompt pass", flush=True)
         prof = replace(prof, pass_overhead_s=over.pass_s, seq_overhead_s=over.seq_s, hop_overhead_s=over.hop_s,
-                       co_run=co_run_slowdown(model))
+                       prompt_overhead_s=over.prompt_s, co_run=co_run_slowdown(model))
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.save(path)
         print(f"profiled in {time.perf_counter() - t0:.0f} s", flush=True)

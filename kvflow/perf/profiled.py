@@ -11,8 +11,9 @@ work, both split among the stages; charging every stage the whole intercept made
 pipeline's steps about 1.5x too slow. What a stage pays whatever its share — messages, codec, the
 controller's share — is measured by `calibrate.executor_overhead` through worker pipelines of one
 and two stages: per pass `pass_overhead_s + seq_overhead_s * sequences` (the controller's round
-trip, charged to the last stage, whose result ends the pass) and `hop_overhead_s` for every further
-stage; 0 for a profile without them.
+trip, charged to the last stage, whose result ends the pass), `prompt_overhead_s` more when the pass
+prefills (measured as the time to first token minus the prompt pass's compute), and
+`hop_overhead_s` for every further stage; 0 for a profile without them.
 The engine's fits include the engine's own host-side work per step (scheduling, sampling,
 outputs: `engine_host_s`, the median of step minus model forward over the decode samples); in a
 worker pipeline that work is the controller's and is inside the pass overhead, so a worker
@@ -100,12 +101,13 @@ class Profile:
     engine_host_s: float = 0.0  # of an engine step, what is not the model forward (a worker does not pay it)
     seq_overhead_s: float = 0.0  # ... plus this per sequence of the batch, ...
     hop_overhead_s: float = 0.0  # ... plus this per stage after the first
+    prompt_overhead_s: float = 0.0  # ... plus this for a pass that prefills
 
     def save(self, path: str | Path) -> None:
         doc = {"shape": asdict(self.shape), "machine": self.machine, "meta": self.meta,
                "pass_overhead_s": self.pass_overhead_s, "co_run": list(self.co_run),
                "engine_host_s": self.engine_host_s, "seq_overhead_s": self.seq_overhead_s,
-               "hop_overhead_s": self.hop_overhead_s,
+               "hop_overhead_s": self.hop_overhead_s, "prompt_overhead_s": self.prompt_overhead_s,
                "prompt": [asdict(s) for s in self.prompt], "token": [asdict(s) for s in self.token]}
         Path(path).write_text(json.dumps(doc, indent=1))
 
@@ -116,7 +118,7 @@ class Profile:
                    tuple(Sample(**s) for s in doc["token"]), doc.get("meta", {}),
                    doc.get("pass_overhead_s", doc.get("stage_overhead_s", 0.0)),
                    tuple(doc.get("co_run", (1.0, 1.0))), doc.get("engine_host_s", 0.0), doc.get("seq_overhead_s", 0.0),
-                   doc.get("hop_overhead_s", 0.0))
+                   doc.get("hop_overhead_s", 0.0), doc.get("prompt_overhead_s", 0.0))
 
 
 class ProfiledPerfModel(PerfModel):
@@ -154,14 +156,16 @@ class ProfiledPerfModel(PerfModel):
 
     def _overhead(self, batch: BatchShape, depth: int, stage: int) -> float:
         """What worker processes add to stage `stage`'s compute: each stage after the first its hop;
-        the last stage (its result ends the pass) the pass's round trip, which grows with the batch."""
+        the last stage (its result ends the pass) the pass's round trip, which grows with the batch,
+        and more when the pass prefills."""
         if depth == 1 and not self.executor:
             return 0.0
         p = self.profile
         hop = p.hop_overhead_s if stage > 0 else 0.0
         if stage < depth - 1:
             return hop
-        return hop + p.pass_overhead_s + p.seq_overhead_s * (batch.prefill_seqs + batch.decode_seqs)
+        prompt = p.prompt_overhead_s if batch.prefill_seqs else 0.0
+        return hop + p.pass_overhead_s + p.seq_overhead_s * (batch.prefill_seqs + batch.decode_seqs) + prompt
 
     def prompt_stage_time(self, batch: int, prompt_len: int, depth: int) -> float:
         _check(batch, prompt_len)

@@ -105,20 +105,29 @@ def test_worker_overhead_is_one_round_trip_per_pass_plus_a_hop_per_further_stage
     assert last == pytest.approx(bare.stage_step_time(three, 2, 1) + 0.002 + 0.004 + 3 * 0.001)
     assert workers.step_time(three, 2) == pytest.approx(last)  # the most loaded stage is the last
     assert workers.stage_step_time(three, 3, 1) == pytest.approx(bare.stage_step_time(three, 3, 1) + 0.002)
+    # a pass that prefills pays the prompt pass's extra on top, on the last stage only
+    prof = replace(prof, prompt_overhead_s=0.003)
+    workers, engine = ProfiledPerfModel(prof, executor=True), ProfiledPerfModel(prof)
+    mixed = BatchShape.of([(16, 16), (1, 40)])
+    assert workers.step_time(mixed, 1) == pytest.approx(bare.step_time(mixed, 1) + 0.004 + 2 * 0.001 + 0.003)
+    assert workers.step_time(three, 1) == pytest.approx(bare.step_time(three, 1) + 0.004 + 3 * 0.001)  # decode only: none
+    assert workers.stage_step_time(mixed, 2, 0) == pytest.approx(bare.stage_step_time(mixed, 2, 0))
+    assert workers.stage_step_time(mixed, 2, 1) == pytest.approx(bare.stage_step_time(mixed, 2, 1) + 0.002 + 0.004 + 2 * 0.001 + 0.003)
+    assert engine.step_time(mixed, 1) == pytest.approx(bare.step_time(mixed, 1))
 
 
 def test_profile_roundtrip(tmp_path):
     prof = Profile(model_shape("opt-13b"), "2xA100-80GB", (Sample(1, 2, 0.5),), (Sample(3, 4, 0.25),), {"k": 1},
                    pass_overhead_s=0.004, co_run=(1.1, 1.2), engine_host_s=0.003, seq_overhead_s=0.001,
-                   hop_overhead_s=0.002)
+                   hop_overhead_s=0.002, prompt_overhead_s=0.005)
     prof.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == prof
     doc = json.loads((tmp_path / "p.json").read_text())  # a profile written before the split
     doc["stage_overhead_s"] = doc.pop("pass_overhead_s")
-    for k in ("seq_overhead_s", "hop_overhead_s"):
+    for k in ("seq_overhead_s", "hop_overhead_s", "prompt_overhead_s"):
         doc.pop(k)
     (tmp_path / "old.json").write_text(json.dumps(doc))
-    assert Profile.load(tmp_path / "old.json") == replace(prof, seq_overhead_s=0.0, hop_overhead_s=0.0)
+    assert Profile.load(tmp_path / "old.json") == replace(prof, seq_overhead_s=0.0, hop_overhead_s=0.0, prompt_overhead_s=0.0)
 
 
 def test_recommend_prefers_disaggregation_for_long_prompts():
