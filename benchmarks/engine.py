@@ -51,13 +51,13 @@ def matmul_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.fl
     """The faster of a plain `a @ b` and oneDNN's prepacked linear (the model's prefill path) at n x n x n:
     in bf16 on an AVX512-BF16 CPU the plain matmul reached ~205 GFLOP/s where the prepacked one,
     and the model's prefill, reach ~380, so the plain one alone is no ceiling."""
-    from kvflow.model.llama import _prepack_ok
+    from kvflow.model.llama import Linear
 
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     best = timed(lambda: a @ b, repeats)
-    if _prepack_ok(dtype):
-        packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
-        best = min(best, timed(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), repeats))
+    lin = Linear(b)  # a @ b.T through the model's own prepacked path: the same FLOPs
+    if lin.packed is not None:
+        best = min(best, timed(lambda: lin.prepacked(a), repeats))
     return 2 * n**3 / best / 1e9
 
 

@@ -660,13 +660,12 @@ static void prefill_kernel(const T* q, int64_t q_row_stride, const T* kv, int64_
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t, int64_t) {
     // qt: queries [D][LD] floats, or for DP [D / 2][LD] pairs; sc: scores [kKT][LD]; pp (DP): P's key pairs
     std::vector<float> qt(D * LD), sc(kKT * LD), o(LD * D), m(LD), l(LD), lim(LD), pp(DP ? kKT / 2 * LD : 0);
-    std::vector<const float*> kp(kKT), vp(kKT);
-    std::vector<const T*> kr(kKT);
+    std::vector<const float*> kp(DP ? 0 : kKT), vp(DP ? 0 : kKT);  // K/V rows of a key tile: float32 copies,
+    std::vector<const T*> kr(DP ? kKT : 0);                         // or (DP) K rows in the cache
     for (int64_t w = next++; w < n_items; w = next++) {
       const Item it = items[w];
       const int64_t nq = std::min(QT, q_len[it.s] - it.i0), R = nq * G, NRV = (R + V - 1) / V, past = ctx[it.s] - q_len[it.s];
-      const float* kf = kvf.get() + base[it.s * KVH + it.h];
-      const float* vf = kf + ctx[it.s] * D;
+      const float* kf = kvf.get() + base[it.s * KVH + it.h];  // the first pass's words (DP: V's key pairs)
       // queries transposed: qt[d][r], r = i * G + g (query token it.i0 + i, head it.h * G + g),
       // pre-scaled floats; for DP unscaled bf16 pairs qt[d / 2][r] (the scale multiplies the scores)
       if (R % V)  // rows padding the last vector: zero queries (their outputs are not stored)
@@ -700,6 +699,7 @@ static void prefill_kernel(const T* q, int64_t q_row_stride, const T* kv, int64_
           }
 #endif
         } else {
+          const float* vf = kf + ctx[it.s] * D;
           for (int64_t j = 0; j < nk; ++j) { kp[j] = kf + (j0 + j) * D; vp[j] = vf + (j0 + j) * D; }
           switch (NRV) {
             case 1: score_tiles<1>(qt.data(), LD, kp.data(), nk, D, sc.data()); break;
