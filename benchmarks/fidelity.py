@@ -21,6 +21,13 @@
    replayed N times (rounds interleaved), the error is against the median of the real runs, and
    how far the runs lie from their median is printed: the noise floor of the comparison.
 
+Calibration and replays are interleaved: each round calibrates (step 1), then replays every layout
+once, and the simulator uses all rounds' calibrations merged (`calibrate.merge_profiles`: every
+sample, the median of each overhead term). This machine's speed drifts by 10-15% over minutes, and a
+profile taken before the replays prices them off by as much as the target; interleaved, the
+calibration spans the same minutes as the replays (it still never sees their shapes). The error
+with the first calibration alone, taken before any replay, is printed beside it.
+
     python benchmarks/fidelity.py [--profile results/profile.json] [--no-reprofile] [--requests 48] [--rate 0.8] [--repeats 1]
 
 Prints a table; writes results/fidelity.json and results/fidelity.png.
@@ -39,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from kvflow.perf import ProfiledPerfModel
-from kvflow.perf.calibrate import GRID_BATCHES, GRID_CONTEXTS, GRID_PROMPTS, calibrated_profile
+from kvflow.perf.calibrate import GRID_BATCHES, GRID_CONTEXTS, GRID_PROMPTS, calibrate, calibrated_profile, merge_profiles
 from kvflow.simulator import Layout, PipelineSpec, SimConfig, Workload, simulate
 from kvflow.simulator.workload import azure_trace, poisson_arrivals
 
@@ -156,9 +163,9 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=ROOT / "results" / "profile.json",
                     help="profile to use; written by `kvflow profile` on the calibration grid if missing")
     ap.add_argument("--reprofile", action=argparse.BooleanOptionalAction, default=True,
-                    help="calibrate afresh (default): the machine's speed drifts by 10-15%% over minutes here, so "
-                         "a profile from an earlier run prices every step off by that much; --no-reprofile reuses "
-                         "the file when it exists")
+                    help="calibrate afresh, once per round of replays (default): the machine's speed drifts by "
+                         "10-15%% over minutes here, so a profile from an earlier run prices every step off by that "
+                         "much; --no-reprofile reuses the file when it exists")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=0.8, help="Poisson requests/s")
     ap.add_argument("--seed", type=int, default=0)
@@ -170,24 +177,19 @@ def main() -> None:
 
     torch.set_num_threads(1)
     t_start = time.perf_counter()
-    profile = calibrated_profile(args.profile, reprofile=args.reprofile)
-    perf = ProfiledPerfModel(profile)
-    perf_workers = ProfiledPerfModel(profile, executor=True)
-    print(f"profile: prompt fit {perf.prompt_fit.coef} (max rel. error {perf.prompt_fit.max_rel_error:.0%}), "
-          f"token fit {perf.token_fit.coef} (max rel. error {perf.token_fit.max_rel_error:.0%}), "
-          f"worker overhead per pass {profile.pass_overhead_s * 1e3:.1f} ms + {profile.seq_overhead_s * 1e3:.2f} ms per "
-          f"sequence, per further stage {profile.hop_overhead_s * 1e3:.1f} ms, per prompt pass "
-          f"{profile.prompt_overhead_s * 1e3:.1f} ms more, engine host-side work per step "
-          f"{profile.engine_host_s * 1e3:.1f} ms (not paid by workers), beside a busy worker prefill "
-          f"x{profile.co_run[0]:.2f} decode x{profile.co_run[1]:.2f}")
     w = workload(args.requests, args.rate, args.seed)
     print(f"workload: {w.n} requests, Poisson {args.rate}/s, prompts {int(w.prompt_len.min())}-{int(w.prompt_len.max())} "
           f"(median {int(np.median(w.prompt_len))}), outputs {int(w.output_len.min())}-{int(w.output_len.max())} "
           f"(median {int(np.median(w.output_len))})")
-    rows = {}
     layouts = args.layouts.split(",")
     runs: dict[str, list] = {layout: [] for layout in layouts}
-    for r in range(args.repeats):  # interleaved: every layout once per round
+    calibrations = []
+    if not args.reprofile:
+        calibrations.append(calibrated_profile(args.profile))
+    for r in range(args.repeats):  # interleaved: a calibration (when calibrating afresh), then every layout once
+        if args.reprofile:
+            print(f"calibration {r + 1}/{args.repeats} (the grid's own shapes) ...", flush=True)
+            calibrations.append(calibrate())
         for layout in layouts:
             t0 = time.perf_counter()
             measured, cluster, backend = run_real(layout, w, args.seed)
@@ -196,6 +198,24 @@ def main() -> None:
             runs[layout].append((real, measured, cluster, backend, wall))
             print(f"  {layout:<18} replay {r + 1}/{args.repeats} in {wall:5.0f} s: real {real['throughput_tok_s']:.2f} tok/s, "
                   f"ttft {real['ttft_p50_s']:.2f} s, tpot {real['tpot_p50_s'] * 1e3:.0f} ms", flush=True)
+    # One calibration per round, taken between the rounds of replays: the machine's speed drifts by
+    # 10-15% over minutes here, and a profile from one window prices another window's steps off by
+    # that much; the merged profile spans the same minutes as the replays (never their shapes).
+    profile = merge_profiles(calibrations)
+    if args.reprofile:
+        profile.save(args.profile)
+    perf = ProfiledPerfModel(profile)
+    perf_workers = ProfiledPerfModel(profile, executor=True)
+    print(f"profile ({len(calibrations)} calibration(s)): prompt fit {perf.prompt_fit.coef} (max rel. error "
+          f"{perf.prompt_fit.max_rel_error:.0%}), token fit {perf.token_fit.coef} (max rel. error "
+          f"{perf.token_fit.max_rel_error:.0%}), worker overhead per pass {profile.pass_overhead_s * 1e3:.1f} ms + "
+          f"{profile.seq_overhead_s * 1e3:.2f} ms per sequence, per further stage {profile.hop_overhead_s * 1e3:.1f} ms, "
+          f"per prompt pass {profile.prompt_overhead_s * 1e3:.1f} ms more, engine host-side work per step "
+          f"{profile.engine_host_s * 1e3:.1f} ms (not paid by workers), beside a busy worker prefill "
+          f"x{profile.co_run[0]:.2f} decode x{profile.co_run[1]:.2f}")
+    first_only = (ProfiledPerfModel(calibrations[0]), ProfiledPerfModel(calibrations[0], executor=True)) \
+        if len(calibrations) > 1 else None
+    rows = {}
     keys = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s")
     for layout in layouts:
         reals = [x[0] for x in runs[layout]]
@@ -213,6 +233,10 @@ def main() -> None:
             alone = simulate(dataclasses.replace(cfg, shared_host=False), perf_workers, w)
             a = metrics(alone.arrival, alone.first_token, alone.finish, alone.output_len)
             rows[layout]["error_machine_per_worker"] = {k: a[k] / real[k] - 1 for k in err}
+        if first_only is not None:  # the first calibration alone, taken before any replay, for comparison
+            one = simulate(cfg, first_only[0] if layout == "engine" else first_only[1], w)
+            o = metrics(one.arrival, one.first_token, one.finish, one.output_len)
+            rows[layout]["error_first_calibration"] = {k: o[k] / real[k] - 1 for k in err}
     print(f"\n{'layout':<18} | {'throughput tok/s':^24} | {'median TTFT s':^24} | {'median TPOT ms':^24}")
     print(f"{'':<18} | {'real':>6} {'sim':>6} {'err':>8} | {'real':>6} {'sim':>6} {'err':>8} | {'real':>6} {'sim':>6} {'err':>8}")
     for layout, r in rows.items():
@@ -225,6 +249,11 @@ def main() -> None:
             e = r["error_machine_per_worker"]
             print(f"{layout:<18}   without the shared-host model: throughput {e['throughput_tok_s']:+.1%}, "
                   f"TTFT {e['ttft_p50_s']:+.1%}, TPOT {e['tpot_p50_s']:+.1%}")
+    for layout, r in rows.items():
+        if "error_first_calibration" in r:
+            e = r["error_first_calibration"]
+            print(f"{layout:<18}   with the first calibration alone: throughput {e['throughput_tok_s']:+.1%}, "
+                  f"TTFT {e['ttft_p50_s']:+.1%}, TPOT {e['tpot_p50_s']:+.1%}")
     if args.repeats > 1:
         for layout, r in rows.items():
             sp = r["real_spread"]
@@ -234,7 +263,7 @@ def main() -> None:
     print(f"worst |error| {worst:.1%} (target < 10%); total {time.perf_counter() - t_start:.0f} s")
     out = ROOT / "results"
     out.mkdir(exist_ok=True)
-    doc = {"profile": str(args.profile), "profile_grid": {"batches": GRID_BATCHES, "prompts": GRID_PROMPTS,
+    doc = {"profile": str(args.profile), "calibrations": len(calibrations), "profile_grid": {"batches": GRID_BATCHES, "prompts": GRID_PROMPTS,
                                                           "contexts": GRID_CONTEXTS},
            "workload": {"requests": w.n, "rate": args.rate, "seed": args.seed, "trace": TRACE.name, "repeats": args.repeats,
                         "scaling": "prompt // 16 clipped [8, 160]; output // 8 clipped [4, 40]"},

@@ -280,26 +280,52 @@ def co_run_slowdown(model: str | None, threads: int = 1, rounds: int = 6) -> tup
 GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS = (1, 2, 4), (8, 16, 24, 32, 48, 80, 112), (24, 96, 224)
 
 
-def calibrated_profile(path, model: str | None = None, reprofile: bool = False) -> Profile:
-    """The profile saved at `path`; when missing (or `reprofile`), profile the engine on the grid
-    above (one torch thread), the overhead of worker pipelines (`executor_overhead`) and the
-    slowdown beside a busy neighbour (`co_run_slowdown`), and save it there."""
+def calibrate(model: str | None = None) -> Profile:
+    """One calibration on this machine: the engine on the grid above (one torch thread), the
+    overhead of worker pipelines (`executor_overhead`) and the slowdown beside a busy neighbour
+    (`co_run_slowdown`); about 100 s for SmolLM2 on 2 cores."""
     from dataclasses import replace
+
+    t0 = time.perf_counter()
+    prof = profile_engine(model, GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS, repeats=3, threads=1)
+    over = executor_overhead(model)
+    print("worker pipelines, client gap minus the workers' compute (depth,batch: ms): "
+          + ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in over.measured.items())
+          + f" -> {over.pass_s * 1e3:.1f} ms a pass + {over.seq_s * 1e3:.2f} a sequence, {over.hop_s * 1e3:.1f} a further stage,"
+          f" {over.prompt_s * 1e3:.1f} more for a prompt pass", flush=True)
+    prof = replace(prof, pass_overhead_s=over.pass_s, seq_overhead_s=over.seq_s, hop_overhead_s=over.hop_s,
+                   prompt_overhead_s=over.prompt_s, co_run=co_run_slowdown(model))
+    print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
+    return prof
+
+
+def merge_profiles(profiles: list[Profile]) -> Profile:
+    """Calibrations of one model on one machine taken at different times, as one profile: the
+    samples of all of them (the fits are drawn through every one), and the median of each measured
+    overhead and slowdown term."""
+    from dataclasses import replace
+
+    if not profiles:
+        raise ValueError("no profiles to merge")
+    first = profiles[0]
+    if any(p.shape != first.shape or p.machine != first.machine for p in profiles):
+        raise ValueError("profiles of different models or machines")
+    med = lambda f: statistics.median(f(p) for p in profiles)  # noqa: E731
+    return replace(first, prompt=tuple(s for p in profiles for s in p.prompt),
+                   token=tuple(s for p in profiles for s in p.token), meta={**first.meta, "calibrations": len(profiles)},
+                   pass_overhead_s=med(lambda p: p.pass_overhead_s), seq_overhead_s=med(lambda p: p.seq_overhead_s),
+                   hop_overhead_s=med(lambda p: p.hop_overhead_s), prompt_overhead_s=med(lambda p: p.prompt_overhead_s),
+                   engine_host_s=med(lambda p: p.engine_host_s),
+                   co_run=(med(lambda p: p.co_run[0]), med(lambda p: p.co_run[1])))
+
+
+def calibrated_profile(path, model: str | None = None, reprofile: bool = False) -> Profile:
+    """The profile saved at `path`; when missing (or `reprofile`), `calibrate` afresh and save it there."""
     from pathlib import Path
 
     path = Path(path)
     if reprofile or not path.exists():
-        t0 = time.perf_counter()
         print(f"profiling the engine and worker pipelines of one and two stages -> {path} ...", flush=True)
-        prof = profile_engine(model, GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS, repeats=3, threads=1)
-        over = executor_overhead(model)
-        print("worker pipelines, client gap minus the workers' compute (depth,batch: ms): "
-              + ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in over.measured.items())
-              + f" -> {over.pass_s * 1e3:.1f} ms a pass + {over.seq_s * 1e3:.2f} a sequence, {over.hop_s * 1e3:.1f} a further stage,"
-              f" {over.prompt_s * 1e3:.1f} more for a prompt pass", flush=True)
-        prof = replace(prof, pass_overhead_s=over.pass_s, seq_overhead_s=over.seq_s, hop_overhead_s=over.hop_s,
-                       prompt_overhead_s=over.prompt_s, co_run=co_run_slowdown(model))
         path.parent.mkdir(parents=True, exist_ok=True)
-        prof.save(path)
-        print(f"profiled in {time.perf_counter() - t0:.0f} s", flush=True)
+        calibrate(model).save(path)
     return Profile.load(path)

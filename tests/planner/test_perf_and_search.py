@@ -130,6 +130,27 @@ def test_profile_roundtrip(tmp_path):
     assert Profile.load(tmp_path / "old.json") == replace(prof, seq_overhead_s=0.0, hop_overhead_s=0.0, prompt_overhead_s=0.0)
 
 
+def test_merge_profiles_keeps_every_sample_and_the_median_terms():
+    from kvflow.perf.calibrate import merge_profiles
+
+    shape = model_shape("smollm2-135m")
+    runs = [Profile(shape, "1xCPU", (Sample(1, 8, 0.1 * k),), (Sample(1, 24, 0.03 * k), Sample(2, 24, 0.04 * k)), {"r": k},
+                    pass_overhead_s=0.002 * k, co_run=(1.0 + 0.1 * k, 1.0 + 0.2 * k), engine_host_s=0.001 * k,
+                    seq_overhead_s=0.0005 * k, hop_overhead_s=0.001 * k, prompt_overhead_s=0.004 * k) for k in (1, 3, 2)]
+    m = merge_profiles(runs)
+    assert [(s.batch, s.length) for s in m.prompt] == [(1, 8)] * 3
+    assert [s.seconds for s in m.prompt] == pytest.approx([0.1, 0.3, 0.2])
+    assert [s.seconds for s in m.token] == pytest.approx([0.03, 0.04, 0.09, 0.12, 0.06, 0.08])
+    assert (m.pass_overhead_s, m.seq_overhead_s, m.hop_overhead_s) == pytest.approx((0.004, 0.001, 0.002))
+    assert (m.prompt_overhead_s, m.engine_host_s) == pytest.approx((0.008, 0.002))
+    assert m.co_run == pytest.approx((1.2, 1.4))
+    assert m.meta["calibrations"] == 3
+    with pytest.raises(ValueError):
+        merge_profiles([runs[0], replace(runs[1], shape=model_shape("opt-13b"))])
+    with pytest.raises(ValueError):
+        merge_profiles([])
+
+
 def test_recommend_prefers_disaggregation_for_long_prompts():
     """OPT-66B on 6 x 2xA100 (DéjàVu Table 2's setting): the paper's own choices come out —
     Baseline (6p, 16b), Baseline-DP (3d, 2p, 16b), DéjàVu ((2p, 16b), (4p, 16b))."""
