@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from kvflow.sched.sampling import SamplingParams
@@ -194,3 +199,23 @@ def test_dtype_auto_resolves_once_to_bf16_only_with_native_bf16():
     assert (native_bf16("cpu") is not None) == ("avx512_bf16" in flags or "amx_bf16" in flags)
     assert EngineConfig(dtype="auto").dtype == dtype  # concrete from then on: what workers receive
     assert EngineConfig().dtype == "float32"  # hand-built engines keep the reference dtype
+
+
+def _huge_kb(env_value: str | None) -> int:
+    """AnonHugePages (kB) of a fresh process that imports kvflow, then torch, and fills 64 MB."""
+    code = ("import kvflow, torch; x = torch.ones(16 << 20); "
+            "print(next(l.split()[1] for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')))")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if env_value is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = env_value
+    return int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+
+
+def test_large_tensors_on_transparent_huge_pages():
+    """Importing kvflow puts torch's large CPU allocations on transparent huge pages (madvised), and
+    THP_MEM_ALLOC_ENABLE=0 from the user turns that off."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not Path("/proc/self/smaps_rollup").exists() or not mode.exists() or "[madvise]" not in mode.read_text():
+        pytest.skip("needs Linux with transparent huge pages in madvise mode")
+    assert _huge_kb(None) >= 2048  # at least one 2 MB page of the 64 MB (the rest may fall back under fragmentation)
+    assert _huge_kb("0") == 0
