@@ -153,7 +153,7 @@ def test_bad_inputs_rejected(cfg):
         tiny_model(cfg, layer_range=(1, 5))
 
 
-def _paged_setup(heads: tuple[int, int], dtype: torch.dtype, blocks: int, seed: int):
+def _paged_setup(heads: tuple[int, int], dtype: torch.dtype, blocks: int, seed: int, head_dim: int = 16):
     """A tiny model with the paged attention kernels on, its cache of `blocks` 4-token blocks filled with
     random K/V, and the block ids shuffled (non-contiguous tables) -> (cfg, model, kv, block ids, generator).
     Skips where the kernels cannot be built."""
@@ -161,7 +161,7 @@ def _paged_setup(heads: tuple[int, int], dtype: torch.dtype, blocks: int, seed: 
 
     if not cpu_kernels.available("cpu"):
         pytest.skip("no C++ compiler for the CPU kernels on this machine")
-    cfg = tiny_config(num_heads=heads[0], num_kv_heads=heads[1])
+    cfg = tiny_config(num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
     model = tiny_model(cfg)
     assert model.paged_kernel
     kv = KVCache(KVLayout.for_model(cfg, blocks, 4, dtype=dtype))
@@ -171,10 +171,12 @@ def _paged_setup(heads: tuple[int, int], dtype: torch.dtype, blocks: int, seed: 
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 2)], ids=["gqa2", "mha", "gqa3"])
-def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads):
-    cfg, model, kv, perm, g = _paged_setup(heads, dtype, 64, 4)
-    lens = [1, 4, 5, 17, 30]  # ragged: a single token, exactly one block, block + 1, long
+@pytest.mark.parametrize("heads,head_dim", [((4, 2), 16), ((4, 4), 16), ((6, 2), 16), ((9, 3), 64), ((2, 2), 32), ((4, 1), 128)],
+                         ids=["gqa2", "mha", "gqa3", "smollm-64", "mha-32", "mqa-128"])
+def test_paged_decode_kernel_equals_gather_path(dtype, tol, heads, head_dim):
+    """(head dims that are multiples of 32 take the bf16 dot-product path in bf16 on AVX512-BF16 CPUs)"""
+    cfg, model, kv, perm, g = _paged_setup(heads, dtype, 64, 4, head_dim)
+    lens = [1, 4, 5, 17, 30, 61]  # ragged: a single token, exactly one block, block + 1, long, odd over 16-key groups
     tables, at = [], 0
     for n in lens:
         tables.append(tuple(perm[at : at + -(-n // 4)]))
