@@ -310,7 +310,9 @@ def merge_profiles(profiles: list[Profile]) -> Profile:
     first = profiles[0]
     if any(p.shape != first.shape or p.machine != first.machine for p in profiles):
         raise ValueError("profiles of different models or machines")
-    med = lambda f: statistics.median(f(p) for p in profiles)  # noqa: E731
+    def med(term) -> float:
+        return statistics.median(term(p) for p in profiles)
+
     return replace(first, prompt=tuple(s for p in profiles for s in p.prompt),
                    token=tuple(s for p in profiles for s in p.token), meta={**first.meta, "calibrations": len(profiles)},
                    pass_overhead_s=med(lambda p: p.pass_overhead_s), seq_overhead_s=med(lambda p: p.seq_overhead_s),
