@@ -178,3 +178,39 @@ def test_native_decode_step_is_bitwise_the_op_by_op_one(dtype, tol, path, monkey
     model.paged_kernel = False  # the gather path (benchmarks/engine.py compares the two): no native loop
     model.run_layers(hidden.clone(), fb, KVCache(kv.layout))
     assert len(calls) == 2
+
+
+def _runs_while_called(call) -> bool:
+    """Whether another Python thread gets to run while `call()` runs. The switch interval is set so
+    long that the calling thread never hands the GIL over by itself: the other thread (ready and
+    waiting for the GIL) can only run inside a call that releases it. Up to 2000 calls, until it has
+    (a call of a few ms: the waiting thread needs time to wake up and take the GIL)."""
+    import sys
+    import threading
+
+    go, ran = threading.Event(), []
+    t = threading.Thread(target=lambda: (go.wait(), ran.append(True)))
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)  # before the thread exists: its every wait for the GIL is that long
+    t.start()
+    try:
+        go.set()
+        for _ in range(2000):
+            call()
+            if ran:
+                break
+        return bool(ran)
+    finally:
+        sys.setswitchinterval(old)
+        t.join()
+
+
+def test_kernels_release_the_gil():
+    """A decode step in the native loop takes 10-25 ms; holding the GIL meanwhile froze the serving
+    event loop (timers, new requests, streamed tokens) for the whole step."""
+    x, w = torch.randn(4096, 576), torch.ones(576)
+    assert _runs_while_called(lambda: cpu_kernels.rms_norm(x, w, 1e-5))
+    kv = torch.randn(2, 64, 16, 3, 64)
+    q, table = torch.randn(4, 9, 64), torch.arange(64).view(4, 16)
+    ctx = torch.tensor([256, 250, 17, 100])
+    assert _runs_while_called(lambda: cpu_kernels.paged_decode_attention(q, kv, table, ctx, 0.125))

@@ -67,6 +67,19 @@ _SOURCE = r"""
 
 using Vec = at::vec::Vectorized<float>;
 
+// Every entry point below releases the GIL while it computes (as PyTorch's own ops do): a decode
+// step run by `decode_layers` takes 10-25 ms, and holding the GIL that long froze the serving event
+// loop for the whole step (a 1 ms timer woke 13-25 ms late; new requests and streamed tokens waited
+// for the step's end). Calls from inside another kernel (decode_layers -> paged_decode) hold no GIL
+// and release nothing.
+struct NoGil {
+  PyThreadState* state = PyGILState_Check() ? PyEval_SaveThread() : nullptr;
+  NoGil() = default;
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
+  ~NoGil() { if (state) PyEval_RestoreThread(state); }
+};
+
 template <typename T> inline Vec load_f32(const T* p) { Vec o; at::vec::load_to_float<T>(p, o); return o; }
 template <> inline Vec load_f32<float>(const float* p) { return Vec::loadu(p); }
 // v rounded to T (round to nearest even, as a tensor stored in T holds it), back in float.
@@ -298,6 +311,7 @@ template <typename F> static void by_head_vectors(int64_t D, const char* name, F
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  NoGil no_gil;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1), "x [T, D], w [D]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w dtypes differ");
   auto out = torch::empty_like(x);
@@ -309,6 +323,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor res, torch::Tensor w, double eps) {
+  NoGil no_gil;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && res.is_contiguous() && w.is_contiguous(), "contiguous x, res, w");
   TORCH_CHECK(res.sizes() == x.sizes() && w.numel() == x.size(1), "x, res [T, D], w [D]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.scalar_type() == res.scalar_type(), "dtypes differ");
@@ -321,6 +336,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor res, torch::Tensor w, 
 }
 
 torch::Tensor silu_mul(torch::Tensor gu) {
+  NoGil no_gil;
   TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "gate_up [T, 2I], contiguous");
   auto out = torch::empty({gu.size(0), gu.size(1) / 2}, gu.options());
   by_dtype(gu.scalar_type(), "silu_mul", [&](auto tag) {
@@ -332,6 +348,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 
 void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
                 c10::optional<torch::Tensor> cache, c10::optional<torch::Tensor> slots) {
+  NoGil no_gil;
   const int64_t T_ = qkv.size(0), D = cos.size(1);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (H + 2 * KVH) * D && D % 2 == 0, "qkv [T, (H + 2 KVH) D]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == T_, "cos, sin [T, D]");
@@ -376,6 +393,7 @@ static inline void skinny_tile(const T* x, const T* w, T* y, int64_t out, int64_
 }
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w) {
+  NoGil no_gil;
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [N, in], w [out, in]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "contiguous x and w");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "skinny_linear: x and w dtypes differ");
@@ -749,6 +767,7 @@ constexpr bool kDpBf16 = false;
 #endif
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor table, torch::Tensor ctx, double scale) {
+  NoGil no_gil;
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "q [B, H, D], kv [2, blocks, block_size, kv_heads, D]");
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && table.is_contiguous() && ctx.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
@@ -958,6 +977,7 @@ int64_t prefill_max_group() { return kRowVecs * Vec::size(); }
 // tokens outside the sequences are left unset).
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv, torch::Tensor table, torch::Tensor q_start, torch::Tensor q_len,
                             torch::Tensor ctx, double scale) {
+  NoGil no_gil;
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "q [T, H, D], kv [2, blocks, block_size, kv_heads, D]");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q heads contiguous within a row");
   TORCH_CHECK(kv.is_contiguous() && table.is_contiguous() && q_start.is_contiguous() && q_len.is_contiguous() && ctx.is_contiguous(),
@@ -1018,6 +1038,7 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Ten
     std::vector<torch::Tensor> w, std::vector<torch::Tensor> packed, int64_t path, std::vector<torch::Tensor> kv,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor table, torch::Tensor ctx,
     double eps, double scale, int64_t H, int64_t KVH) {
+  NoGil no_gil;
   const int64_t L = in_norm.size(), T = x.size(0), D = cos.size(1);
   TORCH_CHECK(post_norm.size() == L && kv.size() == L && w.size() == 4 * L && packed.size() == 4 * L, "decode_layers: per-layer lists");
   torch::Tensor delta;
