@@ -207,12 +207,9 @@ def _runs_while_called(call) -> bool:
 
 def test_kernels_release_the_gil():
     """A decode step in the native loop takes 10-25 ms; holding the GIL meanwhile froze the serving
-    event loop (timers, new requests, streamed tokens) for the whole step. `rope_write` returns
-    nothing, so no tensor is freed in the loop (freeing one can hand the GIL over by itself)."""
-    H, KVH, D, rows = 9, 3, 64, 4096
-    qkv = torch.randn(rows, (H + 2 * KVH) * D)
-    angles = torch.arange(rows).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, D, 2).float() / D))[None, :]
-    emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
-    cache, slots = torch.zeros(2, rows // 16, 16, KVH, D), torch.arange(rows)
-    assert _runs_while_called(lambda: cpu_kernels.rope_write(qkv, cos, sin, H, KVH, cache, slots))
+    event loop (timers, new requests, streamed tokens) for the whole step. The results are kept: freeing
+    a tensor can hand the GIL over by itself, and would let the other thread run without the kernel."""
+    kv = torch.randn(2, 64, 16, 3, 64)
+    q, table, ctx = torch.randn(4, 9, 64), torch.arange(64).view(4, 16), torch.tensor([256, 250, 17, 100])
+    kept: list[torch.Tensor] = []
+    assert _runs_while_called(lambda: kept.append(cpu_kernels.paged_decode_attention(q, kv, table, ctx, 0.125)))

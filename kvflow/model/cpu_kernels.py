@@ -67,11 +67,12 @@ _SOURCE = r"""
 
 using Vec = at::vec::Vectorized<float>;
 
-// Every entry point below releases the GIL while it computes (as PyTorch's own ops do): a decode
-// step run by `decode_layers` takes 10-25 ms, and holding the GIL that long froze the serving event
+// The long entry points (decode_layers, a whole decode step of 10-25 ms; the two attention kernels)
+// release the GIL while they compute, as PyTorch's own ops do: holding it froze the serving event
 // loop for the whole step (a 1 ms timer woke 13-25 ms late; new requests and streamed tokens waited
-// for the step's end). Calls from inside another kernel (decode_layers -> paged_decode) hold no GIL
-// and release nothing.
+// for the step's end). The short elementwise ones keep it: each release is a chance for a busy
+// event loop to take the GIL for up to a switch interval. Calls from inside another kernel
+// (decode_layers -> paged_decode) hold no GIL and release nothing.
 struct NoGil {
   PyThreadState* state = PyGILState_Check() ? PyEval_SaveThread() : nullptr;
   NoGil() = default;
@@ -311,7 +312,6 @@ template <typename F> static void by_head_vectors(int64_t D, const char* name, F
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  NoGil no_gil;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1), "x [T, D], w [D]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w dtypes differ");
   auto out = torch::empty_like(x);
@@ -323,7 +323,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor res, torch::Tensor w, double eps) {
-  NoGil no_gil;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && res.is_contiguous() && w.is_contiguous(), "contiguous x, res, w");
   TORCH_CHECK(res.sizes() == x.sizes() && w.numel() == x.size(1), "x, res [T, D], w [D]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.scalar_type() == res.scalar_type(), "dtypes differ");
@@ -336,7 +335,6 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor res, torch::Tensor w, 
 }
 
 torch::Tensor silu_mul(torch::Tensor gu) {
-  NoGil no_gil;
   TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "gate_up [T, 2I], contiguous");
   auto out = torch::empty({gu.size(0), gu.size(1) / 2}, gu.options());
   by_dtype(gu.scalar_type(), "silu_mul", [&](auto tag) {
@@ -348,7 +346,6 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 
 void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
                 c10::optional<torch::Tensor> cache, c10::optional<torch::Tensor> slots) {
-  NoGil no_gil;
   const int64_t T_ = qkv.size(0), D = cos.size(1);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (H + 2 * KVH) * D && D % 2 == 0, "qkv [T, (H + 2 KVH) D]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == T_, "cos, sin [T, D]");
@@ -393,7 +390,6 @@ static inline void skinny_tile(const T* x, const T* w, T* y, int64_t out, int64_
 }
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w) {
-  NoGil no_gil;
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [N, in], w [out, in]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "contiguous x and w");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "skinny_linear: x and w dtypes differ");
