@@ -21,14 +21,17 @@
    replayed N times (rounds interleaved), the error is against the median of the real runs, and
    how far the runs lie from their median is printed: the noise floor of the comparison.
 
-Calibration and replays are interleaved: each round calibrates (step 1), then replays every layout
-once, and the simulator uses all rounds' calibrations merged (`calibrate.merge_profiles`: every
-sample, the median of each overhead term). This machine's speed drifts by 10-15% over minutes, and a
-profile taken before the replays prices them off by as much as the target; interleaved, the
-calibration spans the same minutes as the replays (it still never sees their shapes). The error
-with the first calibration alone, taken before any replay, is printed beside it.
+Calibration and replays are interleaved: the engine is timed on the grid (one shuffled pass,
+`calibrate.calibrate_engine`, ~15 s) right before every replay, and each round's first replay is
+preceded by the worker terms as well (`calibrate.calibrate`); the simulator uses all of them
+merged (`calibrate.merge_profiles`: every sample, the median of each overhead term). This machine's
+speed moves as a whole by up to 15-20% between windows of ~30 s (every grid shape at once: four
+calibrations in a row priced the prefills at about 1.00 / 1.08 / 1.15 / 1.06x the first), so a profile from one window prices another window's steps off by as much as the target;
+many short windows spread over the run average that out, one per replay (the profile still never
+sees the replays' shapes). The error with the first calibration alone, taken before any replay, is
+printed beside it.
 
-    python benchmarks/fidelity.py [--profile results/profile.json] [--no-reprofile] [--requests 48] [--rate 0.8] [--repeats 1]
+    python benchmarks/fidelity.py [--profile results/profile.json] [--no-reprofile] [--requests 48] [--rate 0.8] [--repeats 1] [--passes 1]
 
 Prints a table; writes results/fidelity.json and results/fidelity.png.
 """
@@ -46,7 +49,8 @@ from pathlib import Path
 import numpy as np
 
 from kvflow.perf import ProfiledPerfModel
-from kvflow.perf.calibrate import GRID_BATCHES, GRID_CONTEXTS, GRID_PROMPTS, calibrate, calibrated_profile, merge_profiles
+from kvflow.perf.calibrate import (GRID_BATCHES, GRID_CONTEXTS, GRID_PROMPTS, calibrate, calibrate_engine, calibrated_profile,
+                                   merge_profiles)
 from kvflow.simulator import Layout, PipelineSpec, SimConfig, Workload, simulate
 from kvflow.simulator.workload import azure_trace, poisson_arrivals
 
@@ -163,15 +167,16 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=ROOT / "results" / "profile.json",
                     help="profile to use; written by `kvflow profile` on the calibration grid if missing")
     ap.add_argument("--reprofile", action=argparse.BooleanOptionalAction, default=True,
-                    help="calibrate afresh, once per round of replays (default): the machine's speed drifts by "
-                         "10-15%% over minutes here, so a profile from an earlier run prices every step off by that "
-                         "much; --no-reprofile reuses the file when it exists")
+                    help="calibrate afresh, the engine before every replay and the worker terms once per round "
+                         "(default): this machine's speed moves by 15-20%% between windows of ~30 s, so a profile "
+                         "from an earlier run prices every step off by that much; --no-reprofile reuses the file")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=0.8, help="Poisson requests/s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--repeats", type=int, default=1,
                     help="replays per layout (interleaved); the error is against their median, their spread is printed")
+    ap.add_argument("--passes", type=int, default=1, help="passes over the grid in each engine calibration window")
     args = ap.parse_args()
     import torch
 
@@ -183,14 +188,16 @@ def main() -> None:
           f"(median {int(np.median(w.output_len))})")
     layouts = args.layouts.split(",")
     runs: dict[str, list] = {layout: [] for layout in layouts}
-    calibrations = []
+    calibrations, windows = [], []  # full calibrations (one per round); engine-only windows (before the other replays)
     if not args.reprofile:
         calibrations.append(calibrated_profile(args.profile))
-    for r in range(args.repeats):  # interleaved: a calibration (when calibrating afresh), then every layout once
-        if args.reprofile:
-            print(f"calibration {r + 1}/{args.repeats} (the grid's own shapes) ...", flush=True)
-            calibrations.append(calibrate())
-        for layout in layouts:
+    for r in range(args.repeats):  # interleaved: before every replay a calibration window (when calibrating afresh)
+        for i, layout in enumerate(layouts):
+            if args.reprofile and i == 0:
+                print(f"calibration {r + 1}/{args.repeats}: the engine on the grid's own shapes, the worker terms ...", flush=True)
+                calibrations.append(calibrate(passes=args.passes))
+            elif args.reprofile:
+                windows.append(calibrate_engine(passes=args.passes))
             t0 = time.perf_counter()
             measured, cluster, backend = run_real(layout, w, args.seed)
             wall = time.perf_counter() - t0
@@ -198,15 +205,14 @@ def main() -> None:
             runs[layout].append((real, measured, cluster, backend, wall))
             print(f"  {layout:<18} replay {r + 1}/{args.repeats} in {wall:5.0f} s: real {real['throughput_tok_s']:.2f} tok/s, "
                   f"ttft {real['ttft_p50_s']:.2f} s, tpot {real['tpot_p50_s'] * 1e3:.0f} ms", flush=True)
-    # One calibration per round, taken between the rounds of replays: the machine's speed drifts by
-    # 10-15% over minutes here, and a profile from one window prices another window's steps off by
-    # that much; the merged profile spans the same minutes as the replays (never their shapes).
-    profile = merge_profiles(calibrations)
+    # The machine's speed moves as a whole between ~30 s windows; the merged profile averages the
+    # windows taken right before every replay (never their shapes).
+    profile = merge_profiles(calibrations, windows)
     if args.reprofile:
         profile.save(args.profile)
     perf = ProfiledPerfModel(profile)
     perf_workers = ProfiledPerfModel(profile, executor=True)
-    print(f"profile ({len(calibrations)} calibration(s)): prompt fit {perf.prompt_fit.coef} (max rel. error "
+    print(f"profile ({len(calibrations)} calibration(s), {len(calibrations) + len(windows)} engine windows): prompt fit {perf.prompt_fit.coef} (max rel. error "
           f"{perf.prompt_fit.max_rel_error:.0%}), token fit {perf.token_fit.coef} (max rel. error "
           f"{perf.token_fit.max_rel_error:.0%}), worker overhead per pass {profile.pass_overhead_s * 1e3:.1f} ms + "
           f"{profile.seq_overhead_s * 1e3:.2f} ms per sequence, per further stage {profile.hop_overhead_s * 1e3:.1f} ms, "
@@ -263,7 +269,8 @@ def main() -> None:
     print(f"worst |error| {worst:.1%} (target < 10%); total {time.perf_counter() - t_start:.0f} s")
     out = ROOT / "results"
     out.mkdir(exist_ok=True)
-    doc = {"profile": str(args.profile), "calibrations": len(calibrations), "profile_grid": {"batches": GRID_BATCHES, "prompts": GRID_PROMPTS,
+    doc = {"profile": str(args.profile), "calibrations": len(calibrations), "engine_windows": len(calibrations) + len(windows),
+           "passes": args.passes, "profile_grid": {"batches": GRID_BATCHES, "prompts": GRID_PROMPTS,
                                                           "contexts": GRID_CONTEXTS},
            "workload": {"requests": w.n, "rate": args.rate, "seed": args.seed, "trace": TRACE.name, "repeats": args.repeats,
                         "scaling": "prompt // 16 clipped [8, 160]; output // 8 clipped [4, 40]"},

@@ -60,7 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--batches", default="1,2,4,8")
     f.add_argument("--prompt-lens", default="16,64,128,256")
     f.add_argument("--contexts", default="32,128,512")
-    f.add_argument("--repeats", type=int, default=3)
+    f.add_argument("--repeats", type=int, default=3,
+                   help="passes over the grid, each in a shuffled order (a prefill time is its shape's median over "
+                        "the passes; each pass adds 2 decode steps per batch and context)")
     f.add_argument("--threads", type=int, default=1)
     f.set_defaults(func=cmd_profile)
 

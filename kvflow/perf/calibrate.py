@@ -38,19 +38,20 @@ def _prompts(rng, b: int, s: int, vocab: int) -> list[list[int]]:
     return [[int(x) for x in rng.integers(10, vocab - 10, s)] for _ in range(b)]
 
 
-def time_prefill(engine, b: int, s: int, repeats: int, rng) -> float:
-    """Median seconds of one step that prefills `b` prompts of `s` tokens."""
+def time_prefill(engine, b: int, s: int, repeats: int, rng, warm_up: bool = True) -> float:
+    """Median seconds of one step that prefills `b` prompts of `s` tokens (`repeats` runs, after an
+    untimed one when `warm_up`)."""
     from kvflow.sched.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     times = []
-    for _ in range(repeats + 1):  # first run warms up
+    for _ in range(repeats + warm_up):
         for p in _prompts(rng, b, s, engine.model.cfg.vocab_size):
             engine.add_request(p, params)
         times.append(timed_step(engine))
         while engine.has_unfinished():
             engine.step()
-    return statistics.median(times[1:])
+    return statistics.median(times[warm_up:]) if repeats else 0.0
 
 
 class ForwardTimer:
@@ -104,20 +105,37 @@ def time_decode(engine, b: int, c: int, steps: int, rng, timer: ForwardTimer | N
 
 
 def profile_engine(model: str | None, batches: tuple[int, ...], prompt_lens: tuple[int, ...],
-                   contexts: tuple[int, ...], repeats: int = 3, threads: int = 1) -> Profile:
+                   contexts: tuple[int, ...], repeats: int = 3, threads: int = 1, decode_steps: int = 2) -> Profile:
+    """Time the grid in `repeats` passes, each visiting every shape once in a shuffled order: a
+    prefill sample is the median of its shape's passes; each pass adds `decode_steps` decode
+    samples per (batch, context). On a machine whose speed moves over seconds (a shared VM: the
+    same shape's median of 3 back-to-back runs differed by up to 20% between calibrations a
+    minute apart), back-to-back repeats let one slow spell price one shape, and the fit's slopes
+    follow it; spread over the whole window, a slow spell touches every shape a little."""
     import numpy as np
     import torch
 
-    if min(batches) < 1 or min(prompt_lens) < 1 or min(contexts) < 1 or repeats < 1:
-        raise ValueError("batches, lengths and repeats must be >= 1")
+    if min(batches) < 1 or min(prompt_lens) < 1 or min(contexts) < 1 or repeats < 1 or decode_steps < 1:
+        raise ValueError("batches, lengths, repeats and decode steps must be >= 1")
     engine = _engine(model, max(batches), max(batches) * max(max(prompt_lens), max(contexts)), threads)
     rng = np.random.default_rng(0)
-    prompt = tuple(Sample(b, s, time_prefill(engine, b, s, repeats, rng)) for b in batches for s in prompt_lens)
+    time_prefill(engine, max(batches), max(prompt_lens), 0, rng)  # warm-up: the largest prefill
     timer = ForwardTimer(engine)
-    token = tuple(x for b in batches for c in contexts for x in time_decode(engine, b, c, repeats, rng, timer))
+    prefill: dict[tuple[int, int], list[float]] = {}
+    token: list[Sample] = []
+    shapes = [("prefill", b, s) for b in batches for s in prompt_lens] + [("decode", b, c) for b in batches for c in contexts]
+    for _ in range(repeats):
+        for i in rng.permutation(len(shapes)):
+            kind, b, n = shapes[i]
+            if kind == "prefill":
+                prefill.setdefault((b, n), []).append(time_prefill(engine, b, n, 1, rng, warm_up=False))
+            else:
+                token.extend(time_decode(engine, b, n, decode_steps, rng, timer))
+    prompt = tuple(Sample(b, s, statistics.median(prefill[(b, s)])) for b in batches for s in prompt_lens)
     meta = {"threads": threads, "torch": torch.__version__, "platform": platform.platform(),
-            "processor": platform.processor(), "model": model or "embedded SmolLM2-135M", "repeats": repeats}
-    return Profile(shape_of(engine), "1xCPU", prompt, token, meta, engine_host_s=statistics.median(timer.host_s))
+            "processor": platform.processor(), "model": model or "embedded SmolLM2-135M", "repeats": repeats,
+            "decode_steps": decode_steps}
+    return Profile(shape_of(engine), "1xCPU", prompt, tuple(token), meta, engine_host_s=statistics.median(timer.host_s))
 
 
 @dataclass(frozen=True)
@@ -280,14 +298,20 @@ def co_run_slowdown(model: str | None, threads: int = 1, rounds: int = 6) -> tup
 GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS = (1, 2, 4), (8, 16, 24, 32, 48, 80, 112), (24, 96, 224)
 
 
-def calibrate(model: str | None = None) -> Profile:
-    """One calibration on this machine: the engine on the grid above (one torch thread), the
+def calibrate_engine(model: str | None = None, passes: int = 3) -> Profile:
+    """The engine on the grid above (one torch thread) in `passes` shuffled passes; ~10 s a pass
+    for SmolLM2 on 2 cores, plus loading the model."""
+    return profile_engine(model, GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS, repeats=passes, threads=1)
+
+
+def calibrate(model: str | None = None, passes: int = 3) -> Profile:
+    """One calibration on this machine: the engine on the grid above (`calibrate_engine`), the
     overhead of worker pipelines (`executor_overhead`) and the slowdown beside a busy neighbour
     (`co_run_slowdown`); about 100 s for SmolLM2 on 2 cores."""
     from dataclasses import replace
 
     t0 = time.perf_counter()
-    prof = profile_engine(model, GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS, repeats=3, threads=1)
+    prof = calibrate_engine(model, passes)
     over = executor_overhead(model)
     print("worker pipelines, client gap minus the workers' compute (depth,batch: ms): "
           + ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in over.measured.items())
@@ -299,25 +323,27 @@ def calibrate(model: str | None = None) -> Profile:
     return prof
 
 
-def merge_profiles(profiles: list[Profile]) -> Profile:
+def merge_profiles(profiles: list[Profile], more_samples: list[Profile] = ()) -> Profile:
     """Calibrations of one model on one machine taken at different times, as one profile: the
     samples of all of them (the fits are drawn through every one), and the median of each measured
-    overhead and slowdown term."""
+    overhead and slowdown term. `more_samples`: engine-only profiles (`calibrate_engine`: no worker
+    terms measured) whose samples join the fits."""
     from dataclasses import replace
 
     if not profiles:
         raise ValueError("no profiles to merge")
     first = profiles[0]
-    if any(p.shape != first.shape or p.machine != first.machine for p in profiles):
+    if any(p.shape != first.shape or p.machine != first.machine for p in (*profiles, *more_samples)):
         raise ValueError("profiles of different models or machines")
     def med(term) -> float:
         return statistics.median(term(p) for p in profiles)
 
-    return replace(first, prompt=tuple(s for p in profiles for s in p.prompt),
-                   token=tuple(s for p in profiles for s in p.token), meta={**first.meta, "calibrations": len(profiles)},
+    every = (*profiles, *more_samples)
+    return replace(first, prompt=tuple(s for p in every for s in p.prompt), token=tuple(s for p in every for s in p.token),
+                   meta={**first.meta, "calibrations": len(profiles), "engine_windows": len(every)},
                    pass_overhead_s=med(lambda p: p.pass_overhead_s), seq_overhead_s=med(lambda p: p.seq_overhead_s),
                    hop_overhead_s=med(lambda p: p.hop_overhead_s), prompt_overhead_s=med(lambda p: p.prompt_overhead_s),
-                   engine_host_s=med(lambda p: p.engine_host_s),
+                   engine_host_s=statistics.median(p.engine_host_s for p in every),
                    co_run=(med(lambda p: p.co_run[0]), med(lambda p: p.co_run[1])))
 
 

@@ -145,10 +145,49 @@ def test_merge_profiles_keeps_every_sample_and_the_median_terms():
     assert (m.prompt_overhead_s, m.engine_host_s) == pytest.approx((0.008, 0.002))
     assert m.co_run == pytest.approx((1.2, 1.4))
     assert m.meta["calibrations"] == 3
+    # engine-only windows: their samples join the fits; the worker terms they did not measure do not count
+    window = Profile(shape, "1xCPU", (Sample(1, 8, 0.5),), (Sample(1, 24, 0.05),), {}, engine_host_s=0.010)
+    m2 = merge_profiles(runs, [window, window])
+    assert [s.seconds for s in m2.prompt] == pytest.approx([0.1, 0.3, 0.2, 0.5, 0.5])
+    assert len(m2.token) == 8 and m2.pass_overhead_s == pytest.approx(0.004) and m2.co_run == pytest.approx((1.2, 1.4))
+    assert m2.engine_host_s == pytest.approx(0.003)  # median of 1, 3, 2, 10, 10 ms
+    assert (m2.meta["calibrations"], m2.meta["engine_windows"]) == (3, 5)
     with pytest.raises(ValueError):
         merge_profiles([runs[0], replace(runs[1], shape=model_shape("opt-13b"))])
     with pytest.raises(ValueError):
         merge_profiles([])
+
+
+def test_profile_engine_visits_every_shape_once_per_pass_in_shuffled_order(tiny_ckpt_dir, monkeypatch):
+    """A slow spell of the machine must not price one shape: each pass times every shape once, in an
+    order of its own; a prefill sample is its shape's median over the passes."""
+    import kvflow.perf.calibrate as cal
+
+    calls, returned, value = [], {}, iter(range(1, 1000))
+
+    def prefill(engine, b, s, repeats, rng, warm_up=True):
+        calls.append(("prefill", b, s))
+        returned.setdefault((b, s), []).append(float(next(value)))
+        return returned[(b, s)][-1]
+
+    def decode(engine, b, c, steps, rng, timer=None):
+        calls.append(("decode", b, c))
+        return [Sample(b, c + 2 + k, 0.01) for k in range(steps)]
+
+    monkeypatch.setattr(cal, "time_prefill", prefill)
+    monkeypatch.setattr(cal, "time_decode", decode)
+    monkeypatch.setattr(cal.ForwardTimer, "__init__", lambda self, engine: setattr(self, "host_s", [0.001]))
+    prof = cal.profile_engine(str(tiny_ckpt_dir), (1, 2), (4, 8, 12), (8, 16), repeats=3, decode_steps=2)
+    shapes = {("prefill", b, s) for b in (1, 2) for s in (4, 8, 12)} | {("decode", b, c) for b in (1, 2) for c in (8, 16)}
+    warm, timed = calls[0], calls[1:]
+    assert warm == ("prefill", 2, 12) and len(timed) == 3 * len(shapes)
+    passes = [timed[k * len(shapes):(k + 1) * len(shapes)] for k in range(3)]
+    assert all(set(p) == shapes and len(set(p)) == len(p) for p in passes)
+    assert len({tuple(p) for p in passes}) > 1  # not one fixed order
+    for sample in prof.prompt:  # the median of the values returned for that shape
+        got = returned[(sample.batch, sample.length)][-3:]  # the warm-up's is not among them
+        assert sample.seconds == sorted(got)[1]
+    assert len(prof.token) == 3 * 4 * 2 and prof.meta["repeats"] == 3
 
 
 def test_recommend_prefers_disaggregation_for_long_prompts():
