@@ -108,10 +108,13 @@ def profile_engine(model: str | None, batches: tuple[int, ...], prompt_lens: tup
                    contexts: tuple[int, ...], repeats: int = 3, threads: int = 1, decode_steps: int = 2) -> Profile:
     """Time the grid in `repeats` passes, each visiting every shape once in a shuffled order: a
     prefill sample is the median of its shape's passes; each pass adds `decode_steps` decode
-    samples per (batch, context). On a machine whose speed moves over seconds (a shared VM: the
-    same shape's median of 3 back-to-back runs differed by up to 20% between calibrations a
-    minute apart), back-to-back repeats let one slow spell price one shape, and the fit's slopes
-    follow it; spread over the whole window, a slow spell touches every shape a little."""
+    samples per (batch, context). On a machine whose speed moves over seconds (a shared VM),
+    back-to-back repeats let one slow spell price one shape, and the fit's slopes follow it;
+    spread over the whole window, a slow spell touches every shape a little. Measured on a 2-core
+    EPYC VM, four calibrations of each kind alternated: the prompt fit's worst error on its own
+    grid was 9-26% back to back and 6-7% shuffled. What shuffling cannot remove is the machine's
+    speed moving as a whole between windows of ~30 s (every shape 8-15% slower in one calibration
+    than in the one before); `benchmarks/fidelity.py` averages many windows for that."""
     import numpy as np
     import torch
 
