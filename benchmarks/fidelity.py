@@ -76,7 +76,7 @@ def workload(n: int, rate: float, seed: int) -> Workload:
 # --------------------------------------------------------------------------------------------- real
 @dataclass
 class Measured:
-    arrival: np.ndarray
+    arrival: np.ndarray  # when each request was submitted: its Poisson time, plus the client loop's lateness
     first_token: np.ndarray
     finish: np.ndarray
     output_len: np.ndarray
@@ -106,10 +106,11 @@ async def replay(backend, w: Workload, vocab: int, seed: int) -> Measured:
     rng = np.random.default_rng(seed)
     prompts = [[int(x) for x in rng.integers(10, vocab - 10, int(s))] for s in w.prompt_len]
     n = w.n
-    first, finish = np.full(n, np.nan), np.full(n, np.nan)
+    sent, first, finish = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
 
     async def one(i: int, t0: float) -> None:
         await asyncio.sleep(max(0.0, t0 + w.arrival[i] - time.perf_counter()))
+        sent[i] = time.perf_counter() - t0  # times count from the request's submission, as a benchmark client's do
         params = SamplingParams(max_tokens=int(w.output_len[i]), temperature=0.0, ignore_eos=True)
         async for out in backend.generate(prompts[i], params, f"req-{i}"):
             if out.new_token_ids and np.isnan(first[i]):
@@ -123,7 +124,7 @@ async def replay(backend, w: Workload, vocab: int, seed: int) -> Measured:
         pass
     t0 = time.perf_counter()
     await asyncio.gather(*[one(i, t0) for i in range(n)])
-    return Measured(w.arrival.copy(), first, finish, w.output_len.copy())
+    return Measured(sent, first, finish, w.output_len.copy())
 
 
 def run_real(layout: str, w: Workload, seed: int):
