@@ -26,7 +26,7 @@ Calibration and replays are interleaved: the engine is timed on the grid (one sh
 preceded by the worker terms as well (`calibrate.calibrate`); the simulator uses all of them
 merged (`calibrate.merge_profiles`: every sample, the median of each overhead term). This machine's
 speed moves as a whole by up to 15-20% between windows of ~30 s (every grid shape at once: four
-calibrations in a row priced the prefills at about 1.00 / 1.08 / 1.15 / 1.06x the first), so a
+calibrations in a row priced the prefills at a median 1.00 / 1.08 / 1.13 / 1.06x the first), so a
 profile from one window prices another window's steps off by as much as the target; many short
 windows spread over the run average that out, one per replay (the profile still never sees the
 replays' shapes). The error with the first calibration alone, taken before any replay, is printed
