@@ -204,7 +204,9 @@ def main() -> None:
             measured, cluster, backend = run_real(layout, w, args.seed)
             wall = time.perf_counter() - t0
             real = metrics(measured.arrival, measured.first_token, measured.finish, measured.output_len)
-            runs[layout].append((real, measured, cluster, backend, wall))
+            # the simulator's twin of this configuration, taken now: the run list holds no engine
+            runs[layout].append((real, measured, sim_config(layout, cluster, backend), wall))
+            del backend
             print(f"  {layout:<18} replay {r + 1}/{args.repeats} in {wall:5.0f} s: real {real['throughput_tok_s']:.2f} tok/s, "
                   f"ttft {real['ttft_p50_s']:.2f} s, tpot {real['tpot_p50_s'] * 1e3:.0f} ms", flush=True)
     # The machine's speed moves as a whole between ~30 s windows; the merged profile averages the
@@ -228,8 +230,7 @@ def main() -> None:
     for layout in layouts:
         reals = [x[0] for x in runs[layout]]
         real = {k: float(np.median([x[k] for x in reals])) for k in reals[0]}
-        _, measured, cluster, backend, wall = runs[layout][-1]
-        cfg = sim_config(layout, cluster, backend)
+        _, measured, cfg, wall = runs[layout][-1]
         res = simulate(cfg, perf if layout == "engine" else perf_workers, w)
         sim = metrics(res.arrival, res.first_token, res.finish, res.output_len)
         err = {k: sim[k] / real[k] - 1 for k in keys}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvflow.perf.model_shape import ModelShape
@@ -51,7 +52,7 @@ def time_prefill(engine, b: int, s: int, repeats: int, rng, warm_up: bool = True
         times.append(timed_step(engine))
         while engine.has_unfinished():
             engine.step()
-    return statistics.median(times[warm_up:]) if repeats else 0.0
+    return statistics.median(times[warm_up:])
 
 
 class ForwardTimer:
@@ -122,7 +123,7 @@ def profile_engine(model: str | None, batches: tuple[int, ...], prompt_lens: tup
         raise ValueError("batches, lengths, repeats and decode steps must be >= 1")
     engine = _engine(model, max(batches), max(batches) * max(max(prompt_lens), max(contexts)), threads)
     rng = np.random.default_rng(0)
-    time_prefill(engine, max(batches), max(prompt_lens), 0, rng)  # warm-up: the largest prefill
+    time_prefill(engine, max(batches), max(prompt_lens), 1, rng, warm_up=False)  # warm-up (untimed): the largest prefill
     timer = ForwardTimer(engine)
     prefill: dict[tuple[int, int], list[float]] = {}
     token: list[Sample] = []
@@ -326,7 +327,7 @@ def calibrate(model: str | None = None, passes: int = 3) -> Profile:
     return prof
 
 
-def merge_profiles(profiles: list[Profile], more_samples: list[Profile] = ()) -> Profile:
+def merge_profiles(profiles: Sequence[Profile], more_samples: Sequence[Profile] = ()) -> Profile:
     """Calibrations of one model on one machine taken at different times, as one profile: the
     samples of all of them (the fits are drawn through every one), and the median of each measured
     overhead and slowdown term. `more_samples`: engine-only profiles (`calibrate_engine`: no worker
