@@ -15,14 +15,13 @@ tree over the wire (msgpack-friendly).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from kvflow.sched.scheduler import POLICIES, SchedulerConfig
+from kvflow.sched.config import POLICIES, ROLES, SchedulerConfig, SwapLayout, pipeline_scheduler
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODES = ("colocated", "disaggregated")
-ROLES = ("both", "prompt", "token")
 KV_SEND_MODES = ("naive", "buffered", "overlap")
 RECOVERY = ("recompute", "none")
 REPLICATION = ("ring", "store", "none")
@@ -57,10 +56,9 @@ def default_block_size(device: str = "cpu") -> int:
     """The KV block size the user-facing entry points (`kvflow serve/generate/chat`, `LLM`) use when
     none is given: 128 tokens on CPU (vLLM's CPU default too), 16 elsewhere. On CPU a sequence's
     blocks lie scattered in memory and every block is a new stream for the prefetcher and new pages
-    for the TLB, so bigger blocks read KV faster: a batch-16 decode step with 256 + 128 tokens took
-    45.0 / 39.4 / 37.8 ms at 16 / 64 / 128-token blocks (bf16, 2-core AMD EPYC, interleaved; the
-    paged kernel alone at 2048 tokens of context read 9.4 / 12.1 / 12.4 GB/s). The price is coarser
-    prefix sharing (whole blocks only) and up to a block of unused KV per sequence."""
+    for the TLB, so bigger blocks read KV faster, and a step's block tables are shorter
+    (docs/results.md, 2026-11-24 kernels). The price is coarser prefix sharing (whole blocks only)
+    and up to a block of unused KV per sequence."""
     return 16 if device.startswith("cuda") else 128
 
 
@@ -221,16 +219,14 @@ class ClusterConfig:
             return None
         return "ring" if self.replication == "ring" and p.depth >= 2 else "store"
 
-    def swap_layout(self, p: "PipelineSpec") -> tuple[int, int, int]:
+    def swap_layout(self, p: "PipelineSpec") -> SwapLayout:
         """(device regions, blocks per region, blocks of the pipeline's pool) of pipeline `p`: with
         swapping min(2, depth) regions sharing the device budget and depth regions' worth of blocks
         in host memory, else (0, 0, num_kv_blocks)."""
         n = self.engine.num_kv_blocks
         if not self.swapping or p.role == "prompt":  # (a prompt pipeline's KV leaves after one pass)
-            return 0, 0, n
-        regions = min(2, p.depth)
-        per = n // regions
-        return regions, per, per * p.depth
+            return SwapLayout(0, 0, n)
+        return SwapLayout.of_device(n, p.depth)
 
     def __post_init__(self) -> None:
         if self.swapping and self.mode == "disaggregated" and self.policy == "microbatch":
@@ -267,9 +263,7 @@ class ClusterConfig:
 
     def scheduler_for(self, p: PipelineSpec) -> SchedulerConfig:
         """A pipeline's scheduler: `depth` batches in flight of at most `microbatch_size` requests."""
-        regions, per, _ = self.swap_layout(p)
-        return replace(self.engine.scheduler, policy=self.policy, microbatch_size=p.microbatch_size,
-                       max_in_flight=p.depth, swap_regions=regions, swap_region_blocks=per)
+        return pipeline_scheduler(self.engine.scheduler, self.policy, p.depth, p.microbatch_size, self.swap_layout(p))
 
 
 @dataclass(frozen=True)

@@ -20,72 +20,8 @@ from dataclasses import dataclass, field
 
 from kvflow.kv.manager import KVCacheManager, PrefixHit, blocks_for
 from kvflow.kv.tiers import TierPlan
+from kvflow.sched.config import POLICIES, ROLES, SchedulerConfig  # noqa: F401  (re-exported)
 from kvflow.sched.request import Request, RequestStatus
-
-POLICIES = ("continuous", "microbatch")
-ROLES = ("both", "prompt", "token")
-
-
-def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """policy: "continuous" (iteration-level batching with chunked prefill, as vLLM) or "microbatch"
-    (DéjàVu's baseline: fixed microbatches of up to `microbatch_size` requests, KV reserved for
-    prompt + max_tokens at admission, a new microbatch only when one of the `max_in_flight` slots is
-    free). max_num_batched_tokens: tokens one batch may process; prefill_chunk_size: most prompt
-    tokens one request gets per batch; max_num_seqs: running requests at once (continuous);
-    microbatch_size: requests per batch (required by "microbatch"; a per-batch cap for "continuous",
-    where a pipeline's `max_in_flight` batches share the running requests).
-    swap_regions > 0: microbatch swapping (DéjàVu §4.2.2): the pool's block ids are KV in host memory,
-    and each stage's device holds `swap_regions` regions of `swap_region_blocks` blocks; a batch takes
-    only requests whose blocks fit one region together, batch n computes in region n mod
-    swap_regions, into which its KV is swapped in before the step (while the previous batch
-    computes) and out of which the KV the step appended is written back
-    (`ScheduledSeq.device_block_ids`, `SchedulerOutput.swap_region`).
-    Stall-free batching (Sarathi-Serve): "continuous" fills a batch with the running requests' decode
-    tokens first, then prompt chunks up to the token budget, so a prompt never stalls the decodes
-    for longer than `max_num_batched_tokens` tokens of compute. The budget trades TTFT (a prompt
-    needs ceil(len / budget) steps) against TPOT (every step carries up to a budget of prompt
-    tokens). Its default is `prefill_chunk_size + max_num_seqs` (256 + 64): room for a whole prompt
-    chunk beside every running request's decode token, so the decodes never split a prompt that
-    fits one chunk into a long step and a short tail step (a 256-token prompt took two steps
-    beside any decode at a budget of 256; docs/serving.md, "Token budget").
-    `reserve_kv` (continuous, role "both"): a concurrency cap derived from the KV budget — a waiting
-    request is admitted only while the blocks every running request may still need (prompt +
-    max_tokens, capped at the context) plus its own fit in the pool, so a running request never
-    has to be preempted and recomputed (on a CPU a recompute costs a whole prefill). Off: admit
-    while the next chunk fits and preempt the newest request when blocks run out (vLLM's way)."""
-
-    policy: str = "continuous"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: prefill_chunk_size + max_num_seqs
-    prefill_chunk_size: int = 256
-    microbatch_size: int | None = None
-    max_in_flight: int = 1
-    swap_regions: int = 0
-    swap_region_blocks: int = 0
-    reserve_kv: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens is None and _positive_int(self.prefill_chunk_size) and _positive_int(self.max_num_seqs):
-            object.__setattr__(self, "max_num_batched_tokens", self.prefill_chunk_size + self.max_num_seqs)
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.swap_regions:
-            if self.swap_regions < 0 or self.swap_region_blocks <= 0:
-                raise ValueError(f"bad swap regions ({self.swap_regions} of {self.swap_region_blocks} blocks)")
-        keys = ["max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_in_flight"]
-        if self.policy == "microbatch" or self.microbatch_size is not None:
-            keys.append("microbatch_size")
-        for key in keys:
-            v = getattr(self, key)
-            if not _positive_int(v):
-                raise ValueError(f"SchedulerConfig.{key} must be a positive integer, got {v!r}")
-        if not isinstance(self.reserve_kv, bool):
-            raise ValueError(f"SchedulerConfig.reserve_kv must be a bool, got {self.reserve_kv!r}")
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@ dispatch, and injected worker failures with their recovery mode."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from kvflow.sched.scheduler import POLICIES, SchedulerConfig
+from kvflow.sched.config import POLICIES, SchedulerConfig, SwapLayout, pipeline_scheduler
 
 BLOCK_SIZE = 16  # KV block size of simulated pools (the engine's default)
 
@@ -98,6 +98,11 @@ class Recovery:
     over the link (`PerfModel.kv_transfer_time`). `measured` takes the costs a real run recorded
     (`benchmarks/fault_tolerance.py`, the controller's `recovery_log`), so the two modes differ by
     what they measurably cost rather than sharing one constant.
+
+    `fence`: which pipelines a failure stops. 'pipeline': only the failed one (independent
+    deployments side by side). 'all': every pipeline of the deployment, as one kvflow controller
+    does (one epoch voids every batch in flight; its loop is busy with the replacement until it is
+    back); `SimConfig.from_cluster` sets it.
     """
 
     mode: str = "resume"
@@ -106,10 +111,13 @@ class Recovery:
     restore_s: float | None = None  # resume only: replica -> replacement (None: modelled from the KV size)
     pipeline_restart_s: float | None = None  # restart only: restart every worker (None: replace one, restart_s)
     from_scratch: bool = False  # restart only: in-flight requests lose their tokens too (FasterTransformer)
+    fence: str = "pipeline"
 
     def __post_init__(self) -> None:
         if self.mode not in ("restart", "resume"):
             raise ValueError("recovery mode must be 'restart' or 'resume'")
+        if self.fence not in ("pipeline", "all"):
+            raise ValueError("recovery fence must be 'pipeline' or 'all'")
         if self.detect_s < 0 or self.restart_s < 0 or any(x is not None and x < 0 for x in (
                 self.restore_s, self.pipeline_restart_s)):
             raise ValueError("recovery times must be non-negative")
@@ -184,9 +192,20 @@ class SimConfig:
             if group is None or f.pipeline >= group.count or f.stage >= group.depth:
                 raise ValueError(f"failure {f} names a worker the layout does not have")
 
-    def scheduler_for(self, spec: PipelineSpec) -> SchedulerConfig:
-        """A pipeline's scheduler config (the same derivation as `ClusterConfig.scheduler_for`)."""
-        return replace(self.scheduler, policy=self.policy, microbatch_size=spec.microbatch, max_in_flight=spec.depth)
+    def swap_layout(self, spec: PipelineSpec, role: str, pool_blocks: int) -> SwapLayout:
+        """Where a pipeline's pool of `pool_blocks` blocks lives: with `swapping`, colocated and token
+        pipelines compute in min(2, depth) device regions of depth regions' worth of host memory
+        (`ClusterConfig.swap_layout`'s layout); prompt pipelines never swap."""
+        if not self.swapping or role == "prompt":
+            return SwapLayout(0, 0, pool_blocks)
+        return SwapLayout.of_pool(pool_blocks, spec.depth)
+
+    def scheduler_for(self, spec: PipelineSpec, role: str | None = None, pool_blocks: int = 0) -> SchedulerConfig:
+        """A pipeline's scheduler config, derived as `ClusterConfig.scheduler_for` derives it. With
+        `role` and its pool's `pool_blocks`, a swapping pipeline's batches fit its device regions as
+        the controller's do (`swap_layout`); without them it has none."""
+        swap = self.swap_layout(spec, role, pool_blocks) if role is not None else None
+        return pipeline_scheduler(self.scheduler, self.policy, spec.depth, spec.microbatch, swap)
 
     @classmethod
     def from_cluster(cls, cluster, max_model_len: int | None = None, **kw) -> "SimConfig":
