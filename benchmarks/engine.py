@@ -49,8 +49,8 @@ def timed(fn, repeats: int) -> float:
 
 def matmul_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
     """The faster of a plain `a @ b` and oneDNN's prepacked linear (the model's prefill path) at n x n x n:
-    in bf16 on an AVX512-BF16 CPU the plain matmul reached ~205 GFLOP/s where the prepacked one,
-    and the model's prefill, reach ~380, so the plain one alone is no ceiling."""
+    in bf16 on an AVX512-BF16 CPU the plain matmul reached about half of what the prepacked one, and
+    the model's prefill, reach, so the plain one alone is no ceiling (docs/results.md, 2026-11-25 serving)."""
     from kvflow.model.llama import Linear
 
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
@@ -211,7 +211,7 @@ def main() -> None:
     print(f"checkpoint load: cold (GGUF conversion) {res['cold_load_s']:.2f}s, warm (cached) {res['warm_load_s']:.3f}s")
     t0 = time.perf_counter()
     # prefix caching off: the repeats send the same prompts, and a cached prefix would skip the prefill
-    # the benchmark times (it reported 12k prefill tok/s, 16x the matmul ceiling, with it on)
+    # the benchmark times (with it on, the reported prefill rate was far above the matmul ceiling)
     llm = LLM(dtype=dtype, num_threads=args.threads, max_num_seqs=64, max_num_batched_tokens=1024, prefill_chunk_size=1024,
               enable_prefix_caching=False)
     res["engine_start_s"] = time.perf_counter() - t0

@@ -22,11 +22,11 @@
    how far the runs lie from their median is printed: the noise floor of the comparison.
 
 Calibration and replays are interleaved: the engine is timed on the grid (one shuffled pass,
-`calibrate.calibrate_engine`, ~15 s) right before every replay, and each round's first replay is
+`calibrate.calibrate_engine`, a short window) right before every replay, and each round's first replay is
 preceded by the worker terms as well (`calibrate.calibrate`); the simulator uses all of them
 merged (`calibrate.merge_profiles`: every sample, the median of each overhead term). This machine's
-speed moves as a whole by up to 15-20% between windows of ~30 s (every grid shape at once: four
-calibrations in a row priced the prefills at a median 1.00 / 1.08 / 1.13 / 1.06x the first), so a
+speed moves as a whole between windows of tens of seconds (every grid shape at once; docs/results.md,
+2026-11-25 fidelity), so a
 profile from one window prices another window's steps off by as much as the target; many short
 windows spread over the run average that out, one per replay (the profile still never sees the
 replays' shapes). The error with the first calibration alone, taken before any replay, is printed
@@ -209,7 +209,7 @@ def main() -> None:
             del backend
             print(f"  {layout:<18} replay {r + 1}/{args.repeats} in {wall:5.0f} s: real {real['throughput_tok_s']:.2f} tok/s, "
                   f"ttft {real['ttft_p50_s']:.2f} s, tpot {real['tpot_p50_s'] * 1e3:.0f} ms", flush=True)
-    # The machine's speed moves as a whole between ~30 s windows; the merged profile averages the
+    # The machine's speed moves as a whole between windows; the merged profile averages the
     # windows taken right before every replay (never their shapes).
     profile = merge_profiles(calibrations, windows)
     if args.reprofile:

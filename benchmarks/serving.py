@@ -133,7 +133,7 @@ async def measure(server: Server, rate: float, seed: int, args) -> dict:
     `bench serve` sends a test prompt first: a server that was stopped while the other ran starts
     each rate warm. `seed` sets the rate's prompts: every rate has its own (both servers get the same
     ones), since both servers cache prefixes, and a rate that repeated an earlier rate's prompts
-    measured cache hits (kvflow's TTFT p50 fell from 337 ms at the first rate to 99 ms at the next)."""
+    measured cache hits (docs/results.md, 2026-11-24 serving, "a correction first")."""
     import httpx
 
     from kvflow.bench.dataset import DatasetSpec, LengthDist, build_requests

@@ -3,7 +3,7 @@
   scale:    1,000 machines and 100,000 requests by default (disaggregated OPT-66B on 2xA100
             machines, and the Baseline-DP layout on the same machines), timed; plus the planner's
             answer for 64. The simulator runs the real scheduler, whose cost is per request and
-            token (~100 us per simulated batch), so a million requests take ~20 minutes.
+            token (measured: docs/results.md, 2026-11-22 simulator).
   distserve: DistServe Fig. 1 (OPT-13B, 512 in / 64 out): goodput per GPU, colocated continuous
             batching vs 2 prefill + 1 decode GPUs, beside the paper's 1.6 vs 3.3 req/s/GPU.
   swapping: DéjàVu Fig. 9: the largest microbatch B without swapping against 2B with microbatch

@@ -9,9 +9,8 @@ import os as _os
 # the variable once, at the process's first large allocation, so it is set here, before torch is
 # imported by anything of kvflow's (worker processes import kvflow first too). Decode streams every
 # weight and the KV once per step; with 4 KB pages each 4 KB is a TLB miss (a two-level walk in a
-# VM). Measured on a 2-core EPYC, fresh processes alternated: bf16 decode step at batch 1 10.6 ->
-# 9.6 ms, batch 16 33.7 -> 29.6 ms, prefill unchanged; docs/model.md. A value the user set wins
-# (THP_MEM_ALLOC_ENABLE=0 turns it off); the kernel's THP mode must allow madvise.
+# VM), so decode steps run faster on huge pages (docs/results.md, 2026-11-25 kernels). A value the
+# user set wins (THP_MEM_ALLOC_ENABLE=0 turns it off); the kernel's THP mode must allow madvise.
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __version__ = "0.1.0"

@@ -111,11 +111,11 @@ def profile_engine(model: str | None, batches: tuple[int, ...], prompt_lens: tup
     prefill sample is the median of its shape's passes; each pass adds `decode_steps` decode
     samples per (batch, context). On a machine whose speed moves over seconds (a shared VM),
     back-to-back repeats let one slow spell price one shape, and the fit's slopes follow it;
-    spread over the whole window, a slow spell touches every shape a little. Measured on a 2-core
-    EPYC VM, four calibrations of each kind alternated: the prompt fit's worst error on its own
-    grid was 9-26% back to back and 6-7% shuffled. What shuffling cannot remove is the machine's
-    speed moving as a whole between windows of ~30 s (every shape 8-15% slower in one calibration
-    than in the one before); `benchmarks/fidelity.py` averages many windows for that."""
+    spread over the whole window, a slow spell touches every shape a little (the prompt fit's worst
+    error on its own grid fell by a multiple: docs/results.md, 2026-11-25 fidelity). What shuffling
+    cannot remove is the machine's speed moving as a whole between windows of tens of seconds
+    (every shape slower in one calibration than in the one before); `benchmarks/fidelity.py`
+    averages many windows for that."""
     import numpy as np
     import torch
 
@@ -165,18 +165,17 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 2, 4), d
     each step result: every stage's compute, summed). A line in the batch size through the one-stage
     measurements gives the pass's cost and its cost per sequence; the median extra of a two-stage
     pass over a one-stage one at the same batch is the cost of one more stage. A prompt pass costs
-    more than a decode pass of as many sequences (measured: one stage, 16-128-token prompts, time
-    to first token minus the prompt pass's compute 5-11 ms, where decode passes gave 3-5): its
+    more than a decode pass of as many sequences (measured on one stage: docs/results.md,
+    2026-11-25 fidelity, "a prompt pass's own overhead"): its
     extra, the first request's time to first token minus the compute of the round's first step
     (its prefill) minus the decode line's price for that step's sequences, median over the
     one-stage rounds, is `prompt_s`.
 
     Both terms of a measurement come from the same steps of the same run, so the step time's own
-    run-to-run noise (5-10% of a ~75 ms step here) cancels. Measured on a 2-core AMD EPYC (fp32,
-    one thread per process): 3.6-4.7 ms at batch 1, 5.2-5.4 at 2, 7.0 at 4, one stage. The earlier
-    single number (the median over batches 1 and 4, charged to every stage) priced a depth-2
-    pipeline's decode step ~6 ms too slow in the fidelity replay, where the median step decodes
-    one sequence and the second stage adds ~1 ms, not a whole round trip."""
+    run-to-run noise cancels. The cost grows with the batch, and a second stage adds a fraction of
+    a round trip, so the earlier single number (the median over batches 1 and 4, charged to every
+    stage) priced a depth-2 pipeline's decode step too slow in the fidelity replay, where the
+    median step decodes one sequence (docs/results.md, 2026-11-25 fidelity)."""
     import asyncio
 
     import numpy as np
@@ -295,23 +294,22 @@ def co_run_slowdown(model: str | None, threads: int = 1, rounds: int = 6) -> tup
 
 # The calibration grid of the benchmarks that compare the simulator with real runs
 # (`benchmarks/fidelity.py`, `benchmarks/fault_tolerance.py`): whole prompts and decode contexts on
-# their own shapes, never the replayed requests'. Prompt lengths are dense at the short end: measured
-# one by one, a one-sequence prefill costs 114 ms at 8 tokens, 165 at 16, 184 at 24, 210 at 32 and
-# 252 at 48 (AVX2 EPYC, fp32, one thread), and a line through a grid of 16 / 48 / 112 alone took
-# its intercept from one noisy short point (priced 24 tokens at 156 ms).
+# their own shapes, never the replayed requests'. Prompt lengths are dense at the short end: a short
+# prefill's cost is far from a line through long ones, and a line through a grid of 16 / 48 / 112
+# alone took its intercept from one noisy short point (docs/results.md, 2026-11-23 fidelity).
 GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS = (1, 2, 4), (8, 16, 24, 32, 48, 80, 112), (24, 96, 224)
 
 
 def calibrate_engine(model: str | None = None, passes: int = 3) -> Profile:
-    """The engine on the grid above (one torch thread) in `passes` shuffled passes; ~10 s a pass
-    for SmolLM2 on 2 cores, plus loading the model."""
+    """The engine on the grid above (one torch thread) in `passes` shuffled passes, plus loading the
+    model: short enough to run right before every replay of a fidelity run."""
     return profile_engine(model, GRID_BATCHES, GRID_PROMPTS, GRID_CONTEXTS, repeats=passes, threads=1)
 
 
 def calibrate(model: str | None = None, passes: int = 3) -> Profile:
     """One calibration on this machine: the engine on the grid above (`calibrate_engine`), the
     overhead of worker pipelines (`executor_overhead`) and the slowdown beside a busy neighbour
-    (`co_run_slowdown`); about 100 s for SmolLM2 on 2 cores."""
+    (`co_run_slowdown`); the slowest part of a fidelity run."""
     from dataclasses import replace
 
     t0 = time.perf_counter()

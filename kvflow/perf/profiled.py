@@ -7,8 +7,8 @@ A stage of a depth-D pipeline pays the intercept and the weight terms (p1, q1) i
 parameters it holds (the last stage holds the LM head) and the attention terms (p2, q2) in
 proportion to its layers. The intercept scales too: on a CPU it is mostly the time to stream the
 weights once per step (a decode step of one sequence is memory-bound) and the per-layer Python
-work, both split among the stages; charging every stage the whole intercept made a depth-2
-pipeline's steps about 1.5x too slow. What a stage pays whatever its share — messages, codec, the
+work, both split among the stages; charging every stage the whole intercept priced a depth-2
+pipeline's steps far too slow. What a stage pays whatever its share — messages, codec, the
 controller's share — is measured by `calibrate.executor_overhead` through worker pipelines of one
 and two stages: per pass `pass_overhead_s + seq_overhead_s * sequences` (the controller's round
 trip, charged to the last stage, whose result ends the pass), `prompt_overhead_s` more when the pass
@@ -17,7 +17,7 @@ prefills (measured as the time to first token minus the prompt pass's compute), 
 The engine's fits include the engine's own host-side work per step (scheduling, sampling,
 outputs: `engine_host_s`, the median of step minus model forward over the decode samples); in a
 worker pipeline that work is the controller's and is inside the pass overhead, so a worker
-stage is priced without it (else it is counted twice; measured 0.7 ms per step on SmolLM2-135M).
+stage is priced without it (else it is counted twice; a small term: docs/results.md, 2026-11-24 fidelity).
 `co_run` is how much slower prefill and decode steps run while another worker process of the same
 host computes (`calibrate.co_run_slowdown`); the simulator applies it to stages that share a host.
 """
@@ -185,7 +185,7 @@ class ProfiledPerfModel(PerfModel):
 
     def stage_step_time(self, batch: BatchShape, depth: int, stage: int) -> float:
         """`step_time` with stage `stage`'s own shares of the weights and layers: with the LM head on
-        the last stage, a depth-2 pipeline's stages differ by ~1.5x on a small model, and a request's
+        the last stage, a depth-2 pipeline's stages differ markedly on a small model, and a request's
         token passes both (its TPOT is their sum, not twice the slower)."""
         return self._priced(batch, depth, *self._stage_shares(depth, stage), stage=stage)
 

@@ -118,10 +118,8 @@ class EngineBackend:
     gives each thread that starts parallel regions a team of its own; once a process has more
     OpenMP threads than CPUs (the main thread's team from loading the model, plus the engine
     thread's) it stops spinning between regions and puts its workers to sleep after each one, and
-    every region then pays a wake-up: measured on 2 cores, bf16, an engine stepping on a second
-    thread after loading on the first took 23.5 against 17 ms per decode step at batch 4 and 34
-    against 27 ms at batch 16 (a 4 x 576 x 3072 `skinny_linear` 316 against 156 us, a small
-    `add` 55 against 9 us).
+    every region then pays a wake-up, which made every decode step and every small op markedly slower
+    (docs/results.md, 2026-11-24 serving, "one OpenMP team per process").
     """
 
     @classmethod

@@ -1,2 +1,3 @@
 """KV-cache streaming (DéjàVuLib): flush/fetch chunks over transports, scatter/gather regions,
-stream_out/stream_in between pipelines of different shapes, and overlap with compute."""
+plan_transfers/stream_out between pipelines of different shapes, the KV connector (KVSender,
+KVReceiver), and the executor sides of the prefix cache's tiers and of microbatch swapping."""

@@ -184,9 +184,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def checksum(payload: memoryview | bytes) -> int:
-    """64-bit XXH3 of the payload: detects corruption like crc32 but hashes cache-resident data at
-    50-60 GB/s here against 1.5-3 for zlib.crc32 (benchmarks/transports.py), and it is computed at
-    both ends of every transfer."""
+    """64-bit XXH3 of the payload: detects corruption like crc32 but hashes cache-resident data
+    more than an order of magnitude faster than zlib.crc32 (benchmarks/transports.py; docs/results.md,
+    2026-11-24 transports), and it is computed at both ends of every transfer."""
     return xxhash.xxh3_64_intdigest(payload)
 
 
@@ -228,9 +228,9 @@ def preferred_chunk_bytes(cache_bytes: int | None = None) -> int:
     """The chunk size the library cuts regions to: the largest power of two within an eighth of the
     last-level cache, between 1 and 16 MB (4 MB on a 32 MB L3; 4 MB where the cache size is not
     known). A chunk's source, its destination and the chunks in flight then stay in cache. Past
-    that copies run at DRAM speed: on the development VM (32 MB L3) a memcpy into a 16 MB slot is
-    3-5x slower than into a 1-4 MB one, and every transport, raw sockets included, is slower at
-    16 MB than at 1-4 MB (docs/streaming.md, "Transport speed and chunk size")."""
+    that copies run at DRAM speed: a memcpy into a chunk as large as half the L3 is several times
+    slower than into one of 1-4 MB, and every transport, raw sockets included, slows down with it
+    (docs/results.md, 2026-11-24 transports)."""
     cache_bytes = _last_level_cache_bytes() if cache_bytes is None else cache_bytes
     if not cache_bytes:
         return 4 << 20

@@ -45,9 +45,9 @@ SendMode = Literal["naive", "buffered", "overlap"]
 SEND_MODES = ("naive", "buffered", "overlap")
 # Overlap mode: consecutive layers of one transfer are packed into one chunk until it holds this
 # many bytes (or the transfer's last layer is written). A chunk costs a pack, a header, a checksum
-# and its share of an acknowledgement whatever its size (TCP moves 64 KB chunks at a third of the
-# raw socket's speed, 1 MB chunks at three quarters, docs/streaming.md); a short prompt's layer is
-# tens of KB, so sending it layer by layer spent more on chunks than on bytes.
+# and its share of an acknowledgement whatever its size (TCP moves 64 KB chunks much further below
+# the raw socket's speed than 1 MB chunks: docs/results.md, 2026-11-23 transports); a short
+# prompt's layer is tens of KB, so sending it layer by layer spent more on chunks than on bytes.
 COALESCE_BYTES = 1 << 20
 
 

@@ -100,6 +100,6 @@ class ChunkReceiver(_Endpoint):
 def buffer_address(buf) -> int:
     """The address of a buffer's first byte (to tell whether a payload already sits in transport memory)."""
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # ~1 us; writable buffers of a byte or more
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # cheap; writable buffers of a byte or more
     except (TypeError, ValueError):
         return np.frombuffer(buf, dtype=np.uint8).ctypes.data
