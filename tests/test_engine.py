@@ -74,7 +74,7 @@ def test_request_that_can_never_fit_is_rejected_and_one_that_cannot_fit_now_wait
         eng.add_request(list(range(30)), SamplingParams(max_tokens=12))
     with pytest.raises(ValueError, match="context length"):
         eng.add_request(list(range(3, 50)) * 6, SamplingParams(max_tokens=4))
-    with pytest.raises(ValueError, match="exceeds the context length"):
+    with pytest.raises(ValueError, match="exceeds this model's maximum context length"):
         eng.add_request([3, 4], SamplingParams(max_tokens=255))
     with pytest.raises(ValueError, match="out of range"):
         eng.add_request([3, 96], GREEDY)

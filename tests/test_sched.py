@@ -7,9 +7,10 @@ import itertools
 import pytest
 
 from kvflow.kv.manager import KVCacheManager
+from kvflow.sched.admission import InvalidRequest, Limits, validate
 from kvflow.sched.request import Request, RequestStatus
 from kvflow.sched.sampling import SamplingParams
-from kvflow.sched.scheduler import Limits, Scheduler, SchedulerConfig, validate
+from kvflow.sched.scheduler import Scheduler, SchedulerConfig
 
 
 _prompts = itertools.count(1)
@@ -213,14 +214,25 @@ def test_rewind_resumes_from_the_replica_without_sampling_again():
     assert a.output_token_ids == [7, 7, 7, 9] and b.output_token_ids == [7, 7, 7, 9]  # one new token each
 
 
-@pytest.mark.parametrize("prompt, max_tokens, match", [
-    ([], 4, "empty"), ([5, 999], 4, "out of range"), (list(range(1, 60)), 4, "context length"),
-    (list(range(1, 40)), 30, "exceeds the context"), (list(range(1, 40)), 10, "KV blocks"),
+@pytest.mark.parametrize("prompt, max_tokens, match, field, code", [
+    ([], 4, "empty", "prompt", None), ([5, 999], 4, "out of range", "prompt", None),
+    (list(range(1, 61)), 4, "no room to generate", "prompt", "context_length_exceeded"),
+    (list(range(1, 40)), 30, "exceeds this model's maximum context", "max_tokens", "context_length_exceeded"),
+    (list(range(1, 40)), 10, "KV blocks", None, None),
 ])
-def test_validate_names_the_problem(prompt, max_tokens, match):
+def test_validate_names_the_problem_and_the_field(prompt, max_tokens, match, field, code):
     r = Request("x", prompt, SamplingParams(max_tokens=max_tokens))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidRequest, match=match) as e:
         validate(r, Limits(60, 100), [KVCacheManager(64, 4), KVCacheManager(10, 4)])
+    assert (e.value.field, e.value.code) == (field, code)
+    assert str(e.value).startswith(field or "the request")
+
+
+def test_sampling_params_name_the_field():
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(top_p=2)
+    assert (e.value.field, e.value.reason, str(e.value)) == ("top_p", "must be in (0, 1], got 2", "top_p must be in (0, 1], got 2")
+    assert e.value.about("nucleus").message == "nucleus must be in (0, 1], got 2"
 
 
 def test_config_is_validated():

@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvflow.sched.admission import InvalidRequest
+
 log = logging.getLogger(__name__)
 
 
@@ -40,10 +42,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-def param_of(message: str) -> str | None:
-    """`SamplingParams` messages start with the field name ("top_p must be ..."): report it as `param`."""
-    head = message.split(" ", 1)[0]
-    return head if head.isidentifier() else None
+def invalid_request(e: ValueError, prompt_param: str, max_tokens_param: str = "max_tokens") -> APIError:
+    """A request the admission checks or `SamplingParams` refused (`InvalidRequest`, or any ValueError a
+    backend raises) as a 400 naming the field the client sent: an error about the prompt or the request
+    as a whole names `prompt_param` ("messages" for chat), one about max_tokens `max_tokens_param`."""
+    if not isinstance(e, InvalidRequest):
+        return bad_request(str(e), prompt_param)
+    if e.field == "max_tokens":
+        e = e.about(max_tokens_param)
+    return bad_request(e.message, prompt_param if e.field in (None, "prompt") else e.field, e.code)
 
 
 def field_path(loc: tuple | list) -> str | None:

@@ -20,12 +20,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from kvflow.api.drain import Drain
-from kvflow.api.errors import APIError, bad_request, param_of, unavailable
+from kvflow.api.errors import APIError, invalid_request, unavailable
 from kvflow.api.metrics import APIMetrics
 from kvflow.api.prepare import Prepared
 from kvflow.api.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                 ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse, SamplingFields,
-                                 Usage)
+                                 ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse, Usage)
 from kvflow.sched.request import RequestOutput
 from kvflow.serving.backend import Backend, BackendUnavailable
 
@@ -143,8 +142,7 @@ async def start(backend: Backend, prepared: Prepared, request_id: str, request: 
         first = await race(anext(agen), drain, request)
     except ValueError as e:
         await agen.aclose()
-        head = param_of(str(e))
-        raise bad_request(str(e), head if head in SamplingFields.model_fields else prepared.prompt_param) from e
+        raise invalid_request(e, prepared.prompt_param, prepared.max_tokens_param) from e
     except BackendUnavailable as e:
         await agen.aclose()
         raise unavailable(f"the serving backend cannot take requests now: {e}; try again later") from e

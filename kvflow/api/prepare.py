@@ -1,4 +1,5 @@
-"""Turns a parsed request body into prompt token ids and `SamplingParams`, enforcing the context limits.
+"""Turns a parsed request body into prompt token ids and `SamplingParams`, enforcing the context limits
+with the scheduler's own admission checks (`kvflow.sched.admission`).
 
 Every problem becomes an `APIError` (400, or 404 `model_not_found`) that names the offending field.
 Tokenization and chat templating can take seconds for a huge prompt, so the server runs `prepare_*`
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvflow.api.errors import APIError, bad_request, param_of
+from kvflow.api.errors import APIError, bad_request, invalid_request
 from kvflow.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from kvflow.sched.sampling import SamplingParams
 from kvflow.model.tokenizer import Tokenizer
+from kvflow.sched.admission import InvalidRequest, Limits, check_params, check_prompt
+from kvflow.sched.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -26,6 +28,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     prompt_param: str  # the field a backend's complaint about the prompt is reported against
+    max_tokens_param: str = "max_tokens"  # the field the client sent max_tokens in
 
 
 def check_model(req: SamplingFields, model_name: str) -> None:
@@ -48,22 +51,13 @@ def _reject_unsupported(req: SamplingFields) -> None:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
-def completion_prompt(req: CompletionRequest, tokenizer: Tokenizer, vocab_size: int | None) -> list[int]:
+def completion_prompt(req: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
             raise bad_request(f"prompt must be a single prompt (batches are not supported), got {len(p)}", "prompt")
         p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise bad_request("prompt is empty", "prompt")
-        return tokenizer.encode(p)
-    ids = list(p)
-    if not ids:
-        raise bad_request("prompt is empty", "prompt")
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
-        raise bad_request(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-    return ids
+    return tokenizer.encode(p) if isinstance(p, str) and p else list(p)  # (an empty one: the admission check's)
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
@@ -80,38 +74,34 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
         raise bad_request(str(e), "messages") from e
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, prompt_len: int, max_model_len: int,
-                    prompt_param: str, vocab_size: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
-    """Validates lengths against the context, then builds `SamplingParams` (its ValueError -> 400)."""
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in req.stop_token_ids or ()):
-        raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size})", "stop_token_ids")
-    if prompt_len >= max_model_len:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                          f"{prompt_len} tokens, leaving no room to generate", prompt_param, "context_length_exceeded")
-    room = max_model_len - prompt_len
+def sampling_params(req: SamplingFields, max_tokens: int | None, prompt: list[int], limits: Limits) -> SamplingParams:
+    """Checks the prompt against the limits, then builds `SamplingParams` and checks them (raises `InvalidRequest`)."""
+    check_prompt(prompt, limits)
     if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, room)
-    elif isinstance(max_tokens, int) and max_tokens > room:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} "
-                          f"tokens and {max_tokens_param} is {max_tokens} (total {prompt_len + max_tokens})", max_tokens_param,
-                          "context_length_exceeded")
+        max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_model_len - len(prompt))
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        seed=req.seed,
+        stop=req.stop or (),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+    )
+    check_params(params, len(prompt), limits)
+    return params
+
+
+def _prepared(req: SamplingFields, ids: list[int], max_tokens: int | None, limits: Limits, prompt_param: str,
+              max_tokens_param: str) -> Prepared:
     try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            seed=req.seed,
-            stop=req.stop or (),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-            min_tokens=req.min_tokens,
-        )
-    except ValueError as e:
-        message, param = str(e), param_of(str(e))
-        if param == "max_tokens":  # the chat field the client actually sent
-            message, param = max_tokens_param + message[len(param):], max_tokens_param
-        raise bad_request(message, param) from e
+        params = sampling_params(req, max_tokens, ids, limits)
+    except InvalidRequest as e:
+        raise invalid_request(e, prompt_param, max_tokens_param) from e
+    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), prompt_param,
+                    max_tokens_param)
 
 
 def prepare_completion(req: CompletionRequest, model_name: str, tokenizer: Tokenizer, max_model_len: int,
@@ -124,9 +114,8 @@ def prepare_completion(req: CompletionRequest, model_name: str, tokenizer: Token
         raise bad_request("logprobs are not supported", "logprobs")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    ids = completion_prompt(req, tokenizer, vocab_size)
-    params = sampling_params(req, req.max_tokens, len(ids), max_model_len, "prompt", vocab_size)
-    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), "prompt")
+    ids = completion_prompt(req, tokenizer)
+    return _prepared(req, ids, req.max_tokens, Limits(max_model_len, vocab_size), "prompt", "max_tokens")
 
 
 def prepare_chat(req: ChatCompletionRequest, model_name: str, tokenizer: Tokenizer, max_model_len: int,
@@ -137,5 +126,4 @@ def prepare_chat(req: ChatCompletionRequest, model_name: str, tokenizer: Tokeniz
         raise bad_request("max_tokens and max_completion_tokens disagree; send one of them", "max_completion_tokens")
     which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     ids = chat_prompt(req, tokenizer)
-    params = sampling_params(req, getattr(req, which), len(ids), max_model_len, "messages", vocab_size, which)
-    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), "messages")
+    return _prepared(req, ids, getattr(req, which), Limits(max_model_len, vocab_size), "messages", which)

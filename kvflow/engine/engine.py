@@ -15,7 +15,8 @@ from kvflow.sched.request import Request, RequestOutput
 from kvflow.engine.runner import ModelRunner
 from kvflow.sched.sampling import SamplingParams
 from kvflow.config import EngineConfig
-from kvflow.sched.scheduler import Limits, Scheduler, validate
+from kvflow.sched.admission import Limits, validate
+from kvflow.sched.scheduler import Scheduler
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.kv.manager import KVCacheManager
 from kvflow.streaming.tier_store import TierStore

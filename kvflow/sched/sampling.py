@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.sched.admission import InvalidRequest
+
 _GREEDY_EPS = 1e-5
 
 
@@ -37,21 +39,21 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+            raise InvalidRequest("temperature", f"must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+            raise InvalidRequest("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            raise InvalidRequest("seed", f"must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise InvalidRequest("stop", f"must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise InvalidRequest("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+            raise InvalidRequest("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:

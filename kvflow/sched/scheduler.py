@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kvflow.kv.manager import KVCacheManager, PrefixHit, blocks_for
 from kvflow.kv.tiers import TierPlan
+from kvflow.sched.admission import Limits, validate  # noqa: F401  (re-exported: the controller imports them here)
 from kvflow.sched.config import POLICIES, ROLES, SchedulerConfig  # noqa: F401  (re-exported)
 from kvflow.sched.request import Request, RequestStatus
 
@@ -68,40 +69,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What every request must fit: the context length and the KV pool(s) it will occupy."""
-
-    max_model_len: int
-    vocab_size: int | None = None
-    max_blocks: int | None = None  # most blocks one request may hold (swapping: a device region)
-
-
-def validate(request: Request, limits: Limits, pools: list[KVCacheManager]) -> None:
-    """Raise ValueError for a request that could never run (the one admission check of every mode)."""
-    n = request.num_prompt_tokens
-    if n == 0:
-        raise ValueError("prompt is empty")
-    if limits.vocab_size is not None:
-        bad = [t for t in request.prompt_token_ids if not (isinstance(t, int) and 0 <= t < limits.vocab_size)]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {limits.vocab_size}): {bad[:5]}")
-    total = n + request.params.max_tokens
-    if n >= limits.max_model_len:
-        raise ValueError(f"prompt has {n} tokens; the context length is {limits.max_model_len}")
-    if total > limits.max_model_len:
-        raise ValueError(f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
-                         f"exceeds the context length {limits.max_model_len}")
-    if limits.max_blocks is not None and pools and blocks_for(total, pools[0].block_size) > limits.max_blocks:
-        raise ValueError(f"request needs up to {blocks_for(total, pools[0].block_size)} KV blocks ({total} tokens) but "
-                         f"a device region of the swapping pipeline holds {limits.max_blocks}; raise the KV cache size")
-    for kv in pools:
-        need = blocks_for(total, kv.block_size)
-        if need > kv.num_blocks:
-            raise ValueError(f"request needs up to {need} KV blocks ({total} tokens) but the cache has only "
-                             f"{kv.num_blocks} ({kv.capacity_tokens} tokens); raise the KV cache size")
 
 
 class Scheduler:
