@@ -3,33 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvflow.bench.client import RequestResult
+from kvflow.slo import SLO
 
 PCTS = (50, 90, 99)
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft: float | None = None  # seconds
-    tpot: float | None = None  # seconds per output token
-
-    def __post_init__(self) -> None:
-        for name in ("ttft", "tpot"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise ValueError(f"{name} SLO must be positive, got {v}")
-
-    def met(self, r: RequestResult) -> bool:
-        if not r.ok:
-            return False
-        ttft_ok = self.ttft is None or (r.ttft is not None and r.ttft <= self.ttft)
-        tpot_ok = self.tpot is None or r.tpot is None or r.tpot <= self.tpot  # one-token answers have no TPOT
-        return ttft_ok and tpot_ok
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -43,7 +24,7 @@ def summarize(rate: float, results: list[RequestResult], num_sent: int, num_plan
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_len for r in ok)
     prompt_tokens = sum(r.prompt_len for r in ok)
-    good = sum(slo.met(r) for r in ok)
+    good = int(slo.met([r.ttft for r in ok], [r.tpot or 0.0 for r in ok]).sum())  # (one-token answers have no TPOT)
     errors = sorted({r.error for r in results if r.error})[:5]
     return {
         "rate": rate,

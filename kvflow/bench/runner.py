@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from kvflow.bench.client import RequestResult, check_local, send
 from kvflow.bench.dataset import BenchRequest, DatasetSpec, build_requests
-from kvflow.bench.report import SLO, summarize
+from kvflow.bench.report import summarize
+from kvflow.slo import SLO
 
 MAX_DURATION_S = 3600.0
 

@@ -121,7 +121,7 @@ def cmd_plan(args) -> int:
         return _plan_goodput(args)
     from kvflow.planner import SearchSpace, recommend
     from kvflow.planner.goodput import max_rate
-    from kvflow.simulator import SLO
+    from kvflow.slo import SLO
 
     if (args.ttft_slo is None) != (args.tpot_slo is None):  # bad arguments fail before the search
         raise ValueError("give both --ttft-slo and --tpot-slo")
@@ -197,7 +197,7 @@ def _plan_goodput(args) -> int:
     """DistServe's Algorithm 1: prefill and decode instances chosen separately by simulated goodput
     per device, replicated to carry --rate; the best colocated instance alongside."""
     from kvflow.planner.placement import GoodputSpace, PlacementSearch
-    from kvflow.simulator import SLO
+    from kvflow.slo import SLO
 
     if args.rate is None or args.ttft_slo is None or args.tpot_slo is None:
         raise ValueError("--goal goodput needs --rate, --ttft-slo and --tpot-slo")
@@ -269,7 +269,8 @@ def _recovery(args):
 
 def cmd_simulate(args) -> int:
     from kvflow.planner.report import mean_ratio, save, sweep, table
-    from kvflow.simulator import SLO, Failure, SimConfig, simulate
+    from kvflow.simulator import Failure, SimConfig, simulate
+    from kvflow.slo import SLO
     from kvflow.simulator.scenario import load_scenario
 
     if args.scenario:

@@ -286,7 +286,8 @@ def _length_dist(spec: str | None):
 
 def run_bench_serve(args) -> int:
     from kvflow.bench.dataset import DatasetSpec
-    from kvflow.bench.report import SLO, max_sustained_rate, save, table
+    from kvflow.bench.report import max_sustained_rate, save, table
+    from kvflow.slo import SLO
     from kvflow.bench.runner import BenchConfig, run_sweep
 
     try:

@@ -11,9 +11,9 @@ from typing import Callable
 
 from kvflow.perf.perf_model import PerfModel
 from kvflow.simulator.config import Layout, SimConfig
-from kvflow.simulator.metrics import SLO
 from kvflow.simulator.simulator import simulate
 from kvflow.simulator.workload import Workload
+from kvflow.slo import SLO
 
 
 @dataclass(frozen=True)

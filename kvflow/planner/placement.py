@@ -34,9 +34,9 @@ from kvflow.planner.goodput import search_rate
 from kvflow.planner.search import fits
 from kvflow.sched.scheduler import SchedulerConfig
 from kvflow.simulator.config import Layout, PipelineSpec, SimConfig
-from kvflow.simulator.metrics import SLO
 from kvflow.simulator.simulator import simulate
 from kvflow.simulator.workload import Workload
+from kvflow.slo import SLO
 
 
 @dataclass(frozen=True)

@@ -9,33 +9,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvflow.simulator.config import Layout
+from kvflow.slo import SLO
 
 if TYPE_CHECKING:
     from kvflow.simulator.simulator import Simulator
-
-
-@dataclass(frozen=True)
-class SLO:
-    """Latency targets, the one SLO type of planner and simulator: time to first token and time per
-    output token, in seconds; None means no target on that metric."""
-
-    ttft: float | None = None
-    tpot: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("ttft", "tpot"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"{name} SLO must be positive, got {v}")
-
-    def met(self, ttft: np.ndarray, tpot: np.ndarray) -> np.ndarray:
-        """Which requests meet both targets (one-token answers have no TPOT: 0 here, always met)."""
-        ok = np.ones(np.shape(ttft), dtype=bool)
-        if self.ttft is not None:
-            ok &= ttft <= self.ttft
-        if self.tpot is not None:
-            ok &= tpot <= self.tpot
-        return ok
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,10 @@ from api_helpers import tiny_backend
 from kvflow.api.server import BackgroundServer
 from kvflow.bench.client import RequestResult
 from kvflow.bench.dataset import DatasetSpec, build_requests
-from kvflow.bench.report import SLO, max_sustained_rate, summarize
+from kvflow.bench.report import max_sustained_rate, summarize
 from kvflow.cli.main import main
 from kvflow.simulator.workload import LengthDist
+from kvflow.slo import SLO
 
 TRACE = Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")
 

@@ -12,7 +12,8 @@ from kvflow.perf import AnalyticPerfModel, BatchShape, Profile, ProfiledPerfMode
 from kvflow.perf.profiled import nonneg_lstsq
 from kvflow.planner import SearchSpace, colocated_layouts, max_rate, recommend
 from kvflow.planner.formulas import Infeasible
-from kvflow.simulator import SLO, LengthDist, Layout, PipelineSpec, synthetic
+from kvflow.simulator import LengthDist, Layout, PipelineSpec, synthetic
+from kvflow.slo import SLO
 
 
 def test_model_shape_bytes():

@@ -12,8 +12,8 @@ from kvflow.perf.perf_model import PerfModel
 from kvflow.planner.formulas import Infeasible
 from kvflow.planner.goodput import search_rate
 from kvflow.planner.placement import GoodputSpace, PhaseConfig, PlacementSearch
-from kvflow.simulator import SLO
 from kvflow.simulator.workload import Workload
+from kvflow.slo import SLO
 from tests.simulator.sim_helpers import TINY
 
 Y, T0, C = 0.1, 0.02, 0.001  # seconds: a whole prompt; a decode step's fixed and per-sequence parts
