@@ -78,16 +78,16 @@ async def trial(ctrl, t: int, rng: random.Random, expected) -> dict:
             if out.finished and out.finish_reason != "length":
                 errors.append(out.error or out.finish_reason)
 
-    before = (ctrl.recoveries, ctrl.resumed, ctrl.recomputed_tokens, ctrl.lost_tokens, ctrl.recovery_seconds)
+    before = (ctrl.recovery.recoveries, ctrl.recovery.resumed, ctrl.recovery.recomputed_tokens, ctrl.recovery.lost_tokens, ctrl.recovery.recovery_seconds)
     tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
     await asyncio.wait_for(hit.wait(), 300)
     victim = rng.choice(sorted(ctrl.stages))
     proc = ctrl.stages[victim].process
     os.kill(proc.pid, signal.SIGKILL)
     await asyncio.wait_for(asyncio.gather(*tasks), 600)
-    while ctrl.recoveries == before[0]:  # the request may finish before the loss is noticed: wait for it
+    while ctrl.recovery.recoveries == before[0]:  # the request may finish before the loss is noticed: wait for it
         await asyncio.sleep(0.01)
-    after = (ctrl.recoveries, ctrl.resumed, ctrl.recomputed_tokens, ctrl.lost_tokens, ctrl.recovery_seconds)
+    after = (ctrl.recovery.recoveries, ctrl.recovery.resumed, ctrl.recovery.recomputed_tokens, ctrl.recovery.lost_tokens, ctrl.recovery.recovery_seconds)
     d = [a - b for a, b in zip(after, before)]
     ok = streamed == expected and not errors
     return {"trial": t, "victim": victim, "after_tokens": trigger, "ok": ok, "errors": errors,

@@ -67,7 +67,7 @@ async def batch(ctrl, tag: str, ps, new: int, kill: str | None = None, kill_afte
             if out.finished and out.finish_reason != "length":
                 raise RuntimeError(f"{tag}: request {i} ended with {out.finish_reason}: {out.error}")
 
-    n_rec = len(ctrl.recovery_log)
+    n_rec = len(ctrl.recovery.log)
     t0 = time.perf_counter()
     tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(ps)]
     killed_at = None
@@ -79,9 +79,9 @@ async def batch(ctrl, tag: str, ps, new: int, kill: str | None = None, kill_afte
     wall = time.perf_counter() - t0
     res = {"wall_s": wall, "tokens": tokens, "out_tok_s": sum(map(len, tokens)) / wall}
     if kill is not None:
-        while len(ctrl.recovery_log) == n_rec:
+        while len(ctrl.recovery.log) == n_rec:
             await asyncio.sleep(0.01)
-        res["costs"] = costs_of(ctrl.recovery_log[n_rec], killed_at)
+        res["costs"] = costs_of(ctrl.recovery.log[n_rec], killed_at)
         res["recovery_s"] = res["costs"]["total_s"]
     return res
 
@@ -101,7 +101,7 @@ async def stream(ctrl, tag: str, rng: random.Random, args, kill_at: list[float],
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
     done: list[float] = []
     kills: list[tuple[float, float]] = []  # (s from the start, time.monotonic())
-    n_rec = len(ctrl.recovery_log)
+    n_rec = len(ctrl.recovery.log)
     t0 = time.perf_counter()
 
     async def one(i, p):
@@ -114,7 +114,7 @@ async def stream(ctrl, tag: str, rng: random.Random, args, kill_at: list[float],
             await asyncio.sleep(max(0.0, t - (time.perf_counter() - t0)))
             kills.append((time.perf_counter() - t0, time.monotonic()))
             os.kill(ctrl.stages[victim].process.pid, signal.SIGKILL)
-        while len(ctrl.recovery_log) < n_rec + len(kill_at):
+        while len(ctrl.recovery.log) < n_rec + len(kill_at):
             await asyncio.sleep(0.01)
 
     tasks, k = [], asyncio.ensure_future(killer())
@@ -124,7 +124,7 @@ async def stream(ctrl, tag: str, rng: random.Random, args, kill_at: list[float],
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
         tasks.append(asyncio.ensure_future(one(i, p)))
     await asyncio.gather(*tasks, k)
-    costs = [costs_of(r, m) for r, (_, m) in zip(ctrl.recovery_log[n_rec:], kills)]
+    costs = [costs_of(r, m) for r, (_, m) in zip(ctrl.recovery.log[n_rec:], kills)]
     return {"arrivals": arrivals, "done": sorted(done), "kill_at": [t for t, _ in kills], "costs": costs}
 
 

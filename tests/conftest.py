@@ -162,7 +162,7 @@ def on_loop_thread(ctrl, *steps) -> list:
     event loop late cannot move the failure past the end of the requests. Returns the list of
     `ctrl.generated` at each action (what has fired)."""
     fired: list[int] = []
-    handle = ctrl._handle
+    handle = ctrl.handle
 
     def hooked(msg, tensor) -> None:
         handle(msg, tensor)
@@ -170,5 +170,5 @@ def on_loop_thread(ctrl, *steps) -> list:
             fired.append(ctrl.generated)
             steps[len(fired) - 1][1]()
 
-    ctrl._handle = hooked
+    ctrl.handle = hooked
     return fired

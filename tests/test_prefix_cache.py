@@ -268,7 +268,7 @@ def test_a_killed_worker_with_shared_cached_blocks_changes_no_token(tiny_ckpt_di
             outs += await asyncio.wait_for(asyncio.gather(*tasks), 300)
             shared = seen.get("shared", 0)
             deadline = asyncio.get_running_loop().time() + 120
-            while ctrl.recoveries < 1:
+            while ctrl.recovery.recoveries < 1:
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.01)
             return outs, shared, ctrl.stats(), [p_.kv.num_free_blocks for p_ in ctrl.pipelines]

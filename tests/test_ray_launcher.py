@@ -164,11 +164,11 @@ def test_a_killed_actor_is_detected_and_replaced_by_the_launcher(cluster, tiny_c
             results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
             assert fired, "the failure was meant to strike while requests were running"
             deadline = time.monotonic() + 120
-            while ctrl.recoveries < 1 and ctrl.failure is None:
+            while ctrl.recovery.recoveries < 1 and ctrl.failure is None:
                 assert time.monotonic() < deadline, "no recovery after 120 s"
                 await asyncio.sleep(0.01)
             new = ctrl.stages[victim].process.where
-            return results, before, old, new, (ctrl.failures, ctrl.recoveries, ctrl.resumed, ctrl.healthy())
+            return results, before, old, new, (ctrl.recovery.failures, ctrl.recovery.recoveries, ctrl.recovery.resumed, ctrl.healthy())
         finally:
             await ctrl.shutdown()
             launcher.close()

@@ -44,8 +44,8 @@ async def recovered(ctrl: Controller, n: int) -> None:
     remaining requests no longer need (a prompt worker once every prompt is through) can be
     detected after they finish; the test must not end before its recovery does."""
     deadline = time.monotonic() + 120
-    while ctrl.recoveries < n and ctrl.failure is None:
-        assert time.monotonic() < deadline, f"{ctrl.recoveries} of {n} recoveries after 120 s"
+    while ctrl.recovery.recoveries < n and ctrl.failure is None:
+        assert time.monotonic() < deadline, f"{ctrl.recovery.recoveries} of {n} recoveries after 120 s"
         await asyncio.sleep(0.01)
 
 
@@ -88,9 +88,9 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
             assert fired, "the failure was meant to strike while requests were running"
             await recovered(ctrl, 1)
-            counters.update(failures=ctrl.failures, recoveries=ctrl.recoveries, resumed=ctrl.resumed,
-                            lost=ctrl.lost_tokens, recomputed=ctrl.recomputed_tokens)
-            return streamed, finals, (ctrl.failures, ctrl.recoveries, ctrl.healthy())
+            counters.update(failures=ctrl.recovery.failures, recoveries=ctrl.recovery.recoveries, resumed=ctrl.recovery.resumed,
+                            lost=ctrl.recovery.lost_tokens, recomputed=ctrl.recovery.recomputed_tokens)
+            return streamed, finals, (ctrl.recovery.failures, ctrl.recovery.recoveries, ctrl.healthy())
         finally:
             if stopped is not None and stopped.poll() is None:
                 os.kill(stopped.pid, signal.SIGCONT)  # fenced already; make sure nothing lingers
@@ -185,7 +185,7 @@ def test_two_failures_in_a_row(tiny_ckpt_dir):
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
             assert len(fired) == 2, fired
             await recovered(ctrl, 2)
-            return streamed, ctrl.failures, ctrl.recoveries
+            return streamed, ctrl.recovery.failures, ctrl.recovery.recoveries
         finally:
             await ctrl.shutdown()
 
@@ -229,7 +229,7 @@ def test_a_failure_during_recovery_is_retried(tiny_ckpt_dir):
         try:
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
             assert fired
-            return streamed, ctrl.failures, ctrl.recoveries, launcher.starts
+            return streamed, ctrl.recovery.failures, ctrl.recovery.recoveries, launcher.starts
         finally:
             await ctrl.shutdown()
 

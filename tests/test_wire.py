@@ -187,7 +187,7 @@ def test_hostile_bytes_on_every_internal_port_change_nothing(tiny_ckpt_dir):
             time.sleep(0.05)  # the workers report their counts with their heartbeats
         assert ctrl.dropped_messages > 0 and all(s.dropped_messages > 0 for s in ctrl.stages.values())
         assert ctrl.healthy() and all(s.process.poll() is None for s in ctrl.stages.values())
-        assert ctrl.failures == 0 and ctrl.recoveries == 0
+        assert ctrl.recovery.failures == 0 and ctrl.recovery.recoveries == 0
         assert asyncio.run(one(ctrl, "after")) == expected
     finally:
         for s in pushers + dealers:

@@ -1,5 +1,5 @@
-"""One pipeline of worker processes as the controller sees it: its stages, its block pool, its
-scheduler (the one scheduling core, `kvflow.sched`) and the batches it has in flight."""
+"""One pipeline of worker processes as the controller sees it: the executor's state of it (its
+scheduler, block pool, queue and batches in flight) plus its stages and their replication."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from kvflow.config import PipelineSpec
 from kvflow.controller.launcher import WorkerHandle
 from kvflow.kv.manager import KVCacheManager
-from kvflow.sched.scheduler import Scheduler, SchedulerOutput
-
-LOG_LEN = 100_000
+from kvflow.sched.executor import LOG_LEN, PipelineState
+from kvflow.sched.scheduler import Scheduler
 
 
 def even_split(num_layers: int, depth: int) -> list[tuple[int, int]]:
@@ -41,39 +40,21 @@ class StageHandle:
     alive: bool = True
 
 
-@dataclass
-class Pipeline:
-    """`depth` stages; up to `depth` batches of its scheduler in flight (one per stage)."""
+class Pipeline(PipelineState):
+    """`depth` stages; up to `depth` batches of its scheduler in flight (one per stage); what the
+    executor needs of it is `PipelineState`'s."""
 
-    spec: PipelineSpec
-    stages: list[StageHandle]
-    kv: KVCacheManager
-    sched: Scheduler
-    in_flight: dict[int, SchedulerOutput] = field(default_factory=dict)
-    pending_free: list[str] = field(default_factory=list)  # forget these with the next step
-    # The latest LOG_LEN batches, for tests and benchmarks: (scheduler batch id, [(request, new tokens)])
-    # and (tokens, the step's compute seconds summed over the stages).
-    batch_log: deque[tuple[int, list[tuple[str, int]]]] = field(default_factory=lambda: deque(maxlen=LOG_LEN))
-    step_log: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=LOG_LEN))
-    # replication watermark: stage -> request -> tokens [0, n) of that stage's KV held by its replica
-    watermark: dict[int, dict[str, int]] = field(default_factory=dict)
-    ready: deque = field(default_factory=deque)  # token role, microbatch policy: KV in place (`sched.handoff`)
+    def __init__(self, spec: PipelineSpec, stages: list[StageHandle], kv: KVCacheManager, sched: Scheduler) -> None:
+        super().__init__(spec.role, len(stages), spec.microbatch_size, sched, kv)
+        self.spec, self.stages = spec, stages
+        # (tokens, the step's compute seconds summed over the stages) of the latest LOG_LEN steps
+        self.step_log: deque[tuple[int, float]] = deque(maxlen=LOG_LEN)
+        # replication watermark: stage -> request -> tokens [0, n) of that stage's KV held by its replica
+        self.watermark: dict[int, dict[str, int]] = {}
 
     @property
     def name(self) -> str:
         return self.spec.name
-
-    @property
-    def role(self) -> str:
-        return self.spec.role
-
-    @property
-    def depth(self) -> int:
-        return len(self.stages)
-
-    @property
-    def microbatch(self) -> int:
-        return self.spec.microbatch_size
 
     @property
     def layer_bounds(self) -> list[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvflow.simulator.executor import SimPipeline
+    from kvflow.simulator.pipeline import SimPipeline
     from kvflow.simulator.simulator import Simulator
 
 
@@ -44,15 +44,16 @@ class PassDone(Event):
 
 
 class KVReady(Event):
-    """The prompt KV of request `rid` is complete on the token side (void if it was re-planned)."""
+    """The prompt KV of request `rid`, sent as `part`, is complete on the token side (void if it was
+    re-planned since)."""
 
-    __slots__ = ("rid",)
+    __slots__ = ("rid", "part")
 
-    def __init__(self, time: float, rid: str) -> None:
-        self.time, self.rid = time, rid
+    def __init__(self, time: float, rid: str, part) -> None:
+        self.time, self.rid, self.part = time, rid, part
 
     def handle(self, sim: "Simulator") -> list[Event]:
-        return sim.on_kv_ready(self.time, self.rid)
+        return sim.on_kv_ready(self.time, self.rid, self.part)
 
 
 class WorkerFailure(Event):

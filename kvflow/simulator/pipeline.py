@@ -1,5 +1,6 @@
-"""One simulated pipeline: the real scheduler (`kvflow.sched.Scheduler`) over a block pool, and the
-clocks of its stages and their KV links — the simulator's counterpart of `controller/pipeline.py`.
+"""One simulated pipeline: the executor's view of it (`kvflow.sched.executor.PipelineState`: the
+real scheduler over a block pool, its queue and batches in flight) plus the clocks of its stages and
+their KV links — the simulator's counterpart of `controller/pipeline.py`.
 
 Every stage of a pipeline takes the same time for a given batch and serves in arrival order, so a
 batch's whole pass is placed on all stages when it is sent to stage 0 (the tandem-queue recursion
@@ -14,42 +15,34 @@ from dataclasses import dataclass
 
 from kvflow.kv.manager import KVCacheManager
 from kvflow.perf.perf_model import PerfModel
-from kvflow.sched.scheduler import Scheduler, SchedulerOutput
+from kvflow.sched.executor import PipelineState
+from kvflow.sched.scheduler import Scheduler
 from kvflow.simulator.config import PipelineSpec
 
 
 @dataclass
 class Pass:
-    """A batch in flight: its scheduler output, its stage time, and (prompt role) when the KV it
+    """What the clock knows of a batch in flight: its stage time, and (prompt role) when the KV it
     computed has left every stage."""
 
-    out: SchedulerOutput
     stage_time: float
     kv_done: float = 0.0
 
 
-class SimPipeline:
+class SimPipeline(PipelineState):
     """`depth` machines in a line running one `Scheduler` with up to `depth` batches in flight; `perf`
     prices its steps, transfers and memory (prompt and token pipelines may run on different
     hardware or tensor-parallel degrees)."""
 
     def __init__(self, role: str, index: int, spec: PipelineSpec, kv: KVCacheManager, sched: Scheduler,
-                 queue: deque, perf: PerfModel) -> None:
-        self.role, self.index, self.spec, self.kv, self.sched, self.perf = role, index, spec, kv, sched, perf
-        self.depth = spec.depth
-        self.queue = queue  # requests waiting for this pipeline (shared with its group, or its own)
+                 queue: deque, perf: PerfModel, log_batches: bool = False) -> None:
+        super().__init__(role, spec.depth, spec.microbatch, sched, kv, queue, log_batches)
+        self.index, self.spec, self.perf = index, spec, perf
         self.stage_free = [0.0] * spec.depth
         self.link_free = [0.0] * spec.depth  # prompt role: when each stage's KV link is next free
-        self.in_flight: dict[int, Pass] = {}
+        self.passes: dict[int, Pass] = {}  # wire id -> clock data of the batches in `in_flight`
         self.busy = 0.0  # seconds each stage computed (the same on every stage); counted on completion
         self.epoch = 0  # bumped by a failure: passes placed in an older epoch are void
-        self.down = False
-        self.ready: deque = deque()  # token role, microbatch policy: requests whose KV is in place
-        self.batch_log: list[list[tuple[str, int]]] = []  # [(request_id, num_new_tokens)] per batch
-
-    @property
-    def microbatch(self) -> int:
-        return self.spec.microbatch
 
     def place(self, now: float, stage_time: float, hop: float, duration=None) -> list[tuple[float, float]]:
         """Place one pass sent to stage 0 at `now`; return each stage's (start, end). `duration(k,
@@ -77,6 +70,7 @@ class SimPipeline:
     def fail(self, back_at: float) -> None:
         """Void every pass in flight; stages and links are unavailable until `back_at`."""
         self.epoch += 1
+        self.passes.clear()
         self.down = True
         self.stage_free = [back_at] * self.depth
         self.link_free = [max(x, back_at) for x in self.link_free]

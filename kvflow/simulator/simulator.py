@@ -1,17 +1,15 @@
-"""The discrete-event simulator: a simulated executor of the real scheduling core.
+"""The discrete-event simulator: the simulated driver of the pipeline executor.
 
-Each pipeline runs `kvflow.sched.Scheduler` over a `KVCacheManager` block pool, and the loop is the
-controller's (`kvflow/controller/controller.py`) with modelled step times instead of worker
-processes: while a pipeline has fewer than `depth` batches in flight, `out = sched.schedule()` and
-the batch is placed on its stages with the performance model's `step_time`; when the pass leaves the
-last stage, every request that completed its prompt gets a token and `sched.update(out, sampled)`
-applies it. Colocated pipelines (Baseline, Baseline-DP) have role "both". Disaggregated layouts have
-prompt pipelines (role "prompt"; admission reserves the token-side blocks, `admit_hook`) whose
-stages stream each layer's KV over their own link as they compute it; a request joins a token
-pipeline (`add_running`, or a token microbatch) once its first token is sampled and its KV is in;
-a request preempted on the token side is recomputed by a prompt pipeline. Failures void the passes
-in flight; recovery resets the pipeline (recompute from prompt + produced tokens) or resumes from
-the replicated KV.
+Every pipeline runs the real scheduling core (`kvflow.sched.Scheduler`) over a `KVCacheManager`
+block pool, and the decisions above it — batches in flight, sampling, the prompt-to-token hand-off,
+preemption routing, recovery — are the controller's own, `kvflow.sched.executor.PipelineExecutor`.
+This module only carries them out on a clock: a dispatched batch is placed on its pipeline's stages
+with the performance model's `step_time` (a `PassDone` event when it leaves the last stage), a
+prompt pipeline's stages stream each layer's KV over their own link as they compute it (a `KVReady`
+event when it is in), every completed prompt "samples" a fixed token (lengths come from the
+workload), and a failure takes pipelines down until their replacement is in (`Recovered`).
+Colocated pipelines (Baseline, Baseline-DP) have role "both"; disaggregated layouts have prompt and
+token pipelines.
 """
 
 from __future__ import annotations
@@ -23,14 +21,14 @@ from collections import deque
 
 from kvflow.kv.manager import KVCacheManager
 from kvflow.perf.perf_model import BatchShape, PerfModel
-from kvflow.sched.handoff import Handoff
+from kvflow.sched.executor import KVStream, PipelineExecutor
 from kvflow.sched.request import Request
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
 from kvflow.simulator.config import PipelineSpec, SimConfig
 from kvflow.simulator.events import Arrival, Event, KVReady, PassDone, Recovered, WorkerFailure
-from kvflow.simulator.executor import Pass, SimPipeline
 from kvflow.simulator.metrics import SimResult
+from kvflow.simulator.pipeline import Pass, SimPipeline
 from kvflow.simulator.workload import Workload
 
 UNLIMITED_CONTEXT = 1 << 40
@@ -61,18 +59,18 @@ class Simulator:
         self.finish = [math.nan] * n
         self.kv_wait = [0.0] * n
         self.completions = [0] * n
-        self.restarts = 0
+        self.restarts = 0  # requests that lost their KV to a failure
+        self.redone_prefills = 0  # prompt chunks in flight at a failure, redone (their KV was kept)
         self.max_model_len = config.max_model_len or UNLIMITED_CONTEXT
         self.queue: deque = deque()  # prompt-side requests not yet offered: workload indices or Requests
         self.prompt = self._group(layout.prompt, "prompt" if layout.token else "both")
         self.token = self._group(layout.token, "token") if layout.token else []
-        # the controller's hand-off; a request's KV arrives in one part: the time it is complete
-        self.handoff = Handoff(self.token) if self.token else None
-        self._wire_ids = itertools.count()
+        self.executor = PipelineExecutor(self.prompt, self.token, self, config.rigid_rounds, self._request)
+        self.handoff = self.executor.handoff
+        self.now = 0.0
+        self._events: list[Event] = []  # what dispatching batches caused, collected by `_schedule_all`
         self._times: dict[tuple, float] = {}
-        self._dirty: set[SimPipeline] = set()
         self._idle: set[SimPipeline] = set(self.prompt)  # prompt-side pipelines with a free slot
-        self._version = 0  # bumped when the prompt queue grows or token blocks are freed
         self._tried: dict[SimPipeline, int] = {}
 
     def _group(self, spec: PipelineSpec, role: str) -> list[SimPipeline]:
@@ -83,7 +81,7 @@ class Simulator:
             kv = KVCacheManager(self._pool_blocks(spec, role, perf), self.config.block_size, self.config.prefix_caching)
             hook = (lambda req: self.handoff.reserve(req)) if role == "prompt" else None
             sched = Scheduler(self.config.scheduler_for(spec), kv, self.max_model_len, role, hook)
-            out.append(SimPipeline(role, i, spec, kv, sched, deque() if own else self.queue, perf))
+            out.append(SimPipeline(role, i, spec, kv, sched, deque() if own else self.queue, perf, self.log_batches))
         return out
 
     def _pool_blocks(self, spec: PipelineSpec, role: str, perf: PerfModel) -> int:
@@ -97,6 +95,10 @@ class Simulator:
                              f"has no memory left for KV")
         return tokens // self.config.block_size
 
+    def _request(self, i: int) -> Request:
+        params = SamplingParams(max_tokens=self.out_len[i], temperature=0.0, ignore_eos=True)
+        return Request(str(i), [i] * self.prompt_len[i], params, arrival_time=self.arrival[i])  # a prompt of its own
+
     # --- the loop ------------------------------------------------------------------------------
 
     def run(self) -> SimResult:
@@ -108,98 +110,66 @@ class Simulator:
             heapq.heappush(heap, (ev.time, next(seq), ev))
         while heap:
             now, _, ev = heapq.heappop(heap)
-            for nxt in ev.handle(self) + self._schedule_all(now):
+            self.now = now
+            for nxt in ev.handle(self) + self._schedule_all():
                 heapq.heappush(heap, (nxt.time, next(seq), nxt))
         return SimResult.build(self)
 
-    # --- scheduling: the controller's `_schedule` ------------------------------------------------
-
-    def _schedule_all(self, now: float) -> list[Event]:
-        """Give every pipeline that may have something to do a chance to fill its free slots, prompt
-        pipelines first (their admission reserves token-side blocks), as the controller does."""
-        todo = self._dirty
-        self._dirty = set()
+    def _schedule_all(self) -> list[Event]:
+        """Let every pipeline that may have something to do fill its free slots (the executor's
+        `schedule_all`, skipping idle pipelines whose queue has not changed since they last tried)."""
+        ex = self.executor
+        todo, ex.dirty = ex.dirty, set()
         if self.queue or self.config.dispatch == "round_robin":
             for p in self._idle:
-                if p.queue and self._tried.get(p) != self._version:
+                if p.queue and self._tried.get(p) != ex.version:
                     todo.add(p)
-        events: list[Event] = []
-        for p in sorted(todo, key=lambda p: (p.role == "token", p.index)):
-            events += self._schedule(p, now)
+        for p in todo:
+            self._tried[p] = ex.version
+        ex.schedule_all(sorted(todo, key=lambda p: p.index))
+        for p in todo:
+            if p.role != "token":
+                if len(p.in_flight) < p.depth and not p.down:
+                    self._idle.add(p)
+                else:
+                    self._idle.discard(p)
+        events, self._events = self._events, []
         return events
 
-    def _schedule(self, p: SimPipeline, now: float) -> list[Event]:
-        if p.down:
-            return []
-        self._tried[p] = self._version
-        if p.ready:  # token side, microbatch policy: KV in place, waiting for a microbatch slot
-            Handoff.fill_microbatches(p)
-        admitting = not (self.config.rigid_rounds and p.sched.running)
-        events: list[Event] = []
-        while len(p.in_flight) < p.depth:
-            offered = self._offer(p) if admitting and p.role != "token" else []
-            out = p.sched.schedule()
-            self._take_back(p, offered)
-            for r in out.preempted:
-                if p.role == "token":  # recomputed by a prompt pipeline
-                    self.queue.appendleft(r)
-                    self._version += 1
-            if out.is_empty:
-                if out.preempted and p.role != "token":
-                    continue  # the blocks it freed may admit a waiting request (the controller's next turn)
-                break
-            events.append(self._send(p, out, now))
-        if p.role != "token":
-            if len(p.in_flight) < p.depth:
-                self._idle.add(p)
-            else:
-                self._idle.discard(p)
-        return events
+    # --- the driver ----------------------------------------------------------------------------
 
-    def _offer(self, p: SimPipeline) -> list[Request]:
-        """Move up to one batch's worth of queued requests into `p`'s scheduler; as the scheduler
-        only ever admits from the head of its queue and at most `microbatch` per batch, it decides
-        exactly as if every queued request were in it (without holding a million of them)."""
-        offered = []
-        while p.queue and len(offered) < p.spec.microbatch:
-            item = p.queue.popleft()
-            req = self._request(item) if isinstance(item, int) else item
-            p.sched.add(req)
-            offered.append(req)
-        return offered
-
-    def _take_back(self, p: SimPipeline, offered: list[Request]) -> None:
-        """Return the offered requests `p` did not admit to the front of the queue, in order."""
-        ids = {id(r) for r in offered}
-        back = []
-        while p.sched.waiting and id(p.sched.waiting[-1]) in ids:
-            back.append(p.sched.waiting.pop())
-        p.queue.extendleft(back)
-
-    def _request(self, i: int) -> Request:
-        params = SamplingParams(max_tokens=self.out_len[i], temperature=0.0, ignore_eos=True)
-        return Request(str(i), [i] * self.prompt_len[i], params, arrival_time=self.arrival[i])  # a prompt of its own
-
-    def _send(self, p: SimPipeline, out: SchedulerOutput, now: float) -> PassDone:
+    def dispatch(self, p: SimPipeline, wire_id: int, out: SchedulerOutput, free: list[str], streams: list[KVStream]) -> None:
         """Place the batch on `p`'s stages: one `step_time` per stage, activation hops between them;
         a prompt pipeline's stages also stream the KV they compute."""
         seqs = [(s.num_new_tokens, s.end) for s in out.seqs]
         shape = BatchShape.of(seqs)
         t = self._step_time(shape, p)
         hop = self._hop(shape.tokens, p) if p.depth > 1 else 0.0
-        spans = p.place(now, t, hop, self._durations(shape, p, t))
-        pas = Pass(out, t)
-        if p.role == "prompt":  # what the token side's cached prefix lacks, as the controller streams
-            tokens = 0
-            for s in out.seqs:
-                lo, hi = self.handoff.stream_range(s)
-                tokens += max(0, hi - lo)
+        spans = p.place(self.now, t, hop, self._durations(shape, p, t))
+        pas = p.passes[wire_id] = Pass(t)
+        if streams:  # what the token side's cached prefix lacks
+            tokens = sum(k.end - k.start for k in streams)
             pas.kv_done = p.stream(spans, [p.perf.kv_transfer_time(tokens, p.depth, k) for k in range(p.depth)])
-        wire_id = next(self._wire_ids)
-        p.in_flight[wire_id] = pas
-        if self.log_batches:
-            p.batch_log.append([(s.request.request_id, s.num_new_tokens) for s in out.seqs])
-        return PassDone(spans[-1][1], p, wire_id)
+        elif p.role == "prompt":
+            pas.kv_done = spans[-1][1]
+        self._events.append(PassDone(spans[-1][1], p, wire_id))
+
+    def sample(self, p: SimPipeline, out: SchedulerOutput, rows: list[int], result) -> list[int]:
+        return [SAMPLED] * len(rows)
+
+    def emit(self, req: Request) -> None:
+        i = int(req.request_id)
+        if self.first_token[i] != self.first_token[i]:  # NaN: its first token
+            self.first_token[i] = self.now
+        if req.is_finished:
+            self.finish[i] = self.now
+            self.completions[i] += 1
+
+    def kv_parts(self, p: SimPipeline) -> tuple:
+        return ((p, p.epoch),)  # one simulated link per pipeline; a failure voids what was on it
+
+    def settled(self, req: Request) -> None:
+        pass
 
     def _step_time(self, shape: BatchShape, p: SimPipeline) -> float:
         key = (shape, p.depth, p.role)
@@ -248,116 +218,64 @@ class Simulator:
             h = self._times[key] = p.perf.hop_time(1, tokens)
         return h
 
-    # --- disaggregation: the controller's hand-off ---------------------------------------------
-
-    def _to_token_side(self, req: Request) -> None:
-        if req.is_finished:
-            self._settle(req)
-        else:
-            self._dirty.add(self.handoff.join(req))
-
-    def _settle(self, req: Request) -> None:
-        """A finished request: free its token-side reservation once no KV is still on its way."""
-        if self.handoff is not None and self.handoff.settle(req) is not None:
-            self._version += 1
-
     # --- handlers ------------------------------------------------------------------------------
 
     def on_arrival(self, now: float, first: int) -> list[Event]:
         i, n = first, len(self.arrival)
         rr = self.config.dispatch == "round_robin"
         while i < n and self.arrival[i] <= now:
-            (self.prompt[i % len(self.prompt)].queue if rr else self.queue).append(i)
+            self.executor.submit(i, self.prompt[i % len(self.prompt)] if rr else None)
             i += 1
-        self._version += 1
         return [Arrival(self.arrival[i], i)] if i < n else []
 
     def on_pass_done(self, now: float, p: SimPipeline, wire_id: int) -> list[Event]:
-        pas = p.in_flight.pop(wire_id)
+        pas = p.passes.pop(wire_id)
         p.busy += pas.stage_time
-        out = pas.out
-        sampled = {s.request.request_id: SAMPLED for s in out.seqs
-                   if s.completes_prompt and not s.request.is_finished}
-        if p.role == "prompt":
-            for s in out.seqs:
-                if s.completes_prompt:
-                    self.handoff.kv_sent(s.request.request_id, [pas.kv_done])
-        for req in p.sched.update(out, sampled):
-            i = int(req.request_id)
-            if self.first_token[i] != self.first_token[i]:  # NaN: its first token
-                self.first_token[i] = now
-            if req.is_finished:
-                self.finish[i] = now
-                self.completions[i] += 1
-                if p.role != "prompt":
-                    self._version += 1  # its blocks were freed
-                self._settle(req)
+        out = self.executor.complete(p, wire_id, None)
         events: list[Event] = []
         if p.role == "prompt":  # handed off, or finished at its first token: both wait for their KV
-            for req in p.sched.take_handoffs():
-                if self.handoff.sampled(req):
-                    self._to_token_side(req)
-            done = pas.kv_done
+            part = (p, p.epoch)
             for s in out.seqs:
                 rid = s.request.request_id
                 if rid not in self.handoff.parked:
                     continue
-                self.kv_wait[int(rid)] = max(0.0, done - now)
-                if done > now:
-                    events.append(KVReady(done, rid))
+                self.kv_wait[int(rid)] = max(0.0, pas.kv_done - now)
+                if pas.kv_done > now:
+                    events.append(KVReady(pas.kv_done, rid, part))
                 else:
-                    self.on_kv_ready(done, rid)
-        self._dirty.add(p)
+                    self.executor.kv_arrived(rid, part)
         return events
 
-    def on_kv_ready(self, now: float, rid: str) -> list[Event]:
-        req = self.handoff.kv_arrived(rid, now)  # nothing if re-planned since (its prompt pipeline failed)
-        if req is not None:
-            self._to_token_side(req)
+    def on_kv_ready(self, now: float, rid: str, part) -> list[Event]:
+        self.executor.kv_arrived(rid, part)  # nothing if re-planned since (its prompt pipeline failed)
         return []
 
     def on_failure(self, now: float, p: SimPipeline) -> list[Event]:
-        """Restart mode, and any prompt pipeline (prompt KV is not replicated): the pipeline's
-        requests lose their KV and are recomputed (`Scheduler.reset`). Resume mode: the replacement
-        restores the lost stage's KV from its replica and the passes in flight run again."""
+        """The executor's recovery: `p` (and with `fence='all'` every pipeline) loses its batches in
+        flight; restart mode, and any prompt pipeline (prompt KV is not replicated), recompute the
+        lost requests; resume mode restores the lost stage's KV from its replica (which costs
+        `restore_s`, or the KV's transfer time) and redoes only the lost batches. The pipelines are
+        down until detection, the replacement and the restore are over."""
         rec = self.config.recovery
-        restore = 0.0
-        p.kv.reset_prefix_cache()  # the replacement's cache is empty (as the controller's `_recover`)
-        if rec.mode == "restart" or p.role == "prompt":
-            lost = p.sched.reset()
-            p.in_flight.clear()
-            self.restarts += len(lost)
-            for r in lost:
-                if self.handoff is not None:
-                    self.handoff.forget_kv(r.request_id)
-            # From scratch: a workload index in the queue becomes a fresh request when offered.
-            again = {id(r) for r in lost} if rec.mode == "restart" and rec.from_scratch else set()
-            if p.role == "token":
-                self.queue.extendleft(reversed([int(r.request_id) if id(r) in again else r for r in lost]))
-            else:
-                p.queue.extendleft(reversed([int(r.request_id) if id(r) in again else r for r in p.sched.waiting]))
-                p.sched.waiting.clear()
-            self._version += 1
-        else:
-            if rec.restore_s is not None:
-                restore = rec.restore_s
-            else:
-                restore = p.perf.kv_transfer_time(sum(r.num_computed_tokens for r in p.sched.running), p.depth)
+        restore, resume = 0.0, None
+        if rec.mode == "resume" and p.role != "prompt":
+            resume = {r.request_id: r.num_computed_tokens for r in p.sched.running if not r.is_finished}
+            restore = rec.restore_s if rec.restore_s is not None else p.perf.kv_transfer_time(sum(resume.values()), p.depth)
+        voided = self.prompt + self.token if rec.fence == "all" else [p]
+        fresh = (lambda r: int(r.request_id)) if rec.mode == "restart" and rec.from_scratch else None
+        cost = self.executor.recover(p, resume, voided, fresh)
+        self.restarts += len(cost.recompute)
+        self.redone_prefills += sum(1 for s in cost.redo if s.num_new_tokens > 1)
         back = max(now, p.stage_free[0] if p.down else now) + rec.detect_s + rec.down_s + restore
-        p.fail(back)
-        self._idle.discard(p)
-        return [Recovered(back, p)]
+        for q in voided:
+            q.fail(back)
+            self._idle.discard(q)
+        return [Recovered(back, q) for q in voided]
 
     def on_recovered(self, now: float, p: SimPipeline) -> list[Event]:
         p.down = False
-        events: list[Event] = []
-        for wire_id in sorted(p.in_flight):  # resume: the voided passes run again, in order
-            pas = p.in_flight[wire_id]
-            shape = BatchShape.of((s.num_new_tokens, s.end) for s in pas.out.seqs)
-            spans = p.place(now, pas.stage_time, self._hop(shape.tokens, p) if p.depth > 1 else 0.0)
-            events.append(PassDone(spans[-1][1], p, wire_id))
-        self._dirty.add(p)
-        return events
+        self.executor.dirty.add(p)
+        return []
 
 
 def simulate(config: SimConfig, perf: PerfModel, workload: Workload, token_perf: PerfModel | None = None) -> SimResult:

@@ -140,7 +140,7 @@ def test_health_is_degraded_and_requests_queue_while_a_lost_worker_is_replaced(t
         r = queued.result()
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected
         assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-        assert ctrl.recoveries == 1
+        assert ctrl.recovery.recoveries == 1
 
 
 def _serve_one_worker(model, *extra: str) -> tuple[subprocess.Popen, int]:

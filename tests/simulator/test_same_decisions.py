@@ -75,7 +75,7 @@ def run_controller(cfg: ClusterConfig, prompts, lengths) -> tuple[dict[str, list
         finally:
             await ctrl.shutdown()
         assert [len(o.token_ids) for o in outs] == lengths
-        return {p.role: [seqs for _, seqs in p.batch_log] for p in ctrl.pipelines}, ctrl.preemptions
+        return {p.role: list(p.batch_log) for p in ctrl.pipelines}, ctrl.preemptions
 
     return asyncio.run(main())
 
@@ -98,7 +98,7 @@ def run_simulator(cfg: ClusterConfig, prompts, lengths) -> tuple[dict[str, list[
     sim = TimedSimulator(SimConfig.from_cluster(cfg, max_model_len=256), PacedPerf(), w)
     res = sim.run()
     assert np.all(res.completions == 1)
-    return {p.role: p.batch_log for p in sim.prompt + sim.token}, sim
+    return {p.role: list(p.batch_log) for p in sim.prompt + sim.token}, sim
 
 
 LAYOUTS = {

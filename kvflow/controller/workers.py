@@ -1,0 +1,177 @@
+"""The controller's worker processes: starting them, the handshake, wiring them to each other,
+messages to and from them, liveness, and stopping them. Knows nothing of scheduling."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import zmq
+
+from kvflow.config import ClusterConfig, WorkerSpec, to_dict
+from kvflow.controller.launcher import Launcher
+from kvflow.controller.pipeline import Pipeline, StageHandle
+from kvflow.wire import Hello, Ready, Setup, Shutdown, Wire, WireError, WorkerError, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+class StartError(RuntimeError):
+    """A worker did not come up (exited, reported an error, or timed out)."""
+
+
+class Workers:
+    """Every stage process of a controller's pipelines, and the sockets to them: one inbox (PULL)
+    that every worker sends to, one PUSH socket per stage."""
+
+    def __init__(self, cfg: ClusterConfig, pipelines: list[Pipeline], launcher: Launcher, secret: bytes) -> None:
+        self.cfg, self.pipelines, self.launcher, self.secret = cfg, pipelines, launcher, secret
+        self.stages = {s.name: s for p in pipelines for s in p.stages}
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        port = self.inbox.bind_to_random_port(f"tcp://{cfg.host}")
+        self.address = f"tcp://{cfg.host}:{port}"
+        self.to_stage: dict[str, zmq.Socket] = {}
+        self.dropped_messages = 0  # inbox messages that were not authentic or did not decode
+
+    def pipeline_of(self, s: StageHandle) -> Pipeline:
+        return next(p for p in self.pipelines if s in p.stages)
+
+    # --- messages ------------------------------------------------------------------------------
+
+    def send(self, name: str, msg, tensor: torch.Tensor | None = None) -> None:
+        self.to_stage[name].send_multipart(encode(msg, self.secret, tensor))
+
+    def receive(self, timeout_ms: int) -> tuple[object | None, torch.Tensor | None] | None:
+        """The next inbox message within `timeout_ms` (0: only one already there): (message,
+        tensor), (None, None) for one that was dropped, or None when there was none."""
+        if timeout_ms and not self.inbox.poll(timeout_ms):
+            return None
+        try:
+            frames = self.inbox.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        try:
+            return decode(frames, self.secret)
+        except WireError as e:
+            self.dropped_messages += 1
+            if self.dropped_messages & (self.dropped_messages - 1) == 0:  # 1st, 2nd, 4th, ...: no log flood
+                log.warning("dropped a message on the controller port (%d so far): %s", self.dropped_messages, e)
+            return None, None
+
+    # --- life cycle ----------------------------------------------------------------------------
+
+    def launch(self, s: StageHandle) -> None:
+        s.process = self.launcher.start(s.name, self.address, self.cfg.host, self.secret)
+        if s.process is not None:
+            log.info("started worker %s (pid %s)", s.name, s.process.pid)
+
+    def handshake(self, names: set[str], epoch: int, other: Callable[[object, torch.Tensor | None], None] | None) -> None:
+        """Hello -> Setup (spec + engine config) -> Ready, for the stages `names`. Any other message
+        that arrives meanwhile (a recovery runs while the rest of the cluster works) goes to `other`."""
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        hello, ready = set(names), set(names)
+        while ready:
+            for name in ready:
+                proc = self.stages[name].process
+                if proc is not None and proc.poll() is not None:
+                    raise StartError(f"worker {name} exited with code {proc.poll()} during start-up")
+            if time.monotonic() > deadline:
+                raise StartError(f"workers {sorted(ready)} did not start within {self.cfg.start_timeout_s}s")
+            got = self.receive(200)
+            if got is None or got[0] is None:
+                continue
+            msg, tensor = got
+            if isinstance(msg, Hello) and msg.name in hello:
+                self._connect(self.stages[msg.name], msg.step_addr)
+                self.send(msg.name, Setup(to_dict(self._spec(self.stages[msg.name])), to_dict(self.cfg.engine), epoch))
+                hello.discard(msg.name)
+            elif isinstance(msg, Ready) and msg.name in ready and msg.name not in hello:
+                s = self.stages[msg.name]
+                s.kv_addr, s.replica_addr, s.last_heartbeat = msg.kv_addr, msg.replica_addr, time.monotonic()
+                ready.discard(msg.name)
+            elif isinstance(msg, WorkerError) and msg.name in ready:
+                raise StartError(f"worker {msg.name} failed: {msg.message}")
+            elif other is not None and not isinstance(msg, WorkerError):
+                other(msg, tensor)  # (a worker failing meanwhile is found by the next liveness check)
+
+    def _connect(self, s: StageHandle, step_addr: str) -> None:
+        s.step_addr = step_addr
+        old = self.to_stage.pop(s.name, None)
+        if old is not None:
+            old.close(0)
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(step_addr)
+        self.to_stage[s.name] = sock
+
+    def _spec(self, s: StageHandle) -> WorkerSpec:
+        p = self.pipeline_of(s)
+        mode, (regions, per, _) = self.cfg.replicates(p.spec), self.cfg.swap_layout(p.spec)
+        rl = p.stages[(s.stage - 1) % p.depth].layers if mode == "ring" else (-1, -1)
+        return WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], p.role, self.cfg.threads_per_worker,
+                          self.cfg.kv_send_mode, replica_layer_start=rl[0], replica_layer_end=rl[1],
+                          replicated=mode is not None, host_kv_slots=p.kv.host.num_slots if p.kv.host else 0,
+                          disk_kv_slots=p.kv.disk.num_slots if p.kv.disk else 0, swap_regions=regions,
+                          swap_region_blocks=per, pool_blocks=p.kv.num_blocks)
+
+    def wire(self, token: Pipeline | None, store_addresses: dict[tuple[str, int], str]) -> None:
+        """Tell every stage where its output goes (the next stage, or the controller), which token
+        stages take a prompt stage's KV, and where its KV replica goes."""
+        bounds = token.layer_bounds if token is not None else []
+        for p in self.pipelines:
+            for i, s in enumerate(p.stages):
+                nxt = p.stages[i + 1].step_addr if i + 1 < p.depth else self.address
+                peers = [[t.stage, t.layers[0], t.layers[1], t.kv_addr] for t in token.stages] if p.role == "prompt" else []
+                mode = self.cfg.replicates(p.spec)
+                replica_to = (p.stages[(i + 1) % p.depth].replica_addr if mode == "ring" else
+                              store_addresses[(p.name, i)] if mode == "store" else "")
+                self.send(s.name, Wire(nxt, peers, bounds, replica_to))
+
+    def lost(self) -> tuple[StageHandle, str] | None:
+        """The first live stage whose process exited or whose heartbeats stopped, and why."""
+        now = time.monotonic()
+        for s in self.stages.values():
+            if not s.alive:
+                continue
+            code = s.process.poll() if s.process is not None else None
+            if code is not None:
+                return s, f"worker {s.name} (layers {s.layers[0]}-{s.layers[1] - 1}) died (exit code {code})"
+            if now - s.last_heartbeat > self.cfg.heartbeat_timeout_s:
+                return s, f"worker {s.name} stopped sending heartbeats for {now - s.last_heartbeat:.1f}s"
+        return None
+
+    def running(self, *stages: StageHandle) -> bool:
+        return all(s.process is None or s.process.poll() is None for s in stages)
+
+    def fence(self, s: StageHandle) -> None:
+        """Make sure `s`'s process is gone: a worker that only hung must never write again."""
+        if s.process is not None and s.process.poll() is None:
+            s.process.kill()
+            s.process.wait()
+
+    def kill_all(self) -> None:
+        for s in self.stages.values():
+            if s.process is not None and s.process.poll() is None:
+                s.process.kill()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Ask every worker to stop, wait up to `timeout_s` for all of them, kill the rest."""
+        for name in self.to_stage:
+            try:
+                self.to_stage[name].send_multipart(encode(Shutdown(), self.secret), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for s in self.stages.values():
+            if s.process is not None:
+                try:
+                    s.process.wait(max(0.1, deadline - time.monotonic()))
+                except Exception:
+                    s.process.kill()
+                    s.process.wait()
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
