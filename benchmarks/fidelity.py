@@ -52,7 +52,7 @@ import numpy as np
 from kvflow.perf import ProfiledPerfModel
 from kvflow.perf.calibrate import (GRID_BATCHES, GRID_CONTEXTS, GRID_PROMPTS, calibrate, calibrate_engine, calibrated_profile,
                                    merge_profiles)
-from kvflow.simulator import Layout, PipelineSpec, SimConfig, Workload, simulate
+from kvflow.simulator import Layout, PipelineGroup, SimConfig, Workload, simulate
 from kvflow.simulator.workload import azure_trace, poisson_arrivals
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,7 +148,7 @@ def sim_config(layout: str, cluster, backend) -> SimConfig:
     if layout == "engine":
         eng = backend.engine
         sched = eng.config.scheduler
-        return SimConfig(Layout(PipelineSpec(1, sched.max_num_seqs)), policy=sched.policy, scheduler=sched,
+        return SimConfig(Layout(PipelineGroup(1, sched.max_num_seqs)), policy=sched.policy, scheduler=sched,
                          kv_blocks=eng.kv_manager.num_blocks, block_size=eng.config.block_size,
                          max_model_len=eng.max_model_len)
     assert isinstance(cluster.engine, EngineConfig)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvflow.perf import AnalyticPerfModel, machine, model_shape
 from kvflow.planner.report import matches, mean_ratio, save, sweep, table
-from kvflow.simulator import LengthDist, Layout, PipelineSpec, SimConfig, simulate, synthetic
+from kvflow.simulator import LengthDist, Layout, PipelineGroup, SimConfig, simulate, synthetic
 from kvflow.simulator.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,8 +39,8 @@ PAPER_RATIOS = {"baseline": 4.2, "baseline-dp": 2.22}
 
 def scale(requests: int) -> dict:
     perf = AnalyticPerfModel(model_shape("opt-66b"), machine("2xA100-80GB"))
-    layouts = {"disaggregated": Layout(PipelineSpec(2, 16, 140), PipelineSpec(2, 16, 360)),
-               "baseline-dp": Layout(PipelineSpec(2, 16, 500))}
+    layouts = {"disaggregated": Layout(PipelineGroup(2, 16, 140), PipelineGroup(2, 16, 360)),
+               "baseline-dp": Layout(PipelineGroup(2, 16, 500))}
     out = {}
     # Offline (every request at t=0, the Appendix B setting): microbatches are full, so the event
     # count is ~ requests x mean output / microbatch passes.
@@ -209,7 +209,7 @@ def swapping_fig9(lengths: list[tuple[int, int]], reserve: int | None = None, re
             for name, mb, swap in (("B", b, False), ("2B", 2 * b, True)):
                 w = synthetic(requests_per_slot * depth * 2 * b, prompt,
                               LengthDist("constant", value=out_len, max_len=out_len), None, 0)
-                tput[name] = simulate(SimConfig(Layout(PipelineSpec(depth, mb)), swapping=swap), perf, w).summary().tokens_per_s
+                tput[name] = simulate(SimConfig(Layout(PipelineGroup(depth, mb)), swapping=swap), perf, w).summary().tokens_per_s
             ctx = prompt + out_len // 2
             t = perf.token_stage_time(2 * b, ctx, depth)
             sw = perf.swap_in_time(2 * b, ctx, depth)
@@ -265,7 +265,7 @@ def failures_fig11(pipeline_restart_s: float | None, replace_s: float | None, de
     from kvflow.simulator import Failure, Recovery
 
     perf = AnalyticPerfModel(model_shape("opt-66b"), machine("2xA100-80GB", link_gbps=40))
-    lay = Layout(PipelineSpec(4, 8))
+    lay = Layout(PipelineGroup(4, 8))
     lens = (500, 1001)
     f10 = fig10_costs(perf, lay, lens, detect_s, fig10_step)
     print(f"fig. 10 in this model: a set of {lay.prompt.depth} microbatches of {lens[0]} + {lens[1]} tokens, latency "

@@ -242,17 +242,17 @@ _LAYOUT = re.compile(r"^(?:(\d+)x)?(\d+)p(\d+)b$")
 
 
 def parse_layout(text: str):
-    from kvflow.simulator import Layout, PipelineSpec
+    from kvflow.simulator import Layout, PipelineGroup
 
-    specs = []
+    groups = []
     for part in text.split(","):
         m = _LAYOUT.match(part.strip())
         if not m:
             raise ValueError(f"layout part {part!r}: expected [COUNTx]DEPTHpBATCHb, e.g. 4x2p16b")
-        specs.append(PipelineSpec(int(m[2]), int(m[3]), int(m[1] or 1)))
-    if len(specs) > 2:
+        groups.append(PipelineGroup(int(m[2]), int(m[3]), int(m[1] or 1)))
+    if len(groups) > 2:
         raise ValueError("a layout has one colocated group or a prompt,token pair")
-    return Layout(*specs)
+    return Layout(*groups)
 
 
 def _recovery(args):

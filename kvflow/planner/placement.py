@@ -33,7 +33,7 @@ from kvflow.planner.formulas import Infeasible
 from kvflow.planner.goodput import search_rate
 from kvflow.planner.search import fits
 from kvflow.sched.scheduler import SchedulerConfig
-from kvflow.simulator.config import Layout, PipelineSpec, SimConfig
+from kvflow.simulator.config import Layout, PipelineGroup, SimConfig
 from kvflow.simulator.simulator import simulate
 from kvflow.simulator.workload import Workload
 from kvflow.slo import SLO
@@ -52,8 +52,8 @@ class PhaseConfig:
     def devices(self) -> int:
         return self.tp * self.depth
 
-    def spec(self, count: int = 1) -> PipelineSpec:
-        return PipelineSpec(self.depth, self.microbatch, count)
+    def spec(self, count: int = 1) -> PipelineGroup:
+        return PipelineGroup(self.depth, self.microbatch, count)
 
     def label(self) -> str:
         return f"({self.depth}p, {self.tp}tp, {self.microbatch}b)"

@@ -9,7 +9,7 @@ from typing import Callable
 
 from kvflow.perf.perf_model import PerfModel
 from kvflow.planner.formulas import Infeasible, balanced_split, streaming_overhead
-from kvflow.simulator.config import BLOCK_SIZE, Layout, PipelineSpec, SimConfig
+from kvflow.simulator.config import BLOCK_SIZE, Layout, PipelineGroup, SimConfig
 from kvflow.simulator.metrics import Summary
 from kvflow.simulator.simulator import simulate
 from kvflow.simulator.workload import Workload
@@ -58,7 +58,7 @@ def colocated_layouts(perf: PerfModel, machines: int, space: SearchSpace) -> lis
         depth = machines // d
         for b in space.microbatches:
             if fits(perf, depth, b, space.max_tokens, _token_slots(space, depth)):
-                out.append(Layout(PipelineSpec(depth, b, d)))
+                out.append(Layout(PipelineGroup(depth, b, d)))
     return out
 
 
@@ -91,11 +91,11 @@ def disaggregated_layouts(perf: PerfModel, machines: int, space: SearchSpace) ->
 
 def _shapes(perf: PerfModel, n_p: int, n_t: int, b: int, space: SearchSpace):
     """Pipeline shapes for n_p prompt and n_t token machines: the shallowest feasible depth."""
-    def shallowest(n: int, tokens: int, slots_of) -> PipelineSpec | None:
+    def shallowest(n: int, tokens: int, slots_of) -> PipelineGroup | None:
         depths = [n] if not space.replicate else [d for d in range(1, min(n, space.max_depth) + 1)]
         for depth in depths:
             if fits(perf, depth, b, tokens, slots_of(depth)):
-                return PipelineSpec(depth, b, n // depth)
+                return PipelineGroup(depth, b, n // depth)
         return None
     # The microbatch policy reserves prompt + max_tokens at admission on the prompt side too.
     p = shallowest(n_p, space.max_tokens, lambda d: d)

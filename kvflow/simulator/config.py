@@ -11,9 +11,10 @@ BLOCK_SIZE = 16  # KV block size of simulated pools (the engine's default)
 
 
 @dataclass(frozen=True)
-class PipelineSpec:
+class PipelineGroup:
     """`count` identical pipelines of `depth` machines each, running batches of up to `microbatch`
-    requests with up to `depth` batches in flight (one per stage)."""
+    requests with up to `depth` batches in flight (one per stage). (`kvflow.config.PipelineSpec` is
+    one pipeline of a real cluster: its name, role, depth and microbatch size.)"""
 
     depth: int
     microbatch: int
@@ -32,13 +33,16 @@ class PipelineSpec:
             f"({self.depth}p, {self.microbatch}b)"
 
 
+
+PipelineSpec = PipelineGroup  # the old name (simulator.py, pipeline.py, test_conservation.py): to be removed
+
 @dataclass(frozen=True)
 class Layout:
     """Colocated (`token` is None: `prompt` pipelines do both phases; count > 1 is Baseline-DP)
     or disaggregated (`prompt` pipelines prefill and stream KV to `token` pipelines)."""
 
-    prompt: PipelineSpec
-    token: PipelineSpec | None = None
+    prompt: PipelineGroup
+    token: PipelineGroup | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -144,7 +148,7 @@ class SimConfig:
     `scheduler` (token budget, chunk size, running cap) and `policy`: "microbatch" (DéjàVu's
     microbatch-level pipelines, the default of the planner and the Appendix B sweeps) or
     "continuous" (the server's default). `microbatch_size` and `max_in_flight` come from the
-    layout's pipeline specs, exactly as `ClusterConfig.scheduler_for` derives them.
+    layout's pipeline groups, exactly as `ClusterConfig.scheduler_for` derives them.
     `kv_blocks`: blocks of `block_size` tokens per pipeline; None sizes the pool from the
     performance model's memory (`PerfModel.kv_capacity_tokens`).
     `max_model_len`: the context limit the scheduler enforces (None: unlimited).
@@ -192,7 +196,7 @@ class SimConfig:
             if group is None or f.pipeline >= group.count or f.stage >= group.depth:
                 raise ValueError(f"failure {f} names a worker the layout does not have")
 
-    def swap_layout(self, spec: PipelineSpec, role: str, pool_blocks: int) -> SwapLayout:
+    def swap_layout(self, spec: PipelineGroup, role: str, pool_blocks: int) -> SwapLayout:
         """Where a pipeline's pool of `pool_blocks` blocks lives: with `swapping`, colocated and token
         pipelines compute in min(2, depth) device regions of depth regions' worth of host memory
         (`ClusterConfig.swap_layout`'s layout); prompt pipelines never swap."""
@@ -200,7 +204,7 @@ class SimConfig:
             return SwapLayout(0, 0, pool_blocks)
         return SwapLayout.of_pool(pool_blocks, spec.depth)
 
-    def scheduler_for(self, spec: PipelineSpec, role: str | None = None, pool_blocks: int = 0) -> SchedulerConfig:
+    def scheduler_for(self, spec: PipelineGroup, role: str | None = None, pool_blocks: int = 0) -> SchedulerConfig:
         """A pipeline's scheduler config, derived as `ClusterConfig.scheduler_for` derives it. With
         `role` and its pool's `pool_blocks`, a swapping pipeline's batches fit its device regions as
         the controller's do (`swap_layout`); without them it has none."""
@@ -212,10 +216,10 @@ class SimConfig:
         """The simulated twin of a `kvflow.config.ClusterConfig`: same layout, policy, scheduler
         settings and block pool per pipeline."""
         if cluster.mode == "colocated":
-            layout = Layout(PipelineSpec(cluster.depth, cluster.microbatch_size))
+            layout = Layout(PipelineGroup(cluster.depth, cluster.microbatch_size))
         else:
-            layout = Layout(PipelineSpec(cluster.prompt_depth, cluster.prompt_microbatch_size),
-                            PipelineSpec(cluster.token_depth, cluster.microbatch_size))
+            layout = Layout(PipelineGroup(cluster.prompt_depth, cluster.prompt_microbatch_size),
+                            PipelineGroup(cluster.token_depth, cluster.microbatch_size))
         eng = cluster.engine
         kw.setdefault("swapping", cluster.swapping)  # (the pool then holds depth / min(2, depth) times the device's blocks)
         return cls(layout, policy=cluster.policy, scheduler=eng.scheduler, kv_blocks=cluster.swap_layout(cluster.pipelines()[0])[2],

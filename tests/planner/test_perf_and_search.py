@@ -12,7 +12,7 @@ from kvflow.perf import AnalyticPerfModel, BatchShape, Profile, ProfiledPerfMode
 from kvflow.perf.profiled import nonneg_lstsq
 from kvflow.planner import SearchSpace, colocated_layouts, max_rate, recommend
 from kvflow.planner.formulas import Infeasible
-from kvflow.simulator import LengthDist, Layout, PipelineSpec, synthetic
+from kvflow.simulator import LengthDist, Layout, PipelineGroup, synthetic
 from kvflow.slo import SLO
 
 
@@ -212,7 +212,7 @@ def test_recommend_prefers_disaggregation_for_long_prompts():
 
 def test_goodput_binary_search_brackets_the_target():
     perf = AnalyticPerfModel(model_shape("opt-13b"), machine("1xA100-80GB"))
-    lay = Layout(PipelineSpec(1, 4), PipelineSpec(1, 8))
+    lay = Layout(PipelineGroup(1, 4), PipelineGroup(1, 8))
     slo = SLO(ttft=2.0, tpot=0.1)
     wl = lambda r: synthetic(400, 512, LengthDist("lognormal", median=50, p90=150, max_len=400), r, 11)  # noqa: E731
     g = max_rate(perf, lay, wl, slo, target=0.9, hi=2.0, rel_tol=0.05)

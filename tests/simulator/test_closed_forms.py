@@ -8,14 +8,14 @@ import pytest
 from sim_helpers import ConstantPerf, workload
 
 from kvflow.planner.formulas import colocated_inverse_throughput
-from kvflow.simulator import Failure, Layout, PipelineSpec, Recovery, SimConfig, simulate
+from kvflow.simulator import Failure, Layout, PipelineGroup, Recovery, SimConfig, simulate
 
 
 def test_md1_matches_lindley_exactly_and_distserve_eq1_on_average():
     service, rate, n = 0.5, 1.0, 100_000  # utilisation R*D = 0.5
     rng = np.random.default_rng(7)
     arrival = np.cumsum(rng.exponential(1 / rate, n))
-    res = simulate(SimConfig(Layout(PipelineSpec(1, 1))), ConstantPerf(service, 0.01), workload(arrival, np.ones(n)))
+    res = simulate(SimConfig(Layout(PipelineGroup(1, 1))), ConstantPerf(service, 0.01), workload(arrival, np.ones(n)))
     # Lindley's recursion on the same sample path: W_{k+1} = max(0, W_k + D - (A_{k+1} - A_k)).
     wait = np.zeros(n)
     for k in range(1, n):
@@ -29,7 +29,7 @@ def test_md1_matches_lindley_exactly_and_distserve_eq1_on_average():
 def test_rigid_colocated_pipeline_matches_dejavu_eq4(depth, y, t, n):
     rounds = 5
     w = workload(np.zeros(rounds * depth), np.full(rounds * depth, n))
-    res = simulate(SimConfig(Layout(PipelineSpec(depth, 1)), rigid_rounds=True), ConstantPerf(y, t), w)
+    res = simulate(SimConfig(Layout(PipelineGroup(depth, 1)), rigid_rounds=True), ConstantPerf(y, t), w)
     per_microbatch = res.makespan / (rounds * depth)
     # Eq. 4's S3 = (N-1) D t + t counts one token step more than the timeline has: the last
     # microbatch's final token leaves stage D exactly (2D-1) Y + (N-1) D t after the round starts.
@@ -45,8 +45,8 @@ def test_microbatch_level_vs_rigid_rounds_with_early_stops(y, flexible_wins):
     rng = np.random.default_rng(3)
     w = workload(np.zeros(64), rng.integers(2, 200, 64))
     perf = ConstantPerf(y, 0.02)
-    flexible = simulate(SimConfig(Layout(PipelineSpec(4, 1))), perf, w)
-    rigid = simulate(SimConfig(Layout(PipelineSpec(4, 1)), rigid_rounds=True), perf, w)
+    flexible = simulate(SimConfig(Layout(PipelineGroup(4, 1))), perf, w)
+    rigid = simulate(SimConfig(Layout(PipelineGroup(4, 1)), rigid_rounds=True), perf, w)
     assert (flexible.makespan < rigid.makespan) == flexible_wins
 
 
@@ -55,7 +55,7 @@ def test_disaggregated_streaming_extra_time_is_transfer_minus_prompt():
     prompt = 1000
     transfer = prompt * perf.kv_bytes_per_token / perf.machine.link_bandwidth
     assert transfer > 1.0
-    res = simulate(SimConfig(Layout(PipelineSpec(1, 1), PipelineSpec(1, 1))), perf,
+    res = simulate(SimConfig(Layout(PipelineGroup(1, 1), PipelineGroup(1, 1))), perf,
                    workload([0.0], [11], prompt=prompt))
     assert res.ttft[0] == pytest.approx(1.0)
     assert res.finish[0] == pytest.approx(transfer + 10 * 0.1)  # KV ready at max(1, transfer)
@@ -65,7 +65,7 @@ def test_disaggregated_streaming_extra_time_is_transfer_minus_prompt():
 def test_failure_timeline(mode):
     perf = ConstantPerf(1.0, 0.1)
     rec = Recovery(mode=mode, detect_s=0.5, restart_s=2.0)
-    cfg = SimConfig(Layout(PipelineSpec(1, 1)), failures=(Failure(1.55),), recovery=rec)
+    cfg = SimConfig(Layout(PipelineGroup(1, 1)), failures=(Failure(1.55),), recovery=rec)
     res = simulate(cfg, perf, workload([0.0], [11]))
     # Tokens 2..6 finished at 1.1..1.5; the failure at 1.55 voids token 7's step.
     back = 1.55 + 0.5 + 2.0
@@ -91,7 +91,7 @@ def test_measured_recovery_costs_differ_by_mode():
     back = 1.55 + 0.25 + 3.0
     finish = {}
     for mode in ("resume", "restart"):
-        cfg = SimConfig(Layout(PipelineSpec(1, 1)), failures=(Failure(1.55),), recovery=Recovery.measured(mode, costs))
+        cfg = SimConfig(Layout(PipelineGroup(1, 1)), failures=(Failure(1.55),), recovery=Recovery.measured(mode, costs))
         finish[mode] = simulate(cfg, perf, workload([0.0], [11])).finish[0]
     assert finish["resume"] == pytest.approx(back + 0.75 + 5 * 0.1)
     assert finish["restart"] == pytest.approx(back + 1.0 + 4 * 0.1)
@@ -106,13 +106,13 @@ def test_pipeline_restart_costs_apart_from_replacing_one_worker():
     finish = {}
     for mode in ("resume", "restart"):
         rec = Recovery(mode, detect_s=0.5, restart_s=2.0, restore_s=0.0, pipeline_restart_s=7.0)
-        cfg = SimConfig(Layout(PipelineSpec(1, 1)), failures=(Failure(1.55),), recovery=rec)
+        cfg = SimConfig(Layout(PipelineGroup(1, 1)), failures=(Failure(1.55),), recovery=rec)
         finish[mode] = simulate(cfg, perf, workload([0.0], [11])).finish[0]
     assert finish["resume"] == pytest.approx(1.55 + 0.5 + 2.0 + 5 * 0.1)
     assert finish["restart"] == pytest.approx(1.55 + 0.5 + 7.0 + 1.0 + 4 * 0.1)
     # FasterTransformer restarts the request from scratch: its prompt again, then all 10 tokens.
     rec = Recovery("restart", detect_s=0.5, restart_s=2.0, pipeline_restart_s=7.0, from_scratch=True)
-    res = simulate(SimConfig(Layout(PipelineSpec(1, 1)), failures=(Failure(1.55),), recovery=rec), perf,
+    res = simulate(SimConfig(Layout(PipelineGroup(1, 1)), failures=(Failure(1.55),), recovery=rec), perf,
                    workload([0.0], [11]))
     assert res.finish[0] == pytest.approx(1.55 + 0.5 + 7.0 + 1.0 + 10 * 0.1)
     assert res.ttft[0] == pytest.approx(1.0) and res.completions[0] == 1
@@ -141,7 +141,7 @@ def test_shared_host_slows_a_step_while_another_stage_computes():
     while the first computes (0.5 s of work in its 1 s), then the remaining 0.5 s alone: 1.5 s.
     Without `shared_host` both take 1 s; a factor of 1 changes nothing."""
     w = workload([0.0, 0.0], [1, 1])
-    lay = Layout(PipelineSpec(1, 1, 2))
+    lay = Layout(PipelineGroup(1, 1, 2))
     res = simulate(SimConfig(lay, shared_host=True), _Neighbourly(1.0, 0.1), w)
     assert sorted(res.ttft) == pytest.approx([1.0, 1.5])
     assert sorted(simulate(SimConfig(lay), _Neighbourly(1.0, 0.1), w).ttft) == pytest.approx([1.0, 1.0])
@@ -160,7 +160,7 @@ def test_swapped_token_step_lasts_max_of_compute_and_swap_in_of_the_context_so_f
     perf.machine = replace(perf.machine, host_bandwidth=512 * 100)
     assert perf.swap_in_time(1, 25, 4) == pytest.approx(0.25)
     prompt, out = 6, 12
-    lay = Layout(PipelineSpec(4, 1))
+    lay = Layout(PipelineGroup(4, 1))
     res = simulate(SimConfig(lay, swapping=True, prefix_caching=False), perf, workload([0.0], [out], prompt=prompt))
     # Prefill passes the 4 stages at y each (no swap); token k (k = 1..out-1) writes context prompt + k.
     steps = [max(0.1, (prompt + k) / 100) for k in range(1, out)]

@@ -10,10 +10,10 @@ import pytest
 
 from kvflow.perf import AnalyticPerfModel, machine, model_shape
 from kvflow.planner.formulas import streaming_overhead
-from kvflow.simulator import LengthDist, Layout, PipelineSpec, SimConfig, simulate, synthetic
+from kvflow.simulator import LengthDist, Layout, PipelineGroup, SimConfig, simulate, synthetic
 
 TABLE6 = {100: 0.0, 80: 0.0, 60: 0.0, 40: 0.0, 20: 1.18, 10: 5.46}  # Gbps -> extra time (s)
-LAYOUT = Layout(PipelineSpec(3, 8), PipelineSpec(4, 8))
+LAYOUT = Layout(PipelineGroup(3, 8), PipelineGroup(4, 8))
 
 
 @pytest.mark.parametrize("gbps", sorted(TABLE6))
