@@ -1,0 +1,100 @@
+// What every kernel file shares: float32 vectors loaded from and stored to float32, bf16 or fp16
+// (rounded where the PyTorch formula a kernel replaces stores a tensor), dispatch on the dtype and
+// on the head size, bf16 pairs for AVX512-BF16's dot product, and the GIL guard of the long calls.
+#pragma once
+
+#include <Python.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include "ops.h"
+
+using Vec = at::vec::Vectorized<float>;
+
+// The long entry points (decode_layers, a whole decode step; the two attention kernels) release the
+// GIL while they compute, as PyTorch's own ops do: holding it froze the serving event loop for the
+// whole step (timers woke late; new requests and streamed tokens waited for the step's end). The
+// short elementwise ones keep it: each release is a chance for a busy event loop to take the GIL
+// for up to a switch interval. Calls from inside another kernel (decode_layers -> paged_decode)
+// hold no GIL and release nothing.
+struct NoGil {
+  PyThreadState* state = PyGILState_Check() ? PyEval_SaveThread() : nullptr;
+  NoGil() = default;
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
+  ~NoGil() { if (state) PyEval_RestoreThread(state); }
+};
+
+template <typename T> inline Vec load_f32(const T* p) { Vec o; at::vec::load_to_float<T>(p, o); return o; }
+template <> inline Vec load_f32<float>(const float* p) { return Vec::loadu(p); }
+// v rounded to T (round to nearest even, as a tensor stored in T holds it), back in float.
+template <typename T> inline Vec round_t(const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) { return v; }
+  else { return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v))); }
+}
+// Stores the Vec::size() floats of v at p, rounded to T.
+template <typename T> inline void store_t(T* p, const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) { v.store(p); }
+  else { at::vec::convert_from_float<T>(v, v).store(p, Vec::size()); }
+}
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+// With AVX512-BF16, float -> bf16 is one instruction (round to nearest even, as ATen's conversion;
+// ATen's portable one takes ~8, with its NaN check, and dominated the bf16 elementwise passes).
+template <> inline Vec round_t<at::BFloat16>(const Vec& v) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+}
+template <> inline void store_t<at::BFloat16>(at::BFloat16* p, const Vec& v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
+template <typename T> inline T to_t(float x) { return static_cast<T>(x); }
+
+// Calls f(T{}) for the tensor dtype t (float32, bf16, fp16).
+template <typename F> inline void by_dtype(at::ScalarType t, const char* name, F f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", t);
+  }
+}
+
+// Calls f(std::integral_constant<int, C>{}) for heads of D = C vectors (C in 1, 2, 4, 8, 16).
+template <typename F> inline void by_head_vectors(int64_t D, const char* name, F f) {
+  TORCH_CHECK(D % Vec::size() == 0, name, ": head_dim must be a multiple of the vector width");
+  switch (D / Vec::size()) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    default: TORCH_CHECK(false, name, ": unsupported head_dim ", D);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The attention kernels' bf16 dot-product paths (vdpbf16ps) take their operands as pairs.
+using Pair = int32_t;  // two bf16 values, the first in the low half
+
+// Pairs of bf16 (a in the low half, b in the high) of two float vectors, rounded to nearest even.
+inline __m512i bf16_pairs(__m512 a, __m512 b) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+  const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b)), 16);
+  return _mm512_or_si512(lo, hi);
+}
+#endif
