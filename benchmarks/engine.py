@@ -51,7 +51,7 @@ def matmul_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.fl
     """The faster of a plain `a @ b` and oneDNN's prepacked linear (the model's prefill path) at n x n x n:
     in bf16 on an AVX512-BF16 CPU the plain matmul reached about half of what the prepacked one, and
     the model's prefill, reach, so the plain one alone is no ceiling (docs/results.md, 2026-11-25 serving)."""
-    from kvflow.model.llama import Linear
+    from kvflow.model.linear import Linear
 
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     best = timed(lambda: a @ b, repeats)

@@ -276,13 +276,13 @@ def test_paged_prefill_kernel_rejects_bad_tables():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_prepared_linear_equals_f_linear_on_every_row_count(dtype, tol):
-    from kvflow.model import llama
-    from kvflow.model.llama import Linear
+    from kvflow.model import linear
+    from kvflow.model.linear import Linear
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=g).to(dtype)
     lin = Linear(w)
-    for path in llama.small_paths(dtype):  # whichever path the load-time measurement picks
+    for path in linear.small_paths(dtype):  # whichever path the load-time measurement picks
         lin.small = dict.fromkeys(range(1, 17), path)
         for rows in (1, 2, 3, 4, 16, 100):
             x = torch.randn(rows, 32, generator=g).to(dtype)
@@ -291,23 +291,23 @@ def test_prepared_linear_equals_f_linear_on_every_row_count(dtype, tol):
 
 
 def test_small_row_paths_are_measured_or_overridden(monkeypatch):
-    from kvflow.model import llama
+    from kvflow.model import linear
 
-    lins = [llama.Linear(torch.randn(64, 48)) for _ in range(4)]
+    lins = [linear.Linear(torch.randn(64, 48)) for _ in range(4)]
     if lins[0].packed is None:
         pytest.skip("no oneDNN prepacked linear in this torch build")
-    monkeypatch.setattr(llama, "_SMALL", {})
+    monkeypatch.setattr(linear, "_SMALL", {})
     monkeypatch.delenv("KVFLOW_LINEAR_SMALL_ROWS", raising=False)
-    chosen = llama.choose_small_paths(lins)
-    assert set(chosen) == set(range(1, 17)) and set(chosen.values()) <= set(llama.small_paths(torch.float32))
+    chosen = linear.choose_small_paths(lins)
+    assert set(chosen) == set(range(1, 17)) and set(chosen.values()) <= set(linear.small_paths(torch.float32))
     assert chosen[5] == chosen[4] and chosen[15] == chosen[12]  # between measured counts: the lower one's
-    assert len(llama._SMALL) == 1 and list(llama._SMALL)[0][:2] == (torch.float32, torch.get_num_threads())
-    assert llama.choose_small_paths(lins) is chosen  # measured once, then cached
+    assert len(linear._SMALL) == 1 and list(linear._SMALL)[0][:2] == (torch.float32, torch.get_num_threads())
+    assert linear.choose_small_paths(lins) is chosen  # measured once, then cached
     monkeypatch.setenv("KVFLOW_LINEAR_SMALL_ROWS", "padded")
-    assert llama.choose_small_paths(lins) == dict.fromkeys(range(1, 17), "padded")
+    assert linear.choose_small_paths(lins) == dict.fromkeys(range(1, 17), "padded")
     monkeypatch.setenv("KVFLOW_LINEAR_SMALL_ROWS", "fast")
     with pytest.raises(ValueError):
-        llama.choose_small_paths(lins)
+        linear.choose_small_paths(lins)
 
 
 def test_kernel_build_survives_a_lock_left_by_a_killed_builder():

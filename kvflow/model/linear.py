@@ -1,0 +1,130 @@
+"""A projection prepared once at load (`Linear`), and the choice, measured on this machine, of how
+it runs a few rows (`choose_small_paths`)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.model import cpu_kernels
+
+SMALL_PATHS = ("plain", "prepacked", "padded", "kernel")
+PADDED_ROWS = 4
+SMALL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts measured at load; 5 uses 4's choice, and so on
+
+
+class Linear:
+    """`y = x @ weight.T` with the weight ([out, in], Hugging Face layout) prepared once at load.
+
+    On CPU with oneDNN (fp32, bf16) the weight is also reordered into oneDNN's blocked layout and
+    applied with its prepacked linear (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's
+    freezing pass emits), faster than F.linear over a model's projections. Up to 16 rows (decoding a
+    few sequences) the step is bound by reading the weights and the fastest path depends on the CPU,
+    so the model measures it when it loads (`choose_small_paths`) and sets `small[rows]` to one of:
+    "plain" (`F.linear` on the plain weight), "prepacked", "padded" (prepacked on the rows padded
+    with zeros to 4: on some CPUs oneDNN runs 4 rows faster than 1-3), or "kernel"
+    (`cpu_kernels.skinny_linear`: each weight row read once for all rows). The measurements are in
+    docs/results.md. The price of prepacking is a second copy of the projection weights in memory
+    (never both read in one step).
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.contiguous()
+        usable = weight.device.type == "cpu" and _prepack_ok(weight.dtype)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16) if usable else None
+        self.small = {1: "plain", 2: "plain", 3: "prepacked"}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.path(x.shape[0]))(x)
+
+    def path(self, rows: int) -> str:
+        """The path (one of `SMALL_PATHS`) a call with `rows` rows takes: "plain" without a prepacked
+        weight, else the measured choice up to 16 rows and "prepacked" above."""
+        return "plain" if self.packed is None else self.small.get(rows, "prepacked")
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def prepacked(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        return self.prepacked(F.pad(x, (0, 0, 0, PADDED_ROWS - n)))[:n] if n < PADDED_ROWS else self.prepacked(x)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.skinny_linear(x.contiguous(), self.weight)
+
+
+_SMALL: dict[tuple[torch.dtype, int, bool], dict[int, str]] = {}
+
+
+def small_paths(dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths `choose_small_paths` may pick for weights of `dtype` on CPU: "kernel" only where the
+    CPU kernels are built (and not turned off)."""
+    kernel = cpu_kernels.available("cpu")
+    return tuple(p for p in SMALL_PATHS if p != "kernel" or kernel)
+
+
+def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
+    """For every row count 1-16, the fastest of `small_paths` on this machine, timed at `SMALL_ROWS`
+    over `linears` (up to 64 MB of them: a pass reads them from memory, as a decode step does; a
+    row count between two measured ones takes the lower one's choice), the paths interleaved, the
+    best of 4 passes after a warm-up (the minimum: another process on the machine can only make a
+    pass slower, and with a median one interrupted pass could flip the choice).
+    `KVFLOW_LINEAR_SMALL_ROWS` (one of `SMALL_PATHS`) sets all of them without measuring. Cached per
+    dtype, torch thread count and kernel availability."""
+    packed, nbytes = [], 0
+    for lin in linears:  # enough matrices to overflow the caches (64 MB), not necessarily all
+        if lin.packed is not None and nbytes < 64 << 20:
+            packed.append(lin)
+            nbytes += lin.weight.numel() * lin.weight.element_size()
+    if not packed:
+        return {}
+    paths = small_paths(packed[0].weight.dtype)
+    forced = os.environ.get("KVFLOW_LINEAR_SMALL_ROWS")
+    if forced:
+        if forced not in paths:
+            raise ValueError(f"KVFLOW_LINEAR_SMALL_ROWS must be one of {paths} here, not {forced!r}")
+        return dict.fromkeys(range(1, SMALL_ROWS[-1] + 1), forced)
+    key = (packed[0].weight.dtype, torch.get_num_threads(), "kernel" in paths)
+    if key not in _SMALL:
+        measured = {}
+        with torch.inference_mode():
+            for rows in SMALL_ROWS:
+                xs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1]).to(lin.weight.dtype) for lin in packed}
+                t: dict[str, list[float]] = {p: [] for p in paths}
+                for rep in range(5):
+                    for path in paths:
+                        t0 = time.perf_counter()
+                        for lin in packed:
+                            getattr(lin, path)(xs[lin.weight.shape[1]])
+                        if rep:
+                            t[path].append(time.perf_counter() - t0)
+                measured[rows] = min(paths, key=lambda p: min(t[p]))
+        _SMALL[key] = {n: measured[max(r for r in SMALL_ROWS if r <= n)] for n in range(1, SMALL_ROWS[-1] + 1)}
+    return _SMALL[key]
+
+
+_PREPACK_OK: dict[torch.dtype, bool] = {}
+
+
+def _prepack_ok(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs in `dtype` on this CPU, found by trying it once on a
+    small matrix: oneDNN's bf16 path needs AVX512 (BW/VL/DQ) or AVX-NE-CONVERT, and refuses on
+    AVX2-only CPUs, where the plain `F.linear` is used instead."""
+    if dtype not in _PREPACK_OK:
+        ok = dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available() \
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        if ok:
+            try:
+                w = torch.ones(16, 16, dtype=dtype)
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 4)
+                torch.ops.mkldnn._linear_pointwise(torch.ones(4, 16, dtype=dtype), packed, None, "none", [], "")
+            except RuntimeError:
+                ok = False
+        _PREPACK_OK[dtype] = ok
+    return _PREPACK_OK[dtype]
