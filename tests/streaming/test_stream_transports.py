@@ -314,9 +314,9 @@ def test_tcp_sends_straight_from_the_callers_memory(tokens):
 
 
 def test_shm_ring_hands_out_disjoint_ranges_and_reuses_the_low_end():
-    from kvflow.streaming.transports.shm import ALIGN, _Ring
+    from kvflow.streaming.transports.shm_segment import ALIGN, Ring
 
-    ring, live, rng = _Ring(64 * ALIGN), [], random.Random(0)
+    ring, live, rng = Ring(64 * ALIGN), [], random.Random(0)
     for _ in range(20000):
         if live and rng.random() < 0.5:
             ring.free(live.pop(0 if rng.random() < 0.7 else rng.randrange(len(live))))  # acks mostly in order
@@ -439,7 +439,7 @@ def test_shm_wakes_a_sleeping_receiver_and_sends_nothing_to_a_busy_one():
     """The sleeping-consumer protocol: chunks published while the receiver is not blocked cross
     without a single socket message; a receiver blocked in recv (its flag set in the segment) is
     woken by the next chunk."""
-    from kvflow.streaming.transports.shm import RX_SLEEPING
+    from kvflow.streaming.transports.shm_segment import RX_SLEEPING
 
     rx = ShmReceiver()
     tx = ShmSender(rx.address, slots=2, slot_bytes=1 << 16)
