@@ -56,22 +56,23 @@ _op = None
 _failed = False
 
 
-def build_directory() -> Path:
-    """Where the kernel is built and cached (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions).
+def build_directory(sources: dict[str, bytes] | None = None) -> Path:
+    """Where the kernel is built and cached (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions),
+    named by a hash of the sources (`_read_sources()`: a changed, added or removed file is a new build).
     -march=native: the build is tied to this CPU, so the CPU's capability is part of its name; so is
     the interpreter's environment (its torch headers are in the build file: two venvs sharing one
     build directory would rebuild it in turn)."""
     key = hashlib.sha256()
-    for f in _source_files():  # a changed file's content (or a file added or gone) is a new build
-        key.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    for name, text in sorted((sources or _read_sources()).items()):
+        key.update(f"csrc/{name}".encode() + b"\0" + text + b"\0")
     key.update((torch.__version__ + str(torch.backends.cpu.get_cpu_capability()) + _cpu_flags() + sys.prefix).encode())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
     return root / f"kvflow_cpu_kernels_{key.hexdigest()[:12]}"
 
 
-def _source_files() -> list[Path]:
-    """The extension's sources and headers, by name."""
-    return sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+def _read_sources() -> dict[str, bytes]:
+    """The extension's sources and headers in `csrc/`, by file name."""
+    return {p.name: p.read_bytes() for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h")}
 
 
 def _build():
@@ -79,7 +80,8 @@ def _build():
 
     from torch.utils.cpp_extension import load
 
-    build_dir = build_directory()
+    sources = _read_sources()
+    build_dir = build_directory(sources)
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch serialises builds with a lock file that a process killed while building leaves behind,
     # and every later build then waits for it forever. An OS lock is released when its holder dies:
@@ -87,9 +89,17 @@ def _build():
     with open(build_dir / "kvflow.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
+        # The sources are compiled from a copy in the build directory (as load_inline compiles its
+        # string): the build file names the paths it compiles, so two checkouts with the same sources
+        # compiling their own paths would each rewrite it and rebuild in turn.
+        src = build_dir / "csrc"
+        src.mkdir(exist_ok=True)
+        for name, text in sources.items():
+            if not (src / name).exists() or (src / name).read_bytes() != text:  # unchanged: ninja sees no newer file
+                (src / name).write_bytes(text)
         return load(
             name=build_dir.name,
-            sources=[str(f) for f in _source_files() if f.suffix == ".cpp"],
+            sources=[str(src / name) for name in sorted(sources) if name.endswith(".cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_defines()],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
