@@ -292,6 +292,36 @@ def test_handoff_joins_after_kv_and_first_token_and_frees_each_reservation_once(
     assert h.reset() == [reqs[2]] and b.kv.num_free_blocks == 8 and h.num_waiting == 0
 
 
+def test_microbatch_handoff_reserves_whole_requests_and_frees_what_waits_for_a_microbatch():
+    # A token microbatch never grows its tables (the policy reserves a request's whole KV up front),
+    # so the hand-off reserves prompt + max_tokens; a request that waits in the ready queue holds
+    # its blocks itself, and gives them back when it finishes there or a failure resets the hand-off.
+    from collections import deque
+    from dataclasses import dataclass, field
+
+    from kvflow.sched.handoff import Handoff
+
+    @dataclass(eq=False)
+    class Side:
+        sched: Scheduler
+        kv: KVCacheManager
+        depth: int = 1
+        microbatch: int = 1
+        ready: deque = field(default_factory=deque)
+
+    kv = KVCacheManager(16, 4)
+    tp = Side(Scheduler(SchedulerConfig(policy="microbatch", microbatch_size=1, max_in_flight=1), kv, 64, "token"), kv)
+    h = Handoff([tp])
+    a, b = req("a", 6, max_tokens=7), req("b", 3, max_tokens=2)
+    assert h.reserve(a) and h.reserve(b)
+    assert len(h.table("a")) == 4 and len(h.table("b")) == 2  # ceil(13 / 4), ceil(5 / 4)
+    h.join(a), h.join(b)
+    assert list(tp.ready) == [a, b] and kv.num_free_blocks == 10
+    b.finish("abort")
+    assert h.settle(b) is tp and kv.num_free_blocks == 12 and list(tp.ready) == [a]
+    assert h.reset() == [a] and kv.num_free_blocks == 16 and not tp.ready
+
+
 def test_serve_flags_reach_the_scheduler_config():
     from kvflow.cli.main import build_parser
     from kvflow.cli.serve import _scheduler_config

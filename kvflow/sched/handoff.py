@@ -58,20 +58,29 @@ class Handoff:
         rid = req.request_id
         entry = self.tables.get(rid)
         if entry is not None and entry[1]:
-            return entry[0].kv.ensure(entry[1], req.num_tokens)
+            return entry[0].kv.ensure(entry[1], self._tokens(entry[0], req))
         if entry is None:
             tp, count = self._target
-            if tp is None or count >= tp.microbatch or not tp.kv.can_ensure([], req.num_tokens):
+            if tp is None or count >= tp.microbatch or not tp.kv.can_ensure([], self._tokens(tp, req)):
                 i = max(range(len(self.token)), key=lambda i: (self.token[i].kv.num_free_blocks, -i))
                 tp, count = self.token[i], 0
             self._target = (tp, count + 1)
             entry = self.tables[rid] = (tp, [])
         tp, table = entry
         hit = tp.kv.match(req.token_ids, req.block_hashes, req.num_tokens)
-        if not tp.kv.ensure(table, req.num_tokens, hit):
+        if not tp.kv.ensure(table, self._tokens(tp, req), hit):
             return False
         self.cached[rid] = hit.num_tokens
         return True
+
+    @staticmethod
+    def _tokens(tp: TokenSide, req: Request) -> int:
+        """Tokens of `req` to reserve in `tp`: what it holds now; with the microbatch policy every
+        token it may ever hold (a token microbatch never grows its tables, as the policy reserves a
+        request's whole KV up front)."""
+        if tp.sched.config.policy == "microbatch":
+            return max(req.num_tokens, req.num_prompt_tokens + req.params.max_tokens)
+        return req.num_tokens
 
     def table(self, rid: str) -> list[int]:
         """The token-side block table reserved for `rid` (where its KV is streamed to)."""
@@ -143,8 +152,10 @@ class Handoff:
             return None
         self.parked.pop(rid, None)
         for tp in self.token:
-            if req in tp.ready:
+            if req in tp.ready:  # joined, waiting for a microbatch: it holds its blocks itself
                 tp.ready.remove(req)
+                tp.kv.release(req.block_ids)
+                return tp
         entry = self.tables.pop(rid, None)
         self.cached.pop(rid, None)
         if entry is None or not entry[1]:
@@ -169,6 +180,8 @@ class Handoff:
         self.parked.clear()
         self.pending.clear()
         for tp in self.token:
+            for r in tp.ready:
+                tp.kv.release(r.block_ids)
             tp.ready.clear()
         running = {r.request_id for tp in self.token for r in tp.sched.running}
         for rid in [rid for rid in self.tables if rid not in running]:

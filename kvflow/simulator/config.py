@@ -34,8 +34,6 @@ class PipelineGroup:
 
 
 
-PipelineSpec = PipelineGroup  # the old name (simulator.py, pipeline.py, test_conservation.py): to be removed
-
 @dataclass(frozen=True)
 class Layout:
     """Colocated (`token` is None: `prompt` pipelines do both phases; count > 1 is Baseline-DP)
@@ -100,7 +98,7 @@ class Recovery:
     generated again, as FasterTransformer restarts them), resume mode only for the passes that
     were in flight. `restore_s` None models the restore as moving the lost stage's KV
     over the link (`PerfModel.kv_transfer_time`). `measured` takes the costs a real run recorded
-    (`benchmarks/fault_tolerance.py`, the controller's `recovery_log`), so the two modes differ by
+    (`benchmarks/fault_tolerance.py`, the controller's `recovery.log`), so the two modes differ by
     what they measurably cost rather than sharing one constant.
 
     `fence`: which pipelines a failure stops. 'pipeline': only the failed one (independent
@@ -214,7 +212,7 @@ class SimConfig:
     @classmethod
     def from_cluster(cls, cluster, max_model_len: int | None = None, **kw) -> "SimConfig":
         """The simulated twin of a `kvflow.config.ClusterConfig`: same layout, policy, scheduler
-        settings and block pool per pipeline."""
+        settings, block pool per pipeline and recovery policy."""
         if cluster.mode == "colocated":
             layout = Layout(PipelineGroup(cluster.depth, cluster.microbatch_size))
         else:
@@ -222,5 +220,7 @@ class SimConfig:
                             PipelineGroup(cluster.token_depth, cluster.microbatch_size))
         eng = cluster.engine
         kw.setdefault("swapping", cluster.swapping)  # (the pool then holds depth / min(2, depth) times the device's blocks)
+        # one controller: a failure voids every pipeline's batches; without replication it recomputes
+        kw.setdefault("recovery", Recovery("restart" if cluster.replication == "none" else "resume", fence="all"))
         return cls(layout, policy=cluster.policy, scheduler=eng.scheduler, kv_blocks=cluster.swap_layout(cluster.pipelines()[0])[2],
                    block_size=eng.block_size, max_model_len=max_model_len, prefix_caching=eng.enable_prefix_caching, **kw)

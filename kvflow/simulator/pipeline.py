@@ -17,7 +17,7 @@ from kvflow.kv.manager import KVCacheManager
 from kvflow.perf.perf_model import PerfModel
 from kvflow.sched.executor import PipelineState
 from kvflow.sched.scheduler import Scheduler
-from kvflow.simulator.config import PipelineSpec
+from kvflow.simulator.config import PipelineGroup
 
 
 @dataclass
@@ -34,7 +34,7 @@ class SimPipeline(PipelineState):
     prices its steps, transfers and memory (prompt and token pipelines may run on different
     hardware or tensor-parallel degrees)."""
 
-    def __init__(self, role: str, index: int, spec: PipelineSpec, kv: KVCacheManager, sched: Scheduler,
+    def __init__(self, role: str, index: int, spec: PipelineGroup, kv: KVCacheManager, sched: Scheduler,
                  queue: deque, perf: PerfModel, log_batches: bool = False) -> None:
         super().__init__(role, spec.depth, spec.microbatch, sched, kv, queue, log_batches)
         self.index, self.spec, self.perf = index, spec, perf

@@ -25,7 +25,7 @@ from kvflow.sched.executor import KVStream, PipelineExecutor
 from kvflow.sched.request import Request
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
-from kvflow.simulator.config import PipelineSpec, SimConfig
+from kvflow.simulator.config import PipelineGroup, SimConfig
 from kvflow.simulator.events import Arrival, Event, KVReady, PassDone, Recovered, WorkerFailure
 from kvflow.simulator.metrics import SimResult
 from kvflow.simulator.pipeline import Pass, SimPipeline
@@ -73,18 +73,19 @@ class Simulator:
         self._idle: set[SimPipeline] = set(self.prompt)  # prompt-side pipelines with a free slot
         self._tried: dict[SimPipeline, int] = {}
 
-    def _group(self, spec: PipelineSpec, role: str) -> list[SimPipeline]:
+    def _group(self, spec: PipelineGroup, role: str) -> list[SimPipeline]:
         own = self.config.dispatch == "round_robin"
         perf = self.token_perf if role == "token" else self.perf
         out = []
         for i in range(spec.count):
-            kv = KVCacheManager(self._pool_blocks(spec, role, perf), self.config.block_size, self.config.prefix_caching)
+            blocks = self._pool_blocks(spec, role, perf)
+            kv = KVCacheManager(blocks, self.config.block_size, self.config.prefix_caching)
             hook = (lambda req: self.handoff.reserve(req)) if role == "prompt" else None
-            sched = Scheduler(self.config.scheduler_for(spec), kv, self.max_model_len, role, hook)
+            sched = Scheduler(self.config.scheduler_for(spec, role, blocks), kv, self.max_model_len, role, hook)
             out.append(SimPipeline(role, i, spec, kv, sched, deque() if own else self.queue, perf, self.log_batches))
         return out
 
-    def _pool_blocks(self, spec: PipelineSpec, role: str, perf: PerfModel) -> int:
+    def _pool_blocks(self, spec: PipelineGroup, role: str, perf: PerfModel) -> int:
         """The configured pool, or what the most loaded stage's memory holds (`kv_capacity_tokens`)."""
         if self.config.kv_blocks is not None:
             return self.config.kv_blocks
@@ -97,7 +98,8 @@ class Simulator:
 
     def _request(self, i: int) -> Request:
         params = SamplingParams(max_tokens=self.out_len[i], temperature=0.0, ignore_eos=True)
-        return Request(str(i), [i] * self.prompt_len[i], params, arrival_time=self.arrival[i])  # a prompt of its own
+        prompt = list(self.workload.prompts[i]) if self.workload.prompts is not None else [i] * self.prompt_len[i]
+        return Request(str(i), prompt, params, arrival_time=self.arrival[i])
 
     # --- the loop ------------------------------------------------------------------------------
 

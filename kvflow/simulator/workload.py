@@ -49,16 +49,21 @@ class LengthDist:
 
 @dataclass(frozen=True)
 class Workload:
-    """`n` requests sorted by arrival; lengths are per request."""
+    """`n` requests sorted by arrival; lengths are per request. `prompts`, when given, are the
+    prompts' token ids (then prompts that share a prefix hit the prefix cache, as they would in a
+    server); otherwise every request's prompt is its own."""
 
     arrival: np.ndarray  # float64 seconds, non-decreasing
     prompt_len: np.ndarray  # int64
     output_len: np.ndarray  # int64, >= 1
+    prompts: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival)
         if not (len(self.prompt_len) == len(self.output_len) == n):
             raise ValueError("workload arrays must have equal length")
+        if self.prompts is not None and [len(p) for p in self.prompts] != self.prompt_len.tolist():
+            raise ValueError("workload prompts must have the lengths in prompt_len")
         if n and (np.any(np.diff(self.arrival) < 0) or self.arrival[0] < 0):
             raise ValueError("arrivals must be non-negative and sorted")
         if n and (self.prompt_len.min() < 1 or self.output_len.min() < 1):

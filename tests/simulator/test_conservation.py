@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from sim_helpers import ConstantPerf, workload
 
 from kvflow.perf import AnalyticPerfModel, machine, model_shape
-from kvflow.simulator import Failure, LengthDist, Layout, PipelineSpec, Recovery, SimConfig, Simulator, simulate, synthetic
+from kvflow.simulator import Failure, LengthDist, Layout, PipelineGroup, Recovery, SimConfig, Simulator, simulate, synthetic
 
 LAYOUTS = [
-    Layout(PipelineSpec(3, 4)),
-    Layout(PipelineSpec(2, 4, 3)),
-    Layout(PipelineSpec(2, 4), PipelineSpec(3, 8)),
-    Layout(PipelineSpec(1, 2, 2), PipelineSpec(2, 4, 2)),
+    Layout(PipelineGroup(3, 4)),
+    Layout(PipelineGroup(2, 4, 3)),
+    Layout(PipelineGroup(2, 4), PipelineGroup(3, 8)),
+    Layout(PipelineGroup(1, 2, 2), PipelineGroup(2, 4, 2)),
 ]
 
 
@@ -54,7 +54,7 @@ def test_conservation_with_failures(layout_i, seed, mode, rate, fail_times):
 
 def test_prompt_pipeline_failure_in_disaggregated_layout_conserves():
     w = synthetic(200, 100, LengthDist("lognormal", median=20, p90=60, max_len=100), 2.0, 1)
-    cfg = SimConfig(Layout(PipelineSpec(2, 4), PipelineSpec(2, 4)), failures=(Failure(5.0, "prompt", 0, 1),))
+    cfg = SimConfig(Layout(PipelineGroup(2, 4), PipelineGroup(2, 4)), failures=(Failure(5.0, "prompt", 0, 1),))
     res = simulate(cfg, ConstantPerf(0.5, 0.05), w)
     _check(res, 200)
     assert res.restarts > 0
@@ -62,7 +62,7 @@ def test_prompt_pipeline_failure_in_disaggregated_layout_conserves():
 
 def test_round_robin_dispatch_conserves():
     w = synthetic(101, 100, LengthDist(), None, 2, group=4)
-    res = simulate(SimConfig(Layout(PipelineSpec(2, 4, 3)), dispatch="round_robin"), ConstantPerf(1.0, 0.01), w)
+    res = simulate(SimConfig(Layout(PipelineGroup(2, 4, 3)), dispatch="round_robin"), ConstantPerf(1.0, 0.01), w)
     _check(res, 101)
 
 
@@ -71,7 +71,7 @@ def test_resume_beats_restart():
     perf = ConstantPerf(1.0, 0.05)
     spans = {}
     for mode in ("resume", "restart"):
-        cfg = SimConfig(Layout(PipelineSpec(4, 4)), failures=(Failure(30.0, "prompt", 0, 2),),
+        cfg = SimConfig(Layout(PipelineGroup(4, 4)), failures=(Failure(30.0, "prompt", 0, 2),),
                         recovery=Recovery(mode, 1.0, 5.0))
         spans[mode] = simulate(cfg, perf, w).makespan
     assert spans["resume"] < spans["restart"]
@@ -79,7 +79,7 @@ def test_resume_beats_restart():
 
 def test_deterministic_under_seed():
     perf = AnalyticPerfModel(model_shape("opt-30b"), machine("4xV100-16GB"))
-    lay = Layout(PipelineSpec(2, 8), PipelineSpec(3, 8))
+    lay = Layout(PipelineGroup(2, 8), PipelineGroup(3, 8))
     runs = [simulate(SimConfig(lay), perf, synthetic(300, 1000, LengthDist(), 1.0, seed)) for seed in (5, 5, 6)]
     np.testing.assert_array_equal(runs[0].finish, runs[1].finish)
     np.testing.assert_array_equal(runs[0].first_token, runs[1].first_token)
@@ -87,7 +87,7 @@ def test_deterministic_under_seed():
 
 
 def test_utilization_and_cost_accounting():
-    res = simulate(SimConfig(Layout(PipelineSpec(2, 1))), ConstantPerf(1.0, 0.1), workload([0.0, 0.0], [3, 3]))
+    res = simulate(SimConfig(Layout(PipelineGroup(2, 1))), ConstantPerf(1.0, 0.1), workload([0.0, 0.0], [3, 3]))
     # Two microbatches, each one prompt (1.0) + two tokens (0.1) on every stage.
     assert res.machine_busy.tolist() == pytest.approx([2.4, 2.4])
     s = res.summary()
