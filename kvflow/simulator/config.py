@@ -147,8 +147,9 @@ class SimConfig:
     microbatch-level pipelines, the default of the planner and the Appendix B sweeps) or
     "continuous" (the server's default). `microbatch_size` and `max_in_flight` come from the
     layout's pipeline groups, exactly as `ClusterConfig.scheduler_for` derives them.
-    `kv_blocks`: blocks of `block_size` tokens per pipeline; None sizes the pool from the
-    performance model's memory (`PerfModel.kv_capacity_tokens`).
+    `kv_blocks`: blocks of `block_size` tokens each stage's device holds (as the engine's
+    `num_kv_blocks`): a pipeline's pool, or with swapping its device regions (`SwapLayout.of_device`);
+    None sizes the pool from the performance model's memory (`PerfModel.kv_capacity_tokens`).
     `max_model_len`: the context limit the scheduler enforces (None: unlimited).
     `dispatch`: 'shared' (any pipeline with a free slot takes the next request) or
     'round_robin' (requests are bound to pipelines i mod count at arrival).
@@ -219,8 +220,8 @@ class SimConfig:
             layout = Layout(PipelineGroup(cluster.prompt_depth, cluster.prompt_microbatch_size),
                             PipelineGroup(cluster.token_depth, cluster.microbatch_size))
         eng = cluster.engine
-        kw.setdefault("swapping", cluster.swapping)  # (the pool then holds depth / min(2, depth) times the device's blocks)
+        kw.setdefault("swapping", cluster.swapping)
         # one controller: a failure voids every pipeline's batches; without replication it recomputes
         kw.setdefault("recovery", Recovery("restart" if cluster.replication == "none" else "resume", fence="all"))
-        return cls(layout, policy=cluster.policy, scheduler=eng.scheduler, kv_blocks=cluster.swap_layout(cluster.pipelines()[0])[2],
+        return cls(layout, policy=cluster.policy, scheduler=eng.scheduler, kv_blocks=eng.num_kv_blocks,
                    block_size=eng.block_size, max_model_len=max_model_len, prefix_caching=eng.enable_prefix_caching, **kw)

@@ -22,6 +22,7 @@ from collections import deque
 from kvflow.kv.manager import KVCacheManager
 from kvflow.perf.perf_model import BatchShape, PerfModel
 from kvflow.sched.executor import KVStream, PipelineExecutor
+from kvflow.sched.config import SwapLayout
 from kvflow.sched.request import Request
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
@@ -86,8 +87,10 @@ class Simulator:
         return out
 
     def _pool_blocks(self, spec: PipelineGroup, role: str, perf: PerfModel) -> int:
-        """The configured pool, or what the most loaded stage's memory holds (`kv_capacity_tokens`)."""
+        """The pool: from the configured device blocks, or what the most loaded stage's memory holds (`kv_capacity_tokens`)."""
         if self.config.kv_blocks is not None:
+            if self.config.swapping and role != "prompt":
+                return SwapLayout.of_device(self.config.kv_blocks, spec.depth).pool_blocks
             return self.config.kv_blocks
         resident = min(2, spec.depth) if self.config.swapping and role != "prompt" else None
         tokens = perf.kv_capacity_tokens(spec.depth, resident)

@@ -24,6 +24,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.controller.controller import Controller
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import SchedulerConfig
-from kvflow.simulator import SimConfig, Simulator, Workload
+from kvflow.simulator import Failure, SimConfig, Simulator, Workload
 from kvflow.wire import SECRET_ENV
 
 import numpy as np
@@ -45,17 +46,27 @@ LONG = [list(range(3, 3 + 30)), list(range(40, 68)), [7] * 26, list(range(60, 91
 MARGIN = 0.025  # seconds between events of different pipelines (or two results) in the simulated timeline
 
 
+DIE_AT_STEP_ENV = "KVFLOW_TEST_DIE_AT_STEP"  # (paced_worker.py's)
+
+
 class PacedLauncher:
-    """Starts `paced_worker.py` (a real worker that sleeps the paced step time first)."""
+    """Starts `paced_worker.py` (a real worker that sleeps the paced step time first); the first
+    start of worker `victim` kills itself when its `die_at`-th step arrives."""
+
+    def __init__(self, victim: str | None = None, die_at: int = 0) -> None:
+        self.victim, self.die_at, self.starts = victim, die_at, []
 
     def start(self, name: str, controller_addr: str, host: str, secret: bytes) -> subprocess.Popen:
         env = {**os.environ, SECRET_ENV: secret.hex()}
+        if name == self.victim and name not in self.starts:
+            env[DIE_AT_STEP_ENV] = str(self.die_at)
+        self.starts.append(name)
         cmd = [sys.executable, str(HERE / "paced_worker.py"), "--controller", controller_addr, "--name", name,
                "--host", host]
         return subprocess.Popen(cmd, env=env)
 
 
-def run_controller(cfg: ClusterConfig, prompts, lengths) -> tuple[dict[str, list[list[tuple[str, int]]]], int]:
+def run_controller(cfg: ClusterConfig, prompts, lengths, launcher: PacedLauncher):
     async def collect(ctrl, i):
         params = SamplingParams(max_tokens=lengths[i], temperature=0, ignore_eos=True)
         async for out in ctrl.generate(prompts[i], params, str(i)):
@@ -63,7 +74,7 @@ def run_controller(cfg: ClusterConfig, prompts, lengths) -> tuple[dict[str, list
         return last
 
     async def main():
-        ctrl = Controller(cfg, launcher=PacedLauncher())
+        ctrl = Controller(cfg, launcher=launcher)
         tasks = []
         for i in range(len(prompts)):  # queued in order before the loop thread exists
             tasks.append(asyncio.create_task(collect(ctrl, i)))
@@ -75,63 +86,109 @@ def run_controller(cfg: ClusterConfig, prompts, lengths) -> tuple[dict[str, list
         finally:
             await ctrl.shutdown()
         assert [len(o.token_ids) for o in outs] == lengths
-        return {p.role: list(p.batch_log) for p in ctrl.pipelines}, ctrl.preemptions
+        assert all(o.finish_reason == "length" for o in outs)
+        return {p.role: list(p.batch_log) for p in ctrl.pipelines}, ctrl
 
     return asyncio.run(main())
 
 
 class TimedSimulator(Simulator):
-    """Records when each pipeline's passes return."""
+    """Records when each pipeline's passes are sent and return."""
 
     def __init__(self, *a) -> None:
         super().__init__(*a, log_batches=True)
         self.returns: list[tuple[float, str]] = []
+        self.sends: list[tuple[float, str]] = []
+
+    def dispatch(self, p, wire_id, out, free, streams):
+        self.sends.append((self.now, p.role))
+        return super().dispatch(p, wire_id, out, free, streams)
 
     def on_pass_done(self, now, p, wire_id):
         self.returns.append((now, p.role))
         return super().on_pass_done(now, p, wire_id)
 
 
-def run_simulator(cfg: ClusterConfig, prompts, lengths) -> tuple[dict[str, list[list[tuple[str, int]]]], TimedSimulator]:
+def run_simulator(cfg: ClusterConfig, prompts, lengths, failures=()) -> tuple[dict[str, list[list[tuple[str, int]]]], TimedSimulator]:
     n = len(prompts)
-    w = Workload(np.zeros(n), np.array([len(p) for p in prompts], dtype=np.int64), np.array(lengths, dtype=np.int64))
-    sim = TimedSimulator(SimConfig.from_cluster(cfg, max_model_len=256), PacedPerf(), w)
+    w = Workload(np.zeros(n), np.array([len(p) for p in prompts], dtype=np.int64), np.array(lengths, dtype=np.int64),
+                 tuple(tuple(p) for p in prompts))
+    sim_cfg = SimConfig.from_cluster(cfg, max_model_len=256)
+    sim_cfg = replace(sim_cfg, failures=failures, recovery=replace(sim_cfg.recovery, detect_s=0.0, restart_s=1.0, restore_s=0.0))
+    sim = TimedSimulator(sim_cfg, PacedPerf(), w)
     res = sim.run()
     assert np.all(res.completions == 1)
     return {p.role: list(p.batch_log) for p in sim.prompt + sim.token}, sim
 
 
+SHARED = [list(range(20, 32)) + [5, 6], list(range(20, 32)) + [7, 8, 9], [1, 2, 3], list(range(20, 32)) + [4]]
+CHUNKED = SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)
 LAYOUTS = {
     "colocated-2": dict(mode="colocated", depth=2),
-    "colocated-2-chunked": dict(mode="colocated", depth=2, sched=SchedulerConfig(max_num_batched_tokens=16,
-                                                                                 prefill_chunk_size=8)),
+    "colocated-2-chunked": dict(mode="colocated", depth=2, sched=CHUNKED),
     "colocated-2-preempt": dict(mode="colocated", depth=2, blocks=24, lengths=[14, 14, 14, 14], prompts=LONG,
                                 sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8, reserve_kv=False)),
+    "colocated-2-microbatch": dict(mode="colocated", depth=2, policy="microbatch"),
+    "colocated-3-swapping": dict(mode="colocated", depth=3, swapping=True, blocks=32),
+    "colocated-2-prefix": dict(mode="colocated", depth=2, prompts=SHARED, lengths=[8, 3, 6, 4]),
     "disagg-1-1": dict(mode="disaggregated", prompt_depth=1, token_depth=1),
-    "disagg-1-1-chunked": dict(mode="disaggregated", prompt_depth=1, token_depth=1,
-                               sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
+    "disagg-1-1-chunked": dict(mode="disaggregated", prompt_depth=1, token_depth=1, sched=CHUNKED),
+    "disagg-1-1-microbatch": dict(mode="disaggregated", prompt_depth=1, token_depth=1, policy="microbatch"),
+    "disagg-1-3-swapping": dict(mode="disaggregated", prompt_depth=1, token_depth=3, swapping=True, blocks=32),
+    "disagg-1-1-prefix": dict(mode="disaggregated", prompt_depth=1, token_depth=1, prompts=SHARED, lengths=[8, 3, 6, 4]),
+    # a worker SIGKILLed when its n-th step arrives (the simulator: a failure right after that step is sent)
+    "colocated-2-fail-recompute": dict(mode="colocated", depth=2, replication="none", fail=("colocated", 0, 5)),
+    "colocated-2-fail-resume": dict(mode="colocated", depth=2, fail=("colocated", 0, 5)),
+    "disagg-1-1-fail-prompt": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
+                                   fail=("prompt", 0, 3)),
+    "disagg-1-1-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
+                                  fail=("token", 0, 4)),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, name):
+def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, tiny4_ckpt_dir, name):
     kw = dict(LAYOUTS[name])
+    ckpt = tiny4_ckpt_dir if max(kw.get("depth", 1), kw.get("token_depth", 1)) > 2 else tiny_ckpt_dir
     sched, blocks = kw.pop("sched", SchedulerConfig()), kw.pop("blocks", 128)
     prompts, lengths = kw.pop("prompts", PROMPTS), kw.pop("lengths", LENGTHS)
-    cfg = ClusterConfig(engine=EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=blocks, block_size=4, scheduler=sched),
+    fail = kw.pop("fail", None)
+    cfg = ClusterConfig(engine=EngineConfig(model=str(ckpt), num_kv_blocks=blocks, block_size=4, scheduler=sched),
                         microbatch_size=2, prompt_microbatch_size=2, heartbeat_timeout_s=30.0, **kw)
-    simulated, sim = run_simulator(cfg, prompts, lengths)
+    failures, launcher = (), PacedLauncher()
+    if fail is not None:  # when the victim's n-th step is sent, in a run without the failure
+        pipeline, stage, n = fail
+        assert stage == 0  # (every step of a pipeline reaches its stage 0: the n-th sent)
+        role = "token" if pipeline == "token" else "prompt"
+        _, clean = run_simulator(cfg, prompts, lengths)
+        sent = [t for t, r in clean.sends if r == ("both" if pipeline == "colocated" else pipeline)]
+        failures = (Failure(sent[n - 1] + 1e-6, role, 0, stage),)
+        launcher = PacedLauncher(f"{pipeline}-{stage}", n)
+    simulated, sim = run_simulator(cfg, prompts, lengths, failures)
     # Precondition: no two returns closer than MARGIN (of one pipeline: so two results are never
-    # drained in one loop turn; of two pipelines: so the real run cannot see them reordered).
+    # drained in one loop turn; of two pipelines: so the real run cannot see them reordered), and
+    # nothing returns within MARGIN after a failure (the controller notices the loss first).
     for role in ("both", "prompt", "token"):
         times = [t for t, r in sim.returns if r == role]
         assert all(b - a >= MARGIN for a, b in zip(times, times[1:]))
     prompt, token = ([t for t, r in sim.returns if r == role] for role in ("prompt", "token"))
     assert all(abs(a - b) >= MARGIN for a in prompt for b in token)
+    for f in failures:
+        assert not any(0 < t - f.time < MARGIN for t, _ in sim.returns)
+    first = simulated["prompt" if cfg.mode == "disaggregated" else "both"]
     if "chunked" in name:
-        first = simulated["prompt" if cfg.mode == "disaggregated" else "both"]
         assert any(0 < k < len(prompts[int(rid)]) for batch in first for rid, k in batch), "prompts meant to be chunked"
-    real, preemptions = run_controller(cfg, prompts, lengths)
+    if "prefix" in name:
+        assert any(0 < k < len(prompts[int(rid)]) for batch in first for rid, k in batch), "meant to hit the prefix cache"
+    real, ctrl = run_controller(cfg, prompts, lengths, launcher)
     assert real == simulated
     if "preempt" in name:
-        assert preemptions > 0, "the budget was meant to force preemption"
+        assert ctrl.preemptions > 0, "the budget was meant to force preemption"
+    if "swapping" in name:  # both schedulers fit batches to the device regions
+        assert ctrl.pipelines[-1].sched.config.swap_regions == sim.executor.pipelines[-1].sched.config.swap_regions > 0
+    if fail is not None:
+        assert ctrl.recovery.recoveries == 1 and launcher.starts.count(f"{pipeline}-{stage}") == 2
+        if cfg.replication == "none":
+            assert sim.restarts > 0  # requests lost their KV (the prompt side: prompts in flight)
+        else:
+            assert sim.restarts == 0 and ctrl.recovery.resumed > 0
