@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.sched.sampling import sample
+from kvflow.sched.sampling import sample_requests
 from kvflow.sched.scheduler import SchedulerOutput
 from kvflow.kv.cache import KVCache
 from kvflow.streaming.tier_store import TierStore
-from kvflow.model.batch import ForwardBatch, SeqSlice
+from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LayerHook, LlamaModel
 
 
@@ -31,15 +31,9 @@ class ModelRunner:
         self.device = kv.device
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
-        ids: list[int] = []
-        slices: list[SeqSlice] = []
-        for s in out.seqs:
-            r = s.request
-            start = r.num_computed_tokens
-            slices.append(SeqSlice(len(ids), s.num_new_tokens, start + s.num_new_tokens, tuple(r.block_ids)))
-            ids.extend(r.token_ids[start : start + s.num_new_tokens])
-        batch = ForwardBatch.build(slices, self.kv.layout.block_size, self.device)
-        return torch.tensor(ids, dtype=torch.long, device=self.device), batch
+        batch = ForwardBatch.of([(s.num_new_tokens, s.end, s.request.block_ids) for s in out.seqs],
+                                self.kv.layout.block_size, self.device)
+        return torch.tensor(out.token_ids, dtype=torch.long, device=self.device), batch
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[str, int]:
@@ -54,10 +48,4 @@ class ModelRunner:
         if not rows:
             return {}
         reqs = [out.seqs[i].request for i in rows]
-        next_ids = sample(
-            logits[rows].cpu(),
-            [r.params for r in reqs],
-            [r.sampler for r in reqs],
-            [r.banned_token_ids() for r in reqs],
-        )
-        return {r.request_id: t for r, t in zip(reqs, next_ids)}
+        return {r.request_id: t for r, t in zip(reqs, sample_requests(logits[rows].cpu(), reqs))}

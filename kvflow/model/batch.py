@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,17 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.numel())
+
+    @classmethod
+    def of(cls, seqs: Iterable[tuple[int, int, Sequence[int]]], block_size: int,
+           device: torch.device | str = "cpu") -> "ForwardBatch":
+        """`build` over sequences given in batch order as (query_len, context_len, block_ids): each
+        one's token rows follow the previous one's."""
+        slices, start = [], 0
+        for query_len, context_len, block_ids in seqs:
+            slices.append(SeqSlice(start, query_len, context_len, tuple(block_ids)))
+            start += query_len
+        return cls.build(slices, block_size, device)
 
     @classmethod
     def build(cls, seqs: list[SeqSlice], block_size: int, device: torch.device | str = "cpu") -> "ForwardBatch":

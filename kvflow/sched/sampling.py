@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvflow.sched.admission import InvalidRequest
+
+if TYPE_CHECKING:
+    from kvflow.sched.request import Request
 
 _GREEDY_EPS = 1e-5
 
@@ -87,6 +92,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[Samp
         if not p.greedy:
             out[i] = _sample_row(logits[i], p, states[i].generator)
     return out
+
+
+def sample_requests(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    """Next token of each request from its row of `logits` [len(requests), V], with its own parameters,
+    random state and banned ids."""
+    return sample(logits, [r.params for r in requests], [r.sampler for r in requests],
+                  [r.banned_token_ids() for r in requests])
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

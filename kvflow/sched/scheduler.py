@@ -67,6 +67,11 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.seqs)
 
     @property
+    def token_ids(self) -> list[int]:
+        """The ids of the tokens the batch computes, sequence after sequence (a forward pass's input)."""
+        return [t for s in self.seqs for t in s.request.token_ids[s.start:s.end]]
+
+    @property
     def is_empty(self) -> bool:
         return not self.seqs
 

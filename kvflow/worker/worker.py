@@ -37,7 +37,7 @@ import zmq
 from kvflow.config import WorkerSpec, engine_from_dict
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.kv.tiers import TierPlan
-from kvflow.model.batch import ForwardBatch, SeqSlice
+from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
 from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender, send_restore
@@ -312,7 +312,7 @@ class Worker:
             msg.tier_failed = sorted(set(msg.tier_failed) | set(self.tiers.apply(TierPlan.from_wire(msg.tier_ops))))
         for rid in msg.free:  # (a token worker's KV receiver forgets a request by itself once its KV is in)
             self.tables.pop(rid, None)
-        slices, start, tables, swap = [], 0, {}, []
+        seqs, tables, swap = [], {}, []
         for s in msg.seqs:
             if s.reset:
                 self.tables[s.rid] = list(s.new_blocks)
@@ -321,9 +321,8 @@ class Worker:
             tables[s.rid] = table = tuple(self.tables[s.rid])
             if msg.swap_region >= 0:
                 swap.append(SwapSeq(s.rid, table, tuple(s.device_blocks), s.start, s.context_len))
-            slices.append(SeqSlice(start, s.num_new, s.context_len, tuple(s.device_blocks) if swap else table))
-            start += s.num_new
-        batch = ForwardBatch.build(slices, self.cache.layout.block_size, self.device) if slices else None
+            seqs.append((s.num_new, s.context_len, s.device_blocks if swap else table))
+        batch = ForwardBatch.of(seqs, self.cache.layout.block_size, self.device) if seqs else None
         return Prepared(batch, tables, swap)
 
     def _step(self, msg: Step, hidden: torch.Tensor | None, prep: "Prepared") -> None:
