@@ -3,8 +3,8 @@
 A worker needs only the controller's address, its name, the interface it binds and the cluster
 secret; everything else (its layers, role, model, dtype, KV settings) arrives in the handshake.
 `SubprocessLauncher` starts local processes (the default): forked from a fork server that has
-imported the worker (torch included) once, so a worker starts in well under a second instead of
-paying the ~2-4 s import on every start and every replacement of a lost worker;
+imported the worker (torch included) once, so a worker does not pay torch's import again on every
+start and every replacement of a lost worker (docs/results.md, 2026-11-23 launchers);
 `ExternalLauncher` starts nothing and prints the command to run on each host;
 `kvflow.controller.ray_launcher.RayLauncher` starts each stage as a Ray actor placed on a Ray
 cluster (imported only when asked for). The controller calls

@@ -20,9 +20,8 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 # The offline token budget (max_num_batched_tokens = prefill_chunk_size) unless one is given. Offline
-# nobody waits on a token, so the budget only trades prefill throughput: on a 2-core AMD EPYC in bf16,
-# 4 prompts of 256 tokens ran at 1236 / 1338 / 1350 tok/s with 256 / 1024 / 2048 (one interleaved
-# run). The server keeps SchedulerConfig's 256, chosen for TPOT under load (docs/serving.md); vLLM
+# nobody waits on a token, so the budget only trades prefill throughput (docs/results.md, 2026-11-24
+# kernels). The server keeps SchedulerConfig's default budget, chosen for TPOT under load; vLLM
 # likewise gives its offline LLM class a larger budget than its server.
 OFFLINE_TOKEN_BUDGET = 1024
 
