@@ -9,7 +9,7 @@ not msgpack, unknown type, wrong field types, a tensor frame of the wrong size):
 receives drops the message and counts it.
 
 Steps are deltas: a request's first step after admission (or preemption) carries its whole block
-table (`reset`), later ones only the blocks added. Every step and result carries the controller's
+table (`full_table`), later ones only the blocks added. Every step and result carries the controller's
 `epoch`, so a result from before a recovery is recognised as stale and dropped.
 """
 
@@ -44,13 +44,13 @@ def new_secret() -> bytes:
 @dataclass
 class SeqStep:
     """One request's part of a step: `num_new` tokens from position `start`. `new_blocks` are
-    appended to the stage's copy of the request's block table, or replace it when `reset`."""
+    appended to the stage's copy of the request's block table, or replace it when `full_table`."""
 
     rid: str
     start: int
     num_new: int
     new_blocks: list[int]
-    reset: bool = False
+    full_table: bool = False
     device_blocks: list[int] = field(default_factory=list)  # swapping: its blocks in the step's device region
 
     @property
@@ -132,9 +132,10 @@ class Ready:
 
 
 @dataclass
-class Wire:
-    """Controller -> worker: where its output goes and which token stages receive its KV, as
-    [stage index, layer_start, layer_end, kv address]."""
+class Route:
+    """Controller -> worker: where its output goes (`next_addr`: the next stage, or the controller),
+    which token stages receive its KV, as [stage index, layer_start, layer_end, kv address], and
+    where its KV replica goes. Sent at start and again when a neighbour was replaced."""
 
     next_addr: str
     kv_peers: list[list] = field(default_factory=list)
@@ -194,7 +195,7 @@ class WorkerError:
 
 
 @dataclass
-class Reset:
+class Fence:
     """Controller -> worker after a failure: from now on only steps of `epoch` count; forget every
     mirrored block table (`tables`) and every partly received KV hand-off (`kv`)."""
 
@@ -208,7 +209,8 @@ class Shutdown:
     pass
 
 
-MESSAGES = (Step, StepResult, Hello, Setup, Ready, Wire, Heartbeat, KVArrived, Replicated, Restore, WorkerError, Reset, Shutdown)
+MESSAGES = (Step, StepResult, Hello, Setup, Ready, Route, Heartbeat, KVArrived, Replicated, Restore, WorkerError, Fence, Shutdown)
+Wire, Reset = Route, Fence  # the old names, still imported by controller/workers.py and recovery.py: to be removed
 _TYPES = {c.__name__: c for c in MESSAGES}
 _NESTED = {"seqs": SeqStep, "kv_out": KVOut}
 

@@ -47,13 +47,13 @@ def test_block_tables_travel_as_deltas():
     r = req("r", 7, max_tokens=8)
     s.add(r)
     out = s.schedule()
-    assert out.seqs[0].reset and out.seqs[0].new_block_ids == tuple(r.block_ids) and len(r.block_ids) == 2
+    assert out.seqs[0].full_table and out.seqs[0].new_block_ids == tuple(r.block_ids) and len(r.block_ids) == 2
     s.update(out, sampled_for(out))  # 8 tokens: the 8th fits the 2 blocks
     out = s.schedule()
-    assert not out.seqs[0].reset and out.seqs[0].new_block_ids == ()
+    assert not out.seqs[0].full_table and out.seqs[0].new_block_ids == ()
     s.update(out, sampled_for(out))  # 9 tokens: a third block
     out = s.schedule()
-    assert out.seqs[0].new_block_ids == (r.block_ids[2],) and not out.seqs[0].reset
+    assert out.seqs[0].new_block_ids == (r.block_ids[2],) and not out.seqs[0].full_table
 
 
 def test_chunked_prefill_and_preemption_report_freed_requests():
@@ -145,7 +145,7 @@ def test_token_role_decodes_and_returns_preempted_requests():
         kv.ensure(r.block_ids, r.num_tokens - 1)
         s.add_running(r)
     out = s.schedule()
-    assert [(x.request.request_id, x.start, x.num_new_tokens, x.reset) for x in out.seqs] == [("a", 4, 1, True), ("b", 3, 1, True)]
+    assert [(x.request.request_id, x.start, x.num_new_tokens, x.full_table) for x in out.seqs] == [("a", 4, 1, True), ("b", 3, 1, True)]
     s.update(out, sampled_for(out))
     s.add(req("c", 3))  # a token scheduler never prefills
     while True:
@@ -208,7 +208,7 @@ def test_rewind_resumes_from_the_replica_without_sampling_again():
     assert gone == [c] and c.block_ids == [] and s.num_batches_in_flight == 0 and lost.seqs
     assert (a.num_computed_tokens, b.num_computed_tokens) == (6, 7)
     out = s.schedule()  # the rest of a is recomputed as one chunk, whole tables re-sent; b decodes
-    got = {x.request.request_id: (x.start, x.num_new_tokens, x.reset, x.new_block_ids) for x in out.seqs}
+    got = {x.request.request_id: (x.start, x.num_new_tokens, x.full_table, x.new_block_ids) for x in out.seqs}
     assert got == {"a": (6, 6, True, tuple(tables["a"])), "b": (7, 1, True, tuple(tables["b"]))}
     s.update(out, sampled_for(out, 9))
     assert a.output_token_ids == [7, 7, 7, 9] and b.output_token_ids == [7, 7, 7, 9]  # one new token each

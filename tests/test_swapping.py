@@ -40,7 +40,7 @@ def test_batches_alternate_regions_and_a_microbatch_fits_its_region():
     assert [x.device_block_ids for x in outs[0].seqs] == [(0, 1, 2), (3, 4, 5)]
     assert [x.device_block_ids for x in outs[1].seqs] == [(6, 7, 8), (9, 10, 11)]
     with pytest.raises(ValueError, match="device region"):
-        validate(Request("big", list(range(1, 30)), SamplingParams(max_tokens=4)), Limits(256, None, 6), [s.kv])
+        validate(Request("big", list(range(1, 30)), SamplingParams(max_tokens=4)), Limits(256, None, 6), [s.kv_manager])
     with pytest.raises(ValueError, match="bad swap regions"):
         SchedulerConfig(swap_regions=2, swap_region_blocks=0)
 

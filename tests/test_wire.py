@@ -90,8 +90,8 @@ def test_decode_raises_only_wire_errors_for_arbitrary_frames(frames):
 _anything = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20)
                          | st.binary(max_size=40), lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
                          max_leaves=12)
-_MESSAGE_NAMES = ["Step", "StepResult", "Hello", "Setup", "Ready", "Wire", "Heartbeat", "KVArrived", "Replicated", "Restore",
-                  "WorkerError", "Reset", "Shutdown"]
+_MESSAGE_NAMES = ["Step", "StepResult", "Hello", "Setup", "Ready", "Route", "Heartbeat", "KVArrived", "Replicated", "Restore",
+                  "WorkerError", "Fence", "Shutdown"]
 
 
 @st.composite

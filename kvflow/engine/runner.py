@@ -21,18 +21,18 @@ class ModelRunner:
     token} for the requests whose KV now covers all their tokens.
     """
 
-    def __init__(self, model: LlamaModel, kv: KVCache, hook: LayerHook | None = None, tiers: TierStore | None = None) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, hook: LayerHook | None = None, tiers: TierStore | None = None) -> None:
         if not (model.is_first and model.is_last):
             raise ValueError("ModelRunner needs a model holding all layers")
         self.model = model
-        self.kv = kv
+        self.cache = cache  # the KV tensors (the block pool is the scheduler's)
         self.hook = hook
         self.tiers = tiers
-        self.device = kv.device
+        self.device = cache.device
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
         batch = ForwardBatch.of([(s.num_new_tokens, s.end, s.request.block_ids) for s in out.seqs],
-                                self.kv.layout.block_size, self.device)
+                                self.cache.layout.block_size, self.device)
         return torch.tensor(out.token_ids, dtype=torch.long, device=self.device), batch
 
     @torch.inference_mode()
@@ -43,7 +43,7 @@ class ModelRunner:
         if out.is_empty:
             return {}
         token_ids, batch = self.prepare(out)
-        logits = self.model.forward(token_ids, batch, self.kv, self.hook)
+        logits = self.model.forward(token_ids, batch, self.cache, self.hook)
         rows = [i for i, s in enumerate(out.seqs) if s.completes_prompt]
         if not rows:
             return {}

@@ -28,15 +28,19 @@ from kvflow.sched.request import Request, RequestStatus
 @dataclass(frozen=True)
 class ScheduledSeq:
     """`num_new_tokens` tokens of `request`, starting at `start` (its computed count when scheduled).
-    `new_block_ids`: blocks this batch added to its table; `reset`: an executor's copy of the table
-    must be replaced by `request.block_ids` (first batch since admission or since a preemption)."""
+    `new_block_ids`: blocks this batch added to its table; `full_table`: they are the whole table, which
+    replaces an executor's copy of it (first batch since admission, a preemption or a rewind)."""
 
     request: Request
     num_new_tokens: int
     start: int
     new_block_ids: tuple[int, ...] = ()
-    reset: bool = False
+    full_table: bool = False
     device_block_ids: tuple[int, ...] = ()  # swapping: where its table's blocks sit in the batch's device region
+
+    @property
+    def reset(self) -> bool:  # the old name of `full_table`, still read by sched/executor.py and handoff.py
+        return self.full_table
 
     @property
     def completes_prompt(self) -> bool:
@@ -94,12 +98,12 @@ class Scheduler:
     disaggregated executor reserves the token-side blocks the prompt's KV will be streamed into).
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, role: str = "both",
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int, role: str = "both",
                  admit_hook: Callable[[Request], bool] | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config = config
-        self.kv = kv
+        self.kv_manager = kv_manager  # the block pool (the KV tensors are the executor's)
         self.max_model_len = max_model_len
         self.role = role
         self.admit_hook = admit_hook
@@ -109,7 +113,7 @@ class Scheduler:
         self.handoffs: list[Request] = []
         self.groups: list[list[Request]] = []  # microbatch policy: the fixed microbatches
         self._freed: list[str] = []
-        self._reset: set[str] = set()  # requests whose next batch must carry the whole table
+        self._full_table: set[str] = set()  # requests whose next batch must carry their whole table
         self._ids = itertools.count()
         self._batches = 0  # scheduled batches not yet returned through update()
         self._loading: set[str] = set()  # waiting requests whose cached prefix is being loaded from disk
@@ -130,9 +134,9 @@ class Scheduler:
         """Token role: a request whose KV (all tokens but the last) is already in this pool's blocks."""
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = request.num_tokens - 1
-        self.kv.cache_blocks(request.block_ids, request.token_ids, request.block_hashes, 0, request.num_computed_tokens)
+        self.kv_manager.cache_blocks(request.block_ids, request.token_ids, request.block_hashes, 0, request.num_computed_tokens)
         self.running.append(request)
-        self._reset.add(request.request_id)
+        self._full_table.add(request.request_id)
 
     def abort(self, request: Request) -> None:
         """Finish `request`; its blocks are freed now, or when its in-flight batch returns."""
@@ -158,7 +162,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._loading = {r.request_id for r in itertools.islice(self.waiting, self.PREFETCH_AHEAD)
-                         if self.kv.prefetch(r.token_ids, r.block_hashes, r.num_tokens - 1)}
+                         if self.kv_manager.prefetch(r.token_ids, r.block_hashes, r.num_tokens - 1)}
         if self.config.policy == "microbatch":
             seqs, preempted = self._schedule_microbatch(), []
         else:
@@ -171,7 +175,7 @@ class Scheduler:
             self._batches += 1
             if self.config.swap_regions:
                 seqs, region = self._place(seqs)
-        return SchedulerOutput(next(self._ids), seqs, preempted, freed, self.kv.take_plan(), region)
+        return SchedulerOutput(next(self._ids), seqs, preempted, freed, self.kv_manager.take_plan(), region)
 
     def _place(self, seqs: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], int]:
         """Swapping: the next device region, and each request's blocks laid out in it in order."""
@@ -191,7 +195,7 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
         room = self.config.swap_region_blocks if self.config.swap_regions else None  # swapping: a batch fits a region
-        bs = self.kv.block_size
+        bs = self.kv_manager.block_size
         for req in list(self.running):
             if budget <= 0 or len(seqs) >= cap:
                 break
@@ -215,11 +219,11 @@ class Scheduler:
             hit = self._match(req)
             n = min(req.num_tokens - hit.num_tokens, budget, self.config.prefill_chunk_size)
             need = req.num_tokens if self.role == "prompt" else hit.num_tokens + n
-            if not self.kv.can_ensure(req.block_ids, need, hit):
+            if not self.kv_manager.can_ensure(req.block_ids, need, hit):
                 break
             if room is not None and blocks_for(need, bs) > room:
                 break
-            if self._reserves() and self._reserved_blocks() + self._full_blocks(req) > self.kv.num_blocks:
+            if self._reserves() and self._reserved_blocks() + self._full_blocks(req) > self.kv_manager.num_blocks:
                 break
             if self.admit_hook is not None and not self.admit_hook(req):
                 break
@@ -237,7 +241,7 @@ class Scheduler:
         in flight while blocks are short; None if `req` itself had to be preempted."""
         n = min(req.num_pending_tokens, budget, self.config.prefill_chunk_size)
         before = len(req.block_ids)
-        while not self.kv.ensure(req.block_ids, self._blocks_needed(req, n)):
+        while not self.kv_manager.ensure(req.block_ids, self._blocks_needed(req, n)):
             victim = next((r for r in reversed(self.running) if r.request_id not in self.in_flight), None)
             assert victim is not None, "the request being scheduled is not in flight"
             self._preempt(victim)
@@ -245,32 +249,32 @@ class Scheduler:
             if victim is req:
                 return None
         rid = req.request_id
-        reset = rid in self._reset
-        self._reset.discard(rid)
-        new = tuple(req.block_ids) if reset else tuple(req.block_ids[before:])
-        return ScheduledSeq(req, n, req.num_computed_tokens, new, reset)
+        full = rid in self._full_table
+        self._full_table.discard(rid)
+        new = tuple(req.block_ids) if full else tuple(req.block_ids[before:])
+        return ScheduledSeq(req, n, req.num_computed_tokens, new, full)
 
     def _match(self, req: Request) -> PrefixHit:
         """The cached prefix a waiting request starts from: whole blocks, and never all its tokens
         (the last one is computed again to get the logits of the next token, as vLLM does)."""
-        return self.kv.match(req.token_ids, req.block_hashes, req.num_tokens - 1)
+        return self.kv_manager.match(req.token_ids, req.block_hashes, req.num_tokens - 1)
 
     def _admit(self, req: Request, num_tokens: int, hit: PrefixHit) -> None:
         """A waiting request starts running: its table takes the hit's blocks (counted as computed)
         and grows to `num_tokens` (the caller checked `can_ensure`); its next batch carries the table."""
-        ok = self.kv.ensure(req.block_ids, num_tokens, hit)
+        ok = self.kv_manager.ensure(req.block_ids, num_tokens, hit)
         assert ok, "admitted without the blocks it needs"
         req.num_computed_tokens = hit.num_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        self._reset.add(req.request_id)
+        self._full_table.add(req.request_id)
 
     def _reserves(self) -> bool:
         return self.config.reserve_kv and self.role == "both"
 
     def _full_blocks(self, req: Request) -> int:
         """Blocks `req` holds when it has produced all its tokens (prompt + max_tokens, capped at the context)."""
-        return blocks_for(min(req.num_prompt_tokens + req.params.max_tokens, self.max_model_len), self.kv.block_size)
+        return blocks_for(min(req.num_prompt_tokens + req.params.max_tokens, self.max_model_len), self.kv_manager.block_size)
 
     def _reserved_blocks(self) -> int:
         """Blocks the running requests hold or may still take (`reserve_kv`'s admission bound)."""
@@ -298,12 +302,12 @@ class Scheduler:
                 break
             total = req.num_prompt_tokens + req.params.max_tokens  # reserved up front: never preempted
             hit = self._match(req)
-            if not self.kv.can_ensure(req.block_ids, total, hit):
+            if not self.kv_manager.can_ensure(req.block_ids, total, hit):
                 break
             if room is not None:
-                if blocks_for(total, self.kv.block_size) > room:
+                if blocks_for(total, self.kv_manager.block_size) > room:
                     break
-                room -= blocks_for(total, self.kv.block_size)
+                room -= blocks_for(total, self.kv_manager.block_size)
             if self.admit_hook is not None and not self.admit_hook(req):
                 break
             self.waiting.popleft()
@@ -315,9 +319,9 @@ class Scheduler:
         return [self._whole(r) for r in group]
 
     def _whole(self, req: Request) -> ScheduledSeq:
-        reset = req.request_id in self._reset
-        self._reset.discard(req.request_id)
-        return ScheduledSeq(req, req.num_pending_tokens, req.num_computed_tokens, tuple(req.block_ids) if reset else (), reset)
+        full = req.request_id in self._full_table
+        self._full_table.discard(req.request_id)
+        return ScheduledSeq(req, req.num_pending_tokens, req.num_computed_tokens, tuple(req.block_ids) if full else (), full)
 
     def add_microbatch(self, requests: list[Request]) -> None:
         """Token role with the microbatch policy: requests whose KV is in place run as one microbatch."""
@@ -329,7 +333,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply a returned batch: progress, sampled tokens, stop checks; frees what finished.
         Returns the requests that got a token or finished."""
-        self.kv.loads_done(out.tiers)
+        self.kv_manager.loads_done(out.tiers)
         if out.seqs:
             self._batches -= 1
         changed = []
@@ -341,7 +345,7 @@ class Scheduler:
                 changed.append(req)
                 continue
             req.num_computed_tokens = s.end
-            self.kv.cache_blocks(req.block_ids, req.token_ids, req.block_hashes, s.start, s.end)
+            self.kv_manager.cache_blocks(req.block_ids, req.token_ids, req.block_hashes, s.start, s.end)
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue
@@ -361,7 +365,7 @@ class Scheduler:
         out, self.handoffs = self.handoffs, []
         return out
 
-    def reset(self) -> list[Request]:
+    def recompute_all(self) -> list[Request]:
         """The pipeline lost its KV (a worker failed): nothing is in flight any more, and every
         running request loses its blocks and will be recomputed from its prompt and the tokens it
         has produced (queued first, in arrival order; the token role returns them to the executor).
@@ -369,7 +373,7 @@ class Scheduler:
         lost = [r for r in self.running if not r.is_finished]
         for r in self.running:
             if r.block_ids:
-                self.kv.release(r.block_ids)
+                self.kv_manager.release(r.block_ids)
         for r in lost:
             r.num_computed_tokens = 0
             r.status = RequestStatus.WAITING
@@ -380,10 +384,12 @@ class Scheduler:
         self.groups.clear()
         self.in_flight.clear()
         self.handoffs.clear()
-        self._reset.clear()
-        self._freed.clear()  # the workers drop every table on a reset
+        self._full_table.clear()
+        self._freed.clear()  # the workers drop every table after a failure (`wire.Fence`)
         self._batches = 0
         return lost
+
+    reset = recompute_all  # the old name, still called by sched/executor.py: to be removed
 
     def rewind(self, resume: dict[str, int]) -> list[Request]:
         """A stage lost its KV and got it back for tokens [0, resume[rid]) (from a replica): nothing
@@ -396,7 +402,7 @@ class Scheduler:
             self._remove(r)
         for r in self.running:
             r.num_computed_tokens = min(r.num_computed_tokens, resume.get(r.request_id, 0))
-            self._reset.add(r.request_id)
+            self._full_table.add(r.request_id)
         self.in_flight.clear()
         self._batches = 0
         return gone
@@ -406,7 +412,7 @@ class Scheduler:
         reqs = list(self.waiting) + self.running
         for r in self.running:
             if r.block_ids:
-                self.kv.release(r.block_ids)
+                self.kv_manager.release(r.block_ids)
         self.waiting.clear()
         self.running.clear()
         self.groups.clear()
@@ -436,7 +442,7 @@ class Scheduler:
         self._release(req)
 
     def _release(self, req: Request) -> None:
-        self._reset.discard(req.request_id)
+        self._full_table.discard(req.request_id)
         if req.block_ids:
-            self.kv.release(req.block_ids)
+            self.kv_manager.release(req.block_ids)
             self._freed.append(req.request_id)

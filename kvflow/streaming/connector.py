@@ -276,13 +276,16 @@ class KVReceiver:
     def _resolve(self, rid: str, num_tokens: int) -> list[int]:
         return self.tables[rid]
 
-    def reset(self, epoch: int) -> None:
+    def fence(self, epoch: int) -> None:
+        """A new epoch (`wire.Fence`): KV partly received is forgotten, chunks of older epochs are dropped."""
         with self.lock:
             self.epoch = epoch
             for rid in list(self.sink.expected):
                 self.sink.forget(rid)
             self.tables.clear()
             self.spans.clear()
+
+    reset = fence  # the old name, still called by controller/replica_store.py: to be removed
 
     def _expect_from(self, meta: dict) -> None:
         lay = self.cache.layout

@@ -142,7 +142,7 @@ class Swapper:
             if region is not None:
                 self._free[region].set()
 
-    def reset(self) -> None:
+    def forget_prefetched(self) -> None:
         """Forget every prefetched step (a recovery: they will not run). Swap-ins still queued run and are dropped."""
         for key in list(self._region_of):
             self.done(key)

@@ -4,7 +4,7 @@ Start-up handshake (nothing but the controller's address, the worker's name, its
 the cluster secret come from the command line): the worker binds its step socket and says `Hello`;
 the controller answers `Setup` (its `WorkerSpec` and the `EngineConfig` subtree); the worker loads
 only its layers' tensors, builds its cache, starts its KV receiver (token role) and says `Ready`;
-the controller answers `Wire` (where outputs and KV go).
+the controller answers `Route` (where outputs and KV go).
 
 Then steps arrive on one ZeroMQ PULL socket (from the controller for stage 0, from the previous
 stage otherwise) as deltas: the worker mirrors each request's block table. They leave for the next
@@ -46,7 +46,7 @@ from kvflow.streaming.swapper import SwapSeq, Swapper
 from kvflow.streaming.tier_store import TierStore
 from kvflow.streaming.topology import Transfer
 from kvflow.wire import (
-    SECRET_ENV, Heartbeat, Hello, KVArrived, Ready, Replicated, Reset, Restore, Setup, Shutdown, Step, StepResult, Wire,
+    SECRET_ENV, Fence, Heartbeat, Hello, KVArrived, Ready, Replicated, Restore, Route, Setup, Shutdown, Step, StepResult,
     WireError, WorkerError, decode, encode,
 )
 
@@ -159,7 +159,7 @@ class Worker:
             self.replica_rx.start()
         self._to_controller(Ready(self.name, kv_addr, replica_addr))
         self.out = None
-        self._wire(self._expect(Wire))
+        self._route(self._expect(Route))
         hb = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
         hb.start()
         try:
@@ -174,14 +174,14 @@ class Worker:
                     t.close()
             self.ctx.destroy(linger=0)
 
-    def _wire(self, wire: Wire) -> None:
+    def _route(self, route: Route) -> None:
         """Connect to the next stage (or the controller) and, as a prompt worker, to the token stages
         receiving KV. Sent at start and again after a failure, when a neighbour was replaced."""
         if self.out is not None:
             self.out.close(0)
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 1000)
-        self.out.connect(wire.next_addr)
+        self.out.connect(route.next_addr)
         if self.spec.role == "prompt":
             from kvflow.streaming.transports.tcp import TcpSender
 
@@ -189,15 +189,15 @@ class Worker:
                 self.sender.close()
                 for o in self.sender.outs.values():
                     o.sender.close()
-            outs = {int(d): OutStream(TcpSender(addr), f"{self.name}->{d}@{self.epoch}", self.secret) for d, _, _, addr in wire.kv_peers}
+            outs = {int(d): OutStream(TcpSender(addr), f"{self.name}->{d}@{self.epoch}", self.secret) for d, _, _, addr in route.kv_peers}
             self.sender = KVSender(self.cache, self.spec.stage, outs, mode=self.spec.kv_send_mode)
         if self.replicator is not None:  # rewired after a failure: the old peer may be gone, do not wait
             self.replicator.close(wait=False)
             self.replicator = None
-        if wire.replica_to:
+        if route.replica_to:
             from kvflow.streaming.transports.tcp import TcpSender
 
-            out = OutStream(TcpSender(wire.replica_to), f"{self.name}->replica@{self.epoch}", self.secret)
+            out = OutStream(TcpSender(route.replica_to), f"{self.name}->replica@{self.epoch}", self.secret)
             self.replicator = KVSender(self.cache, self.spec.stage, {self.spec.stage + 1: out}, mode="overlap", incremental=True)
 
     def _controller_gone(self) -> bool:
@@ -237,9 +237,9 @@ class Worker:
                     prep = self._prepare(msg)
                     if prep.swap:
                         self.swapper.prefetch((msg.epoch, msg.batch), msg.swap_region, prep.swap)
-                elif isinstance(msg, Reset) and msg.tables:
+                elif isinstance(msg, Fence) and msg.tables:
                     self.tables.clear()
-                    self.swapper.reset()
+                    self.swapper.forget_prefetched()
             except Exception as e:
                 prep = e
             self._inbox.put((msg, tensor, prep))
@@ -282,16 +282,16 @@ class Worker:
                 finally:
                     if self.swapper is not None:
                         self.swapper.done((msg.epoch, msg.batch))
-            elif isinstance(msg, Reset):
+            elif isinstance(msg, Fence):
                 self.epoch = max(self.epoch, msg.epoch)
                 if msg.tables and self.swapper is None:  # (the intake thread owns the tables when swapping)
                     self.tables.clear()
                 if msg.kv and self.receiver is not None:
-                    self.receiver.reset(msg.epoch)
+                    self.receiver.fence(msg.epoch)
                 if self.replica_rx is not None:  # the replica keeps its blocks; partial increments are void
-                    self.replica_rx.reset(msg.epoch)
-            elif isinstance(msg, Wire):
-                self._wire(msg)
+                    self.replica_rx.fence(msg.epoch)
+            elif isinstance(msg, Route):
+                self._route(msg)
             elif isinstance(msg, Restore):
                 try:
                     self._restore(msg)
@@ -314,7 +314,7 @@ class Worker:
             self.tables.pop(rid, None)
         seqs, tables, swap = [], {}, []
         for s in msg.seqs:
-            if s.reset:
+            if s.full_table:
                 self.tables[s.rid] = list(s.new_blocks)
             else:
                 self.tables.setdefault(s.rid, []).extend(s.new_blocks)
@@ -347,7 +347,7 @@ class Worker:
             # (from token 0 when the step carries the whole table: a request new to this pipeline, e.g.
             # handed off with KV the replica has never seen, or re-sent after a recovery)
             lay = self.cache.layout
-            reqs = [HandoffRequest(s.rid, 0 if s.reset else s.start, s.context_len, s.context_len, prep.tables[s.rid],
+            reqs = [HandoffRequest(s.rid, 0 if s.full_table else s.start, s.context_len, s.context_len, prep.tables[s.rid],
                                    prep.tables[s.rid]) for s in msg.seqs]
             st = self.spec.stage
             self.replicator.begin(reqs, [Transfer(st, st + 1, lay.layer_start, lay.layer_end, 0, len(reqs), 0, 0)], msg.epoch)

@@ -48,7 +48,7 @@ def _paced_step(self, msg, hidden, *rest):
     _steps += 1
     if _steps == _die_at:
         os.kill(os.getpid(), signal.SIGKILL)
-    if not isinstance(self.out, _Paced):  # (a Wire message replaces the socket)
+    if not isinstance(self.out, _Paced):  # (a Route message replaces the socket)
         self.out = _Paced(self.out)
     self.out.deadline = time.perf_counter() + paced_seconds(BatchShape.of((s.num_new, s.context_len) for s in msg.seqs))
     return _step(self, msg, hidden, *rest)
