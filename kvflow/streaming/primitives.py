@@ -63,6 +63,8 @@ class InStream:
             raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
         self.receiver = receiver
         self.secret = secret  # when set, a chunk whose header MAC does not verify is rejected
+        if secret is not None:  # (by the transport itself where it can, before it buffers the payload)
+            receiver.check_headers(lambda head: is_authentic(head, secret))
         self.max_chunk_bytes = max_chunk_bytes
         self.expected_seq: dict[str, int] = {}
         self.pending: deque[RawChunk] = deque()  # received by `fetch_many`, not yet verified and handed out
@@ -88,9 +90,15 @@ def authenticate(head: bytes, secret: bytes) -> bytes:
     return bytes(head) + _mac(secret, bytes(head))
 
 
+def is_authentic(frame, secret: bytes) -> bool:
+    """Whether a header frame ends in the MAC of the rest under `secret`."""
+    head = bytes(frame)
+    return len(head) > MAC_BYTES and hmac.compare_digest(head[-MAC_BYTES:], _mac(secret, head[:-MAC_BYTES]))
+
+
 def verified_header(frame, secret: bytes) -> bytes:
     head = bytes(frame)
-    if len(head) <= MAC_BYTES or not hmac.compare_digest(head[-MAC_BYTES:], _mac(secret, head[:-MAC_BYTES])):
+    if not is_authentic(head, secret):
         raise ChunkCorrupted("chunk header is not authentic (no or wrong MAC)")
     return head[:-MAC_BYTES]
 

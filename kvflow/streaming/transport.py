@@ -82,10 +82,16 @@ class ChunkReceiver(_Endpoint):
     `release()` every chunk it got; that is the acknowledgement flow control waits for.
     `recv_many(max_chunks, timeout)` waits like `recv` for the first chunk, then adds those that
     are already there (at most `max_chunks` in all), without waiting for more.
+    `check_headers(authentic)` (called by an `InStream` holding a secret, before the first `recv`)
+    lets a receiver refuse a chunk whose header frame is not `authentic(header)` before it buffers
+    the payload; one that cannot tell ignores it (`fetch` verifies every header anyway).
     """
 
     @abstractmethod
     def recv(self, timeout: float | None = None) -> RawChunk: ...
+
+    def check_headers(self, authentic: Callable[[bytes], bool]) -> None:
+        pass
 
     def recv_many(self, max_chunks: int, timeout: float | None = None) -> list[RawChunk]:
         got = [self.recv(timeout)]

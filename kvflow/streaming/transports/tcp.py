@@ -12,6 +12,14 @@ probes notice a peer whose host vanished within a few seconds of silence.
 Measured against ZeroMQ (benchmarks/transports.py): a ZeroMQ socket moves a message through two
 I/O threads (the sender's and the receiver's) besides the callers, and allocates every received
 message afresh; here two threads (the callers) do all the work.
+
+A receiver's port is open to anyone who can reach the internal interface, so a stranger costs it
+little: once its `InStream` holds the cluster secret (`check_headers`), each header's MAC is checked
+before any payload buffer is taken (a header that fails it is handed out with no payload, so
+rejected, and its payload bytes are read and dropped); a connection is *pending* until one of its
+headers passes, and while pending its buffer grows only with the bytes it really sent (a header of
+at most `MAX_PENDING_HEAD`), at most `max_pending` connections are pending at once (the oldest is
+dropped for a new one) and each is dropped `auth_timeout` seconds after it connected.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import socket
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -32,6 +41,10 @@ from kvflow.streaming.transports.link import CoalescedAcks, Window
 _MSG = struct.Struct("<QIQ")  # tag, header length, payload length; then the header, then the payload
 _ACK = struct.Struct("<QI")  # tag, error length (0: accepted); then the error, UTF-8
 MAX_HEAD = 16 << 20  # a longer header means a broken stream: the connection is dropped
+MAX_PENDING_HEAD = 1 << 20  # the same before the connection has sent an authentic header
+MAX_PENDING = 32  # connections without an authentic header yet, at once (the oldest is dropped for a new one)
+AUTH_TIMEOUT_S = 5.0  # a connection that sent no authentic header within this long is dropped
+PENDING_INBOX = 4096  # a pending connection's first read buffer; it grows only as its bytes arrive
 MAX_PAYLOAD = 1 << 31  # a longer payload is read and dropped, the chunk handed out empty (so rejected)
 INBOX = 256 << 10  # bytes read at a time while looking for the next message
 POOL_BYTES = 64 << 20  # receive buffers a receiver keeps for reuse, at most
@@ -230,22 +243,31 @@ class _Closed(Exception):
 
 
 class _Conn:
-    """One sender's connection: reads messages without blocking, resuming a partial one later."""
+    """One sender's connection: reads messages without blocking, resuming a partial one later. It is
+    pending (`authenticated` False) until a header passes `check` (any header, without one)."""
 
-    def __init__(self, sock: socket.socket, ident: int, pool: _Buffers) -> None:
-        self.sock, self.ident, self.pool = sock, ident, pool
-        self.inbox = bytearray(INBOX)
+    def __init__(self, sock: socket.socket, ident: int, pool: _Buffers, check: Callable[[bytes], bool] | None) -> None:
+        self.sock, self.ident, self.pool, self.check = sock, ident, pool, check
+        self.accepted = time.monotonic()
+        self.authenticated = False
+        self.inbox = bytearray(PENDING_INBOX)
         self.lo = self.hi = 0  # unparsed bytes: inbox[lo:hi]
         self.msg: list | None = None  # [tag, head, buffer, payload length, bytes read]
         self.skip = 0  # bytes of a refused payload still to be read and dropped
 
     def _fill(self, limit: int = INBOX) -> None:
+        """Read what is there, up to `limit` bytes, after the unparsed ones (BlockingIOError: nothing yet). A full
+        inbox first moves its unparsed bytes to the front, or doubles when they fill it: it never holds much more
+        than twice what the peer sent."""
         if self.lo == self.hi:
             self.lo = self.hi = 0
         elif self.hi == len(self.inbox):
-            self.inbox[: self.hi - self.lo] = self.inbox[self.lo : self.hi]
-            self.lo, self.hi = 0, self.hi - self.lo
-        n = self.sock.recv_into(memoryview(self.inbox)[self.hi : self.hi + limit])  # BlockingIOError: nothing here yet
+            if self.lo:
+                self.inbox[: self.hi - self.lo] = self.inbox[self.lo : self.hi]
+                self.lo, self.hi = 0, self.hi - self.lo
+            else:
+                self.inbox += bytes(len(self.inbox))
+        n = self.sock.recv_into(memoryview(self.inbox)[self.hi : self.hi + limit])
         if not n:
             raise _Closed("end of stream")
         self.hi += n
@@ -263,6 +285,15 @@ class _Conn:
         except OSError:
             return False
 
+    def _authentic(self, head: bytes) -> bool:
+        if self.check is not None and not self.check(head):
+            return False
+        if not self.authenticated:
+            self.authenticated = True
+            if len(self.inbox) < INBOX:  # a peer with the secret: full-size reads from now on
+                self.inbox += bytes(INBOX - len(self.inbox))
+        return True
+
     def next(self) -> tuple[int, bytes, memoryview, np.ndarray | None] | None:
         """The next whole message (tag, header, payload view, its buffer), or None until more arrives."""
         try:
@@ -275,20 +306,17 @@ class _Conn:
                 while self.hi - self.lo < _MSG.size:
                     self._fill()
                 tag, hlen, plen = _MSG.unpack_from(self.inbox, self.lo)
-                if hlen > MAX_HEAD:
+                if hlen > (MAX_HEAD if self.authenticated else MAX_PENDING_HEAD):
                     raise _Closed(f"a {hlen}-byte header")
-                end = self.lo + _MSG.size + hlen
-                if end > len(self.inbox):  # a long header: room for it
-                    self.inbox = self.inbox[self.lo : self.hi] + bytearray(_MSG.size + hlen)
-                    self.hi -= self.lo
-                    self.lo, end = 0, _MSG.size + hlen
-                while self.hi < end:
+                need = _MSG.size + hlen
+                while self.hi - self.lo < need:
                     self._fill()
+                end = self.lo + need
                 head = bytes(memoryview(self.inbox)[self.lo + _MSG.size : end])
                 k = min(self.hi - end, plen)
                 self.lo = end + k
-                if plen > MAX_PAYLOAD:  # refused: handed out empty (so rejected), the bytes dropped
-                    self.skip = plen - k
+                if not self._authentic(head) or plen > MAX_PAYLOAD:  # refused: handed out empty (so rejected),
+                    self.skip = plen - k                               # the bytes dropped, no buffer taken
                     return tag, head, memoryview(b""), None
                 buf = self.pool.take(plen)
                 if k:
@@ -320,15 +348,21 @@ class _Conn:
 class TcpReceiver(CoalescedAcks, ChunkReceiver):
     """Binds `host` on a free port (or `port`); `address` is what senders connect to, any number of
     them. A payload is a view of a receive buffer (no copy after the socket's), valid until the
-    chunk is released."""
+    chunk is released. At most `max_pending` connections without an authentic header are kept, each
+    for at most `auth_timeout` seconds (module docstring)."""
 
     # An acknowledgement that frees the sender's socket buffer wakes it (tens of microseconds each
     # on a busy host): one per 32 chunks instead of 8 moved 64 KB chunks 25-40 % faster here, and a
     # sender's window (64 chunks) still has room while they are held back.
     ack_batch = 32
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, max_pending: int = MAX_PENDING,
+                 auth_timeout: float = AUTH_TIMEOUT_S) -> None:
+        if max_pending <= 0 or auth_timeout <= 0:
+            raise ValueError(f"max_pending and auth_timeout must be positive ({max_pending}, {auth_timeout})")
         super().__init__()
+        self.max_pending, self.auth_timeout = max_pending, auth_timeout
+        self.check: Callable[[bytes], bool] | None = None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.listener = socket.create_server((host, port or 0), family=family, backlog=128)
         self.listener.setblocking(False)
@@ -337,29 +371,59 @@ class TcpReceiver(CoalescedAcks, ChunkReceiver):
         self.sel.register(self.listener, selectors.EVENT_READ)
         self.pool = _Buffers()
         self.conns: dict[int, _Conn] = {}  # by a connection id never reused (file descriptors are)
+        self.pending: dict[int, _Conn] = {}  # the connections not yet authenticated, oldest first
+        self.refused = 0  # pending connections dropped (too many at once, or too slow to authenticate)
         self._next_id = 0
         self._ready: deque[_Conn] = deque()  # connections that had input at the last look
 
+    def check_headers(self, authentic: Callable[[bytes], bool]) -> None:
+        self.check = authentic
+
     def _drop(self, conn: _Conn) -> None:
+        self.pending.pop(conn.ident, None)
         if self.conns.pop(conn.ident, None) is not None:
             self._acks.pop(conn.ident, None)
             self.sel.unregister(conn.sock)
             conn.close()
 
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        if len(self.pending) >= self.max_pending:  # the oldest gives way: a flood cannot keep a new peer out
+            self.refused += 1
+            self._drop(next(iter(self.pending.values())))
+        _tune(sock)
+        self._next_id += 1
+        conn = self.conns[self._next_id] = self.pending[self._next_id] = _Conn(sock, self._next_id, self.pool, self.check)
+        self.sel.register(sock, selectors.EVENT_READ, conn)
+        self._ready.append(conn)
+
+    def _expire(self) -> None:
+        """Drop the pending connections past `auth_timeout`; one whose input has not been read yet gets as
+        long again (a busy receiver must not drop a peer whose header is waiting in the socket)."""
+        now = time.monotonic()
+        for conn in list(self.pending.values()):
+            late = now - conn.accepted - self.auth_timeout
+            if late < 0:
+                break  # the rest connected later
+            if late < self.auth_timeout and conn in self._ready:
+                continue
+            self.refused += 1
+            self._drop(conn)
+
     def _select(self, timeout: float | None) -> None:
+        if self.pending:  # wake up in time to drop the first pending connection that fails to authenticate
+            first = next(iter(self.pending.values())).accepted + self.auth_timeout - time.monotonic()
+            timeout = max(0.0, first if timeout is None else min(timeout, first))
         for key, _ in self.sel.select(timeout):
             if key.fileobj is self.listener:
-                try:
-                    sock, _ = self.listener.accept()
-                except BlockingIOError:
-                    continue
-                _tune(sock)
-                self._next_id += 1
-                conn = self.conns[self._next_id] = _Conn(sock, self._next_id, self.pool)
-                self.sel.register(sock, selectors.EVENT_READ, conn)
-                self._ready.append(conn)
+                self._accept()
             else:
                 self._ready.append(key.data)
+        if self.pending:
+            self._expire()
 
     def recv(self, timeout: float | None = None) -> RawChunk:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -392,6 +456,8 @@ class TcpReceiver(CoalescedAcks, ChunkReceiver):
                 self._ready.popleft()
                 self._drop(conn)
                 continue
+            if conn.authenticated and conn.ident in self.pending:
+                del self.pending[conn.ident]
             if msg is None:
                 self._ready.popleft()
                 continue
@@ -431,7 +497,7 @@ class TcpReceiver(CoalescedAcks, ChunkReceiver):
         try:
             sent = conn.sock.send(body, socket.MSG_NOSIGNAL)
             while sent < len(body):  # its buffer is full (it is not reading): a moment, then give up on it
-                if not select.select([], [conn.sock], [], 1.0)[1]:
+                if not conn.authenticated or not select.select([], [conn.sock], [], 1.0)[1]:
                     raise OSError("acknowledgements not read")
                 sent += conn.sock.send(memoryview(body)[sent:], socket.MSG_NOSIGNAL)
         except BlockingIOError:  # nothing fits: it stopped reading, and will time out
