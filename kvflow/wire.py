@@ -210,7 +210,6 @@ class Shutdown:
 
 
 MESSAGES = (Step, StepResult, Hello, Setup, Ready, Route, Heartbeat, KVArrived, Replicated, Restore, WorkerError, Fence, Shutdown)
-Wire, Reset = Route, Fence  # the old names, still imported by controller/workers.py and recovery.py: to be removed
 _TYPES = {c.__name__: c for c in MESSAGES}
 _NESTED = {"seqs": SeqStep, "kv_out": KVOut}
 

@@ -46,7 +46,7 @@ def serve(cfg: ClusterConfig, prompts, lengths):
         try:
             results = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, lengths))])
             stats = ctrl.stats()
-            free = [p.kv.num_free_blocks for p in ctrl.pipelines]
+            free = [p.kv_manager.num_free_blocks for p in ctrl.pipelines]
         finally:
             await ctrl.shutdown()
         return results, stats, free
@@ -100,7 +100,7 @@ def test_chunked_prefill_and_preemption_under_a_small_kv_budget(tiny_ckpt_dir, k
         await ctrl.start()
         try:
             results = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(LONG, lengths))])
-            return results, ctrl.preemptions, [p.kv.num_free_blocks for p in ctrl.pipelines], {p.name: p.batch_log for p in ctrl.pipelines}
+            return results, ctrl.preemptions, [p.kv_manager.num_free_blocks for p in ctrl.pipelines], {p.name: p.batch_log for p in ctrl.pipelines}
         finally:
             await ctrl.shutdown()
 

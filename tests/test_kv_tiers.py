@@ -318,7 +318,7 @@ def test_pipelines_same_tokens_with_host_and_disk_tiers(reference, tiny_ckpt_dir
                     return toks
                 outs += await asyncio.gather(*[one(p, i + k) for k, p in enumerate(wave)])
                 i += len(wave)
-            return outs, ctrl.stats(), [p.kv for p in ctrl.pipelines]
+            return outs, ctrl.stats(), [p.kv_manager for p in ctrl.pipelines]
         finally:
             await ctrl.shutdown()
 

@@ -184,7 +184,7 @@ def serve_phases(cfg: ClusterConfig):
                     tasks.append(_collect(ctrl, p, params(i), f"r{i}"))
                     i += 1
                 outs += await asyncio.gather(*tasks)
-            return outs, ctrl.stats(), [p.kv.num_free_blocks for p in ctrl.pipelines]
+            return outs, ctrl.stats(), [p.kv_manager.num_free_blocks for p in ctrl.pipelines]
         finally:
             await ctrl.shutdown()
 
@@ -253,7 +253,7 @@ def test_a_killed_worker_with_shared_cached_blocks_changes_no_token(tiny_ckpt_di
             base, seen = ctrl.generated, {}
 
             def kill() -> None:
-                seen["shared"] = sum(1 for p_ in ctrl.pipelines for r in p_.kv.pool.ref if r > 1)
+                seen["shared"] = sum(1 for p_ in ctrl.pipelines for r in p_.kv_manager.pool.ref if r > 1)
                 os.kill(ctrl.stages[victim].process.pid, signal.SIGKILL)
 
             on_loop_thread(ctrl, (lambda: ctrl.generated - base >= 24, kill))
@@ -271,7 +271,7 @@ def test_a_killed_worker_with_shared_cached_blocks_changes_no_token(tiny_ckpt_di
             while ctrl.recovery.recoveries < 1:
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.01)
-            return outs, shared, ctrl.stats(), [p_.kv.num_free_blocks for p_ in ctrl.pipelines]
+            return outs, shared, ctrl.stats(), [p_.kv_manager.num_free_blocks for p_ in ctrl.pipelines]
         finally:
             await ctrl.shutdown()
 

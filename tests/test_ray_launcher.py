@@ -99,7 +99,7 @@ def test_stages_run_as_actors_on_their_nodes_and_give_the_engine_tokens(cluster,
             while kw["mode"] == "disaggregated" and ctrl.stats().kv_bytes_streamed_total == 0:
                 assert time.monotonic() < deadline, "no KV bytes reported"
                 await asyncio.sleep(0.05)
-            return results, where, addrs, ctrl.stats(), [p.kv.num_free_blocks for p in ctrl.pipelines]
+            return results, where, addrs, ctrl.stats(), [p.kv_manager.num_free_blocks for p in ctrl.pipelines]
         finally:
             await ctrl.shutdown()
             launcher.close()

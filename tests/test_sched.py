@@ -253,7 +253,7 @@ def test_handoff_joins_after_kv_and_first_token_and_frees_each_reservation_once(
     @dataclass(eq=False)
     class Side:
         sched: Scheduler
-        kv: KVCacheManager
+        kv_manager: KVCacheManager
         depth: int = 1
         microbatch: int = 2
         ready: deque = field(default_factory=deque)
@@ -268,7 +268,7 @@ def test_handoff_joins_after_kv_and_first_token_and_frees_each_reservation_once(
     assert all(h.reserve(r) for r in reqs)
     # a token microbatch's worth (2) to one pipeline, then to the one with the most free blocks
     assert [h.target(r.request_id) for r in reqs] == [a, a, b]
-    assert a.kv.num_free_blocks == 8 - 2 * 2 and b.kv.num_free_blocks == 8 - 2
+    assert a.kv_manager.num_free_blocks == 8 - 2 * 2 and b.kv_manager.num_free_blocks == 8 - 2
 
     h.kv_sent("r0", ["stage-0", "stage-1"])
     assert not h.sampled(reqs[0])  # parked: its KV is not all there
@@ -280,16 +280,16 @@ def test_handoff_joins_after_kv_and_first_token_and_frees_each_reservation_once(
     # finished at its first token while its KV is on the way: freed only once the KV is in
     h.kv_sent("r1", ["stage-0"])
     reqs[1].finish("length")
-    assert h.settle(reqs[1]) is None and a.kv.num_free_blocks == 4
+    assert h.settle(reqs[1]) is None and a.kv_manager.num_free_blocks == 4
     assert h.kv_arrived("r1", "stage-0") is reqs[1]
-    assert h.settle(reqs[1]) is a and a.kv.num_free_blocks == 6
-    assert h.settle(reqs[1]) is None and a.kv.num_free_blocks == 6  # never twice
+    assert h.settle(reqs[1]) is a and a.kv_manager.num_free_blocks == 6
+    assert h.settle(reqs[1]) is None and a.kv_manager.num_free_blocks == 6  # never twice
 
     # a failure: the unfinished request waiting for its KV comes back; its reservation is freed
     h.kv_sent("r2", ["stage-0"])
     h.sampled(reqs[2])
     assert h.num_waiting == 1
-    assert h.reset() == [reqs[2]] and b.kv.num_free_blocks == 8 and h.num_waiting == 0
+    assert h.drop_in_flight() == [reqs[2]] and b.kv_manager.num_free_blocks == 8 and h.num_waiting == 0
 
 
 def test_microbatch_handoff_reserves_whole_requests_and_frees_what_waits_for_a_microbatch():
@@ -304,7 +304,7 @@ def test_microbatch_handoff_reserves_whole_requests_and_frees_what_waits_for_a_m
     @dataclass(eq=False)
     class Side:
         sched: Scheduler
-        kv: KVCacheManager
+        kv_manager: KVCacheManager
         depth: int = 1
         microbatch: int = 1
         ready: deque = field(default_factory=deque)
@@ -319,7 +319,7 @@ def test_microbatch_handoff_reserves_whole_requests_and_frees_what_waits_for_a_m
     assert list(tp.ready) == [a, b] and kv.num_free_blocks == 10
     b.finish("abort")
     assert h.settle(b) is tp and kv.num_free_blocks == 12 and list(tp.ready) == [a]
-    assert h.reset() == [a] and kv.num_free_blocks == 16 and not tp.ready
+    assert h.drop_in_flight() == [a] and kv.num_free_blocks == 16 and not tp.ready
 
 
 def test_serve_flags_reach_the_scheduler_config():

@@ -14,7 +14,8 @@ from kvflow.controller.controller import Controller
 from kvflow.kv.manager import KVCacheManager
 from kvflow.sched.request import Request
 from kvflow.sched.sampling import SamplingParams
-from kvflow.sched.scheduler import Limits, Scheduler, SchedulerConfig, validate
+from kvflow.sched.admission import Limits, validate
+from kvflow.sched.scheduler import Scheduler, SchedulerConfig
 from kvflow.streaming.swapper import SwapSeq, Swapper
 
 from conftest import run_to_completion, tiny_cache, tiny_config, tiny_engine
@@ -90,7 +91,7 @@ def serve(cfg: ClusterConfig):
         await ctrl.start()
         try:
             outs = await asyncio.gather(*[one(ctrl, i) for i in range(len(PROMPTS))])
-            return outs, [p.kv.num_free_blocks for p in ctrl.pipelines], [p.kv.num_blocks for p in ctrl.pipelines]
+            return outs, [p.kv_manager.num_free_blocks for p in ctrl.pipelines], [p.kv_manager.num_blocks for p in ctrl.pipelines]
         finally:
             await ctrl.shutdown()
 

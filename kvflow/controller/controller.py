@@ -42,8 +42,9 @@ from kvflow.model.loader import load_config
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvflow.sched.executor import KVStream, PipelineExecutor
 from kvflow.sched.request import Request, RequestOutput
-from kvflow.sched.sampling import SamplingParams, sample
-from kvflow.sched.scheduler import Limits, Scheduler, SchedulerOutput, validate
+from kvflow.sched.sampling import SamplingParams, sample_requests
+from kvflow.sched.admission import Limits, validate
+from kvflow.sched.scheduler import Scheduler, SchedulerOutput
 from kvflow.serving.backend import BackendStats, BackendUnavailable, drain
 from kvflow.streaming.connector import plan_handoff
 from kvflow.wire import Heartbeat, KVArrived, KVOut, Replicated, SeqStep, Step, StepResult, WorkerError, new_secret
@@ -87,7 +88,7 @@ class Controller:
             if cfg.replicates(p.spec) == "store":
                 self.store = self.store or ReplicaStore(cfg.host, self.secret)
                 for s in p.stages:
-                    self.store.add(p.name, s.stage, KVLayout.for_model(mc, p.kv.num_blocks, ecfg.block_size, s.layers,
+                    self.store.add(p.name, s.stage, KVLayout.for_model(mc, p.kv_manager.num_blocks, ecfg.block_size, s.layers,
                                                                        dtype=ecfg.torch_dtype))
         self.token = self.pipelines[-1] if cfg.mode == "disaggregated" else None
         prompt = self.pipelines[:-1] if self.token is not None else self.pipelines
@@ -166,7 +167,7 @@ class Controller:
             replication_lag_tokens=rec.lag(),
             resumed_requests_total=rec.resumed,
             recomputed_tokens_total=rec.recomputed_tokens,
-            prefix_cache={(p.name, tier): c for p in self.pipelines for tier, c in p.kv.tier_stats().items()},
+            prefix_cache={(p.name, tier): c for p in self.pipelines for tier, c in p.kv_manager.tier_stats().items()},
         )
 
     @property
@@ -183,7 +184,7 @@ class Controller:
             raise BackendUnavailable(self.failure or "the server is shutting down")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, detok)
-        validate(req, self.limits, [p.kv for p in self.pipelines])
+        validate(req, self.limits, [p.kv_manager for p in self.pipelines])
         queue: asyncio.Queue = asyncio.Queue()
         self.submissions.append(("add", req, (asyncio.get_running_loop(), queue)))
 
@@ -285,23 +286,17 @@ class Controller:
     # ------------------------------------------------------------------ the executor's driver
     def dispatch(self, p: Pipeline, wire_id: int, out: SchedulerOutput, free: list[str], streams: list[KVStream]) -> None:
         """Send the batch to stage 0 as a delta `Step` with the current epoch."""
-        seqs, ids = [], []
-        for s in out.seqs:
-            r = s.request
-            seqs.append(SeqStep(r.request_id, s.start, s.num_new_tokens, list(s.new_block_ids), s.reset, list(s.device_block_ids)))
-            if s.start == 0 and p.watermark:  # (re)computed from scratch, maybe in new blocks: no replica yet
-                self.recovery.forget(p, [r.request_id])
-            ids.extend(r.token_ids[s.start:s.end])
+        seqs = [SeqStep(s.request.request_id, s.start, s.num_new_tokens, list(s.new_block_ids), s.full_table,
+                        list(s.device_block_ids)) for s in out.seqs]
+        if p.watermark:  # (re)computed from scratch, maybe in new blocks: no replica yet; freed: none needed
+            self.recovery.forget(p, [s.request.request_id for s in out.seqs if s.start == 0] + free)
         kv_out = [KVOut(k.rid, k.start, k.end, k.total, k.dest_blocks, k.cached) for k in streams]
         kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(kv_out))] if kv_out else []
-        if p.watermark:
-            self.recovery.forget(p, free)
-        self.workers.send(p.stages[0].name, Step(self.epoch, wire_id, seqs, ids, free, kv_out, kv_plan, out.tiers.to_wire(),
+        self.workers.send(p.stages[0].name, Step(self.epoch, wire_id, seqs, out.token_ids, free, kv_out, kv_plan, out.tiers.to_wire(),
                                                  swap_region=out.swap_region))
 
     def sample(self, p: Pipeline, out: SchedulerOutput, rows: list[int], logits: torch.Tensor) -> list[int]:
-        reqs = [out.seqs[i].request for i in rows]
-        toks = sample(logits[rows], [r.params for r in reqs], [r.sampler for r in reqs], [r.banned_token_ids() for r in reqs])
+        toks = sample_requests(logits[rows], [out.seqs[i].request for i in rows])
         self.generated += len(toks)
         return toks
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvflow.controller.pipeline import Pipeline, StageHandle
 from kvflow.controller.workers import StartError
-from kvflow.wire import KVArrived, Reset, Restore, StepResult, WorkerError
+from kvflow.wire import Fence, KVArrived, Restore, StepResult, WorkerError
 
 if TYPE_CHECKING:
     from kvflow.controller.controller import Controller
@@ -123,9 +123,9 @@ class Recovery:
             workers.fence(lost)
             for s in workers.stages.values():
                 if s is not lost and s.name in workers.to_stage:
-                    workers.send(s.name, Reset(ctrl.epoch))
+                    workers.send(s.name, Fence(ctrl.epoch))
             if ctrl.store is not None:
-                ctrl.store.reset(ctrl.epoch)
+                ctrl.store.fence(ctrl.epoch)
             workers.launch(lost)
             try:
                 workers.handshake({lost.name}, ctrl.epoch, ctrl.handle)

@@ -49,10 +49,10 @@ class ReplicaStore:
         with self._lock:
             self.dropped += 1
 
-    def reset(self, epoch: int) -> None:
+    def fence(self, epoch: int) -> None:
         """A new epoch: partly received increments are void; chunks of older epochs are dropped."""
         for r in self.receivers.values():
-            r.reset(epoch)
+            r.fence(epoch)
 
     def restore(self, pipeline: str, stage: int, items: Sequence[tuple[str, int, Sequence[int]]], to_addr: str,
                 epoch: int) -> None:

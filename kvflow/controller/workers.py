@@ -13,7 +13,7 @@ import zmq
 from kvflow.config import ClusterConfig, WorkerSpec, to_dict
 from kvflow.controller.launcher import Launcher
 from kvflow.controller.pipeline import Pipeline, StageHandle
-from kvflow.wire import Hello, Ready, Setup, Shutdown, Wire, WireError, WorkerError, decode, encode
+from kvflow.wire import Hello, Ready, Route, Setup, Shutdown, WireError, WorkerError, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +113,9 @@ class Workers:
         rl = p.stages[(s.stage - 1) % p.depth].layers if mode == "ring" else (-1, -1)
         return WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], p.role, self.cfg.threads_per_worker,
                           self.cfg.kv_send_mode, replica_layer_start=rl[0], replica_layer_end=rl[1],
-                          replicated=mode is not None, host_kv_slots=p.kv.host.num_slots if p.kv.host else 0,
-                          disk_kv_slots=p.kv.disk.num_slots if p.kv.disk else 0, swap_regions=regions,
-                          swap_region_blocks=per, pool_blocks=p.kv.num_blocks)
+                          replicated=mode is not None, host_kv_slots=p.kv_manager.host.num_slots if p.kv_manager.host else 0,
+                          disk_kv_slots=p.kv_manager.disk.num_slots if p.kv_manager.disk else 0, swap_regions=regions,
+                          swap_region_blocks=per, pool_blocks=p.kv_manager.num_blocks)
 
     def wire(self, token: Pipeline | None, store_addresses: dict[tuple[str, int], str]) -> None:
         """Tell every stage where its output goes (the next stage, or the controller), which token
@@ -128,7 +128,7 @@ class Workers:
                 mode = self.cfg.replicates(p.spec)
                 replica_to = (p.stages[(i + 1) % p.depth].replica_addr if mode == "ring" else
                               store_addresses[(p.name, i)] if mode == "store" else "")
-                self.send(s.name, Wire(nxt, peers, bounds, replica_to))
+                self.send(s.name, Route(nxt, peers, bounds, replica_to))
 
     def lost(self) -> tuple[StageHandle, str] | None:
         """The first live stage whose process exited or whose heartbeats stopped, and why."""

@@ -41,9 +41,10 @@ class PipelineState:
     step, and (token role, microbatch policy) the requests whose KV is in place (`ready`). The
     controller's `Pipeline` and the simulator's `SimPipeline` add what their drivers need."""
 
-    def __init__(self, role: str, depth: int, microbatch: int, sched: Scheduler, kv: KVCacheManager,
+    def __init__(self, role: str, depth: int, microbatch: int, sched: Scheduler, kv_manager: KVCacheManager,
                  queue: deque | None = None, log_batches: bool = True) -> None:
-        self.role, self.depth, self.microbatch, self.sched, self.kv = role, depth, microbatch, sched, kv
+        self.role, self.depth, self.microbatch, self.sched = role, depth, microbatch, sched
+        self.kv_manager = kv_manager
         self.queue: deque = queue if queue is not None else deque()
         self.in_flight: dict[int, SchedulerOutput] = {}
         self.pending_free: list[str] = []
@@ -203,7 +204,7 @@ class PipelineExecutor:
                 have = self.handoff.cached_tokens(rid)
                 if lo < hi:
                     streams.append(KVStream(rid, lo, hi, total, list(self.handoff.table(rid)), have))
-                if s.reset and have < total:  # from its first chunk on, KV is on its way into the reservation
+                if s.full_table and have < total:  # from its first chunk on, KV is on its way into the reservation
                     self.handoff.kv_sent(rid, self.driver.kv_parts(p))
         free, p.pending_free = p.pending_free + out.freed, []
         wire_id = next(self._wire_ids)
@@ -279,13 +280,13 @@ class PipelineExecutor:
         the failure."""
         every = voided is None or len(voided) == len(self.pipelines)
         voided = self.pipelines if voided is None else voided
-        lost.kv.reset_prefix_cache()  # the replacement's cache is empty: no cached prefix of it holds
+        lost.kv_manager.reset_prefix_cache()  # the replacement's cache is empty: no cached prefix of it holds
         recompute: list[Request] = []  # lost their KV
         redo: list[ScheduledSeq] = []
         again: list[Request] = []  # to the shared prompt-side queue
         for p in voided:
             if (p is lost and resume is None) or p.role == "prompt":
-                gone = p.sched.reset()  # a prompt-side scheduler queues them in its waiting
+                gone = p.sched.recompute_all()  # a prompt-side scheduler queues them in its waiting
                 recompute += gone
                 if p.role == "token":
                     again += gone
@@ -303,7 +304,7 @@ class PipelineExecutor:
             p.in_flight.clear()
             p.pending_free.clear()
         if every and self.handoff is not None:
-            again += self.handoff.reset()  # hand-offs in progress: their KV may never arrive
+            again += self.handoff.drop_in_flight()  # hand-offs in progress: their KV may never arrive
         seen = {id(r) for r in self.queue if isinstance(r, Request)}
         again = sorted((r for r in again if id(r) not in seen), key=lambda r: r.arrival_time)
         self._requeue(self.queue, again, requeue_as)
@@ -324,5 +325,5 @@ class PipelineExecutor:
             reqs += p.sched.fail_all()
             p.in_flight.clear()
         if self.handoff is not None:
-            reqs += self.handoff.reset()
+            reqs += self.handoff.drop_in_flight()
         return reqs

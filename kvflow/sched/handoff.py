@@ -25,7 +25,7 @@ class TokenSide(Protocol):
     """A token pipeline as the hand-off sees it."""
 
     sched: Scheduler
-    kv: KVCacheManager
+    kv_manager: KVCacheManager
     ready: deque  # microbatch policy: requests whose KV is in place, waiting for a microbatch slot
 
     @property
@@ -58,17 +58,17 @@ class Handoff:
         rid = req.request_id
         entry = self.tables.get(rid)
         if entry is not None and entry[1]:
-            return entry[0].kv.ensure(entry[1], self._tokens(entry[0], req))
+            return entry[0].kv_manager.ensure(entry[1], self._tokens(entry[0], req))
         if entry is None:
             tp, count = self._target
-            if tp is None or count >= tp.microbatch or not tp.kv.can_ensure([], self._tokens(tp, req)):
-                i = max(range(len(self.token)), key=lambda i: (self.token[i].kv.num_free_blocks, -i))
+            if tp is None or count >= tp.microbatch or not tp.kv_manager.can_ensure([], self._tokens(tp, req)):
+                i = max(range(len(self.token)), key=lambda i: (self.token[i].kv_manager.num_free_blocks, -i))
                 tp, count = self.token[i], 0
             self._target = (tp, count + 1)
             entry = self.tables[rid] = (tp, [])
         tp, table = entry
-        hit = tp.kv.match(req.token_ids, req.block_hashes, req.num_tokens)
-        if not tp.kv.ensure(table, self._tokens(tp, req), hit):
+        hit = tp.kv_manager.match(req.token_ids, req.block_hashes, req.num_tokens)
+        if not tp.kv_manager.ensure(table, self._tokens(tp, req), hit):
             return False
         self.cached[rid] = hit.num_tokens
         return True
@@ -93,7 +93,7 @@ class Handoff:
         """Tokens [lo, hi) of a prompt batch's `seq` whose KV goes to the token side: what its cached
         prefix there lacks, spread over the prompt's chunks (empty when lo >= hi)."""
         have = self.cached.get(seq.request.request_id, 0)
-        return (have if seq.reset else max(seq.start, have)), seq.end
+        return (have if seq.full_table else max(seq.start, have)), seq.end
 
     def cached_tokens(self, rid: str) -> int:
         return self.cached.get(rid, 0)
@@ -154,13 +154,13 @@ class Handoff:
         for tp in self.token:
             if req in tp.ready:  # joined, waiting for a microbatch: it holds its blocks itself
                 tp.ready.remove(req)
-                tp.kv.release(req.block_ids)
+                tp.kv_manager.release(req.block_ids)
                 return tp
         entry = self.tables.pop(rid, None)
         self.cached.pop(rid, None)
         if entry is None or not entry[1]:
             return None
-        entry[0].kv.release(entry[1])
+        entry[0].kv_manager.release(entry[1])
         return entry[0]
 
     def forget_kv(self, rid: str) -> None:
@@ -172,7 +172,7 @@ class Handoff:
         """Requests sampled but not yet running on the token side."""
         return len(self.parked) + sum(len(tp.ready) for tp in self.token)
 
-    def reset(self) -> list[Request]:
+    def drop_in_flight(self) -> list[Request]:
         """After a failure: forget every hand-off in progress; return the unfinished requests that
         were in it (to be recomputed) and give back every reservation of a request that is not
         running on the token side."""
@@ -181,13 +181,13 @@ class Handoff:
         self.pending.clear()
         for tp in self.token:
             for r in tp.ready:
-                tp.kv.release(r.block_ids)
+                tp.kv_manager.release(r.block_ids)
             tp.ready.clear()
         running = {r.request_id for tp in self.token for r in tp.sched.running}
         for rid in [rid for rid in self.tables if rid not in running]:
             tp, table = self.tables.pop(rid)
             self.cached.pop(rid, None)
             if table:
-                tp.kv.release(table)
+                tp.kv_manager.release(table)
         self._target = (None, 0)
         return again

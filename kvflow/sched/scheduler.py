@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 from kvflow.kv.manager import KVCacheManager, PrefixHit, blocks_for
 from kvflow.kv.tiers import TierPlan
-from kvflow.sched.admission import Limits, validate  # noqa: F401  (re-exported: the controller imports them here)
 from kvflow.sched.config import POLICIES, ROLES, SchedulerConfig  # noqa: F401  (re-exported)
 from kvflow.sched.request import Request, RequestStatus
 
@@ -37,10 +36,6 @@ class ScheduledSeq:
     new_block_ids: tuple[int, ...] = ()
     full_table: bool = False
     device_block_ids: tuple[int, ...] = ()  # swapping: where its table's blocks sit in the batch's device region
-
-    @property
-    def reset(self) -> bool:  # the old name of `full_table`, still read by sched/executor.py and handoff.py
-        return self.full_table
 
     @property
     def completes_prompt(self) -> bool:
@@ -388,8 +383,6 @@ class Scheduler:
         self._freed.clear()  # the workers drop every table after a failure (`wire.Fence`)
         self._batches = 0
         return lost
-
-    reset = recompute_all  # the old name, still called by sched/executor.py: to be removed
 
     def rewind(self, resume: dict[str, int]) -> list[Request]:
         """A stage lost its KV and got it back for tokens [0, resume[rid]) (from a replica): nothing

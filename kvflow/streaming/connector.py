@@ -285,8 +285,6 @@ class KVReceiver:
             self.tables.clear()
             self.spans.clear()
 
-    reset = fence  # the old name, still called by controller/replica_store.py: to be removed
-
     def _expect_from(self, meta: dict) -> None:
         lay = self.cache.layout
         for rid, m in meta.get("kv", {}).items():
