@@ -8,6 +8,8 @@ import pytest
 
 from kvflow.kv.manager import KVCacheManager
 from kvflow.sched.admission import InvalidRequest, Limits, validate
+from kvflow.sched.executor import PipelineState
+from kvflow.sched.handoff import Handoff
 from kvflow.sched.request import Request, RequestStatus
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Scheduler, SchedulerConfig
@@ -244,25 +246,15 @@ def test_config_is_validated():
         SchedulerConfig(max_in_flight=0)
 
 
+def token_side(blocks: int, config: SchedulerConfig, microbatch: int) -> PipelineState:
+    """A depth-1 token pipeline as the executor keeps it."""
+    kv = KVCacheManager(blocks, 4)
+    return PipelineState("token", 1, microbatch, Scheduler(config, kv, 64, "token"), kv)
+
+
 def test_handoff_joins_after_kv_and_first_token_and_frees_each_reservation_once():
-    from collections import deque
-    from dataclasses import dataclass, field
-
-    from kvflow.sched.handoff import Handoff
-
-    @dataclass(eq=False)
-    class Side:
-        sched: Scheduler
-        kv_manager: KVCacheManager
-        depth: int = 1
-        microbatch: int = 2
-        ready: deque = field(default_factory=deque)
-
-    def side(blocks: int) -> Side:
-        kv = KVCacheManager(blocks, 4)
-        return Side(Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64), kv, 64, "token"), kv)
-
-    a, b = side(8), side(8)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64)
+    a, b = token_side(8, config, 2), token_side(8, config, 2)
     h = Handoff([a, b])
     reqs = [req(f"r{i}", 6) for i in range(3)]
     assert all(h.reserve(r) for r in reqs)
@@ -296,22 +288,8 @@ def test_microbatch_handoff_reserves_whole_requests_and_frees_what_waits_for_a_m
     # A token microbatch never grows its tables (the policy reserves a request's whole KV up front),
     # so the hand-off reserves prompt + max_tokens; a request that waits in the ready queue holds
     # its blocks itself, and gives them back when it finishes there or a failure resets the hand-off.
-    from collections import deque
-    from dataclasses import dataclass, field
-
-    from kvflow.sched.handoff import Handoff
-
-    @dataclass(eq=False)
-    class Side:
-        sched: Scheduler
-        kv_manager: KVCacheManager
-        depth: int = 1
-        microbatch: int = 1
-        ready: deque = field(default_factory=deque)
-
-    kv = KVCacheManager(16, 4)
-    tp = Side(Scheduler(SchedulerConfig(policy="microbatch", microbatch_size=1, max_in_flight=1), kv, 64, "token"), kv)
-    h = Handoff([tp])
+    tp = token_side(16, SchedulerConfig(policy="microbatch", microbatch_size=1, max_in_flight=1), 1)
+    kv, h = tp.kv_manager, Handoff([tp])
     a, b = req("a", 6, max_tokens=7), req("b", 3, max_tokens=2)
     assert h.reserve(a) and h.reserve(b)
     assert len(h.table("a")) == 4 and len(h.table("b")) == 2  # ceil(13 / 4), ceil(5 / 4)

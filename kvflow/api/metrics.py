@@ -1,6 +1,10 @@
-"""/metrics: Prometheus text exposition (format 0.0.4) of what the API times itself plus `Backend.stats()`.
+"""/metrics: what the API times itself plus `Backend.stats()`, exposed with `prometheus_client`
+(text format 0.0.4).
 
-Written by hand (no client library): counters, gauges and cumulative histograms with `le` buckets.
+The routes update thread-safe accumulators (`APIMetrics`); a scrape turns them and the backend's
+stats into metric families, and `prometheus_client` writes the text, so every label value is
+escaped by construction. Labels take values from fixed sets only: `endpoint` is a route template
+of the app or `other` (`endpoint_label`), never the raw request path, so no client can add series.
 """
 
 from __future__ import annotations
@@ -9,7 +13,13 @@ import bisect
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.routing import BaseRoute, Match
 
 from kvflow.serving.backend import BackendStats
 
@@ -17,6 +27,17 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RATE_WINDOW_S = 10.0
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OTHER_ENDPOINT = "other"  # the `endpoint` label of every path that is no route of the app
+
+
+def endpoint_label(routes: Sequence[BaseRoute], scope: dict) -> str:
+    """The route template `scope` is for (a method the route does not take counts as the route), or `other`."""
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            return getattr(route, "path", OTHER_ENDPOINT)
+    return OTHER_ENDPOINT
 
 
 @dataclass
@@ -36,15 +57,39 @@ class Histogram:
         self.total += value
         self.n += 1
 
-    def lines(self, name: str) -> list[str]:
-        out, cum = [], 0
+    def family(self, name: str, help: str) -> HistogramMetricFamily:
+        cumulative, cum = [], 0
         for le, c in zip(self.buckets, self.counts):
             cum += c
-            out.append(f'{name}_bucket{{le="{le:g}"}} {cum}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
-        out.append(f"{name}_sum {self.total:.6f}")
-        out.append(f"{name}_count {self.n}")
-        return out
+            cumulative.append((f"{le:g}", cum))
+        cumulative.append(("+Inf", self.n))
+        return HistogramMetricFamily(name, help, buckets=cumulative, sum_value=self.total)
+
+
+class _Families(Collector):
+    """One scrape's metric families, as the collector `generate_latest` reads."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help, value=value)
+
+
+def _counter(name: str, help: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, help, value=value)
+
+
+def _labelled(kind: type[Metric], name: str, help: str, labels: Sequence[str], samples: Iterable[tuple]) -> Metric:
+    """A family of `kind` with one sample per (label values..., value)."""
+    family = kind(name, help, labels=list(labels))
+    for *values, value in samples:
+        family.add_metric([str(v) for v in values], value)
+    return family
 
 
 class APIMetrics:
@@ -55,7 +100,7 @@ class APIMetrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
-        self.http = Counter()  # (endpoint, status code) -> count
+        self.http = Counter()  # (endpoint label, status code) -> count: both from fixed sets
         self.finished = Counter()  # finish_reason -> count
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -90,74 +135,69 @@ class APIMetrics:
                 self._recent.popleft()
             return sum(n for _, n in self._recent) / RATE_WINDOW_S
 
-    def render(self, stats: BackendStats | None, healthy: bool) -> str:
+    def families(self, stats: BackendStats | None, healthy: bool) -> list[Metric]:
         tps = self.tokens_per_second()
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help: str, samples: list[str]) -> None:
-            lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}", *samples])
-
         with self._lock:
-            metric("kvflow_backend_healthy", "gauge", "1 when the backend can serve requests", [f"kvflow_backend_healthy {int(healthy)}"])
-            metric("kvflow_http_requests_total", "counter", "HTTP responses by endpoint and status code",
-                   [f'kvflow_http_requests_total{{endpoint="{e}",code="{c}"}} {n}' for (e, c), n in sorted(self.http.items())])
-            metric("kvflow_request_finished_total", "counter", "Generation requests finished, by finish reason",
-                   [f'kvflow_request_finished_total{{finish_reason="{r}"}} {n}' for r, n in sorted(self.finished.items())])
-            metric("kvflow_api_requests_in_flight", "gauge", "Generation requests the API is serving now",
-                   [f"kvflow_api_requests_in_flight {self.in_flight}"])
-            metric("kvflow_api_prompt_tokens_total", "counter", "Prompt tokens of finished API requests",
-                   [f"kvflow_api_prompt_tokens_total {self.prompt_tokens}"])
-            metric("kvflow_api_generation_tokens_total", "counter", "Tokens generated for finished API requests",
-                   [f"kvflow_api_generation_tokens_total {self.completion_tokens}"])
-            metric("kvflow_generation_tokens_per_second", "gauge", f"Tokens sent to clients per second over the last {RATE_WINDOW_S:g} s",
-                   [f"kvflow_generation_tokens_per_second {tps:.3f}"])
-            metric("kvflow_time_to_first_token_seconds", "histogram", "Time from request arrival to its first token",
-                   self.ttft.lines("kvflow_time_to_first_token_seconds"))
-            metric("kvflow_time_per_output_token_seconds", "histogram", "Mean time between output tokens, per request",
-                   self.tpot.lines("kvflow_time_per_output_token_seconds"))
-            metric("kvflow_e2e_request_latency_seconds", "histogram", "Time from request arrival to its last token",
-                   self.e2e.lines("kvflow_e2e_request_latency_seconds"))
+            out = [
+                _gauge("kvflow_backend_healthy", "1 when the backend can serve requests", int(healthy)),
+                _labelled(CounterMetricFamily, "kvflow_http_requests_total", "HTTP responses by endpoint and status code",
+                          ("endpoint", "code"), ((e, c, n) for (e, c), n in sorted(self.http.items()))),
+                _labelled(CounterMetricFamily, "kvflow_request_finished_total", "Generation requests finished, by finish reason",
+                          ("finish_reason",), sorted(self.finished.items())),
+                _gauge("kvflow_api_requests_in_flight", "Generation requests the API is serving now", self.in_flight),
+                _counter("kvflow_api_prompt_tokens_total", "Prompt tokens of finished API requests", self.prompt_tokens),
+                _counter("kvflow_api_generation_tokens_total", "Tokens generated for finished API requests",
+                         self.completion_tokens),
+                _gauge("kvflow_generation_tokens_per_second",
+                       f"Tokens sent to clients per second over the last {RATE_WINDOW_S:g} s", tps),
+                self.ttft.family("kvflow_time_to_first_token_seconds", "Time from request arrival to its first token"),
+                self.tpot.family("kvflow_time_per_output_token_seconds", "Mean time between output tokens, per request"),
+                self.e2e.family("kvflow_e2e_request_latency_seconds", "Time from request arrival to its last token"),
+            ]
         if stats is not None:
-            _backend_lines(stats, metric)
-        return "\n".join(lines) + "\n"
+            out += _backend_families(stats)
+        return out
+
+    def render(self, stats: BackendStats | None, healthy: bool) -> bytes:
+        """The exposition text (`CONTENT_TYPE`) of one scrape."""
+        return generate_latest(_Families(self.families(stats, healthy)))
 
 
-def _backend_lines(s: BackendStats, metric) -> None:
-    metric("kvflow_num_requests_waiting", "gauge", "Requests queued in the backend", [f"kvflow_num_requests_waiting {s.waiting_requests}"])
-    metric("kvflow_num_requests_running", "gauge", "Requests being processed by the backend", [f"kvflow_num_requests_running {s.running_requests}"])
-    metric("kvflow_prompt_tokens_total", "counter", "Prompt tokens admitted by the backend", [f"kvflow_prompt_tokens_total {s.prompt_tokens_total}"])
-    metric("kvflow_generation_tokens_total", "counter", "Tokens generated by the backend", [f"kvflow_generation_tokens_total {s.generated_tokens_total}"])
-    metric("kvflow_kv_bytes_streamed_total", "counter", "KV-cache bytes streamed between workers", [f"kvflow_kv_bytes_streamed_total {s.kv_bytes_streamed_total}"])
-    metric("kvflow_worker_busy_seconds_total", "counter", "Seconds each worker spent computing",
-           [f'kvflow_worker_busy_seconds_total{{worker="{_esc(w)}"}} {t:.6f}' for w, t in sorted(s.worker_busy_seconds.items())])
-    metric("kvflow_worker_up", "gauge", "1 while the worker is alive",
-           [f'kvflow_worker_up{{worker="{_esc(w)}"}} {int(a)}' for w, a in sorted(s.workers_alive.items())])
-    metric("kvflow_dropped_messages_total", "counter", "Internal messages dropped (not authentic, malformed or stale)",
-           [f'kvflow_dropped_messages_total{{port="{_esc(w)}"}} {n}' for w, n in sorted(s.dropped_messages_total.items())])
-    metric("kvflow_preemptions_total", "counter", "Requests preempted (KV freed, recomputed later)", [f"kvflow_preemptions_total {s.preemptions_total}"])
-    metric("kvflow_worker_failures_total", "counter", "Workers lost (died, hung or failed a step)", [f"kvflow_worker_failures_total {s.worker_failures_total}"])
-    metric("kvflow_recoveries_total", "counter", "Recoveries completed (worker replaced, requests resumed)", [f"kvflow_recoveries_total {s.recoveries_total}"])
-    metric("kvflow_recovery_seconds_total", "counter", "Seconds spent recovering", [f"kvflow_recovery_seconds_total {s.recovery_seconds_total:.6f}"])
-    metric("kvflow_recovering", "gauge", "1 while a recovery is under way", [f"kvflow_recovering {int(s.recovering)}"])
-    metric("kvflow_replicated_bytes_total", "counter", "KV bytes streamed to replicas (ring replication)",
-           [f"kvflow_replicated_bytes_total {s.replicated_bytes_total}"])
-    metric("kvflow_replication_lag_tokens", "gauge", "Most KV tokens of one running request not yet in its stage's replica",
-           [f"kvflow_replication_lag_tokens {s.replication_lag_tokens}"])
-    metric("kvflow_resumed_requests_total", "counter", "Requests resumed from a replica after a failure",
-           [f"kvflow_resumed_requests_total {s.resumed_requests_total}"])
-    metric("kvflow_recomputed_tokens_total", "counter", "Tokens recomputed after failures (lost past the replica)",
-           [f"kvflow_recomputed_tokens_total {s.recomputed_tokens_total}"])
+def _backend_families(s: BackendStats) -> list[Metric]:
     pc = sorted(s.prefix_cache.items())
-    lab = [f'pool="{_esc(pool)}",tier="{_esc(tier)}"' for (pool, tier), _ in pc]
-    metric("kvflow_prefix_cache_queries_total", "counter", "Tokens of admitted requests looked up in the prefix cache",
-           [f"kvflow_prefix_cache_queries_total{{{l}}} {c.queries}" for l, (_, c) in zip(lab, pc)])
-    metric("kvflow_prefix_cache_hits_total", "counter", "Of those, tokens found cached (not prefilled, or not streamed on a token pool)",
-           [f"kvflow_prefix_cache_hits_total{{{l}}} {c.hits}" for l, (_, c) in zip(lab, pc)])
-    metric("kvflow_prefix_cache_hit_rate", "gauge", "hits / queries since start (0 before any query)",
-           [f"kvflow_prefix_cache_hit_rate{{{l}}} {c.hit_rate:.6f}" for l, (_, c) in zip(lab, pc)])
-    metric("kvflow_prefix_cache_evictions_total", "counter", "Cached blocks evicted to make room",
-           [f"kvflow_prefix_cache_evictions_total{{{l}}} {c.evictions}" for l, (_, c) in zip(lab, pc)])
-
-
-def _esc(label: str) -> str:
-    return label.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    pool_tier = ("pool", "tier")
+    return [
+        _gauge("kvflow_num_requests_waiting", "Requests queued in the backend", s.waiting_requests),
+        _gauge("kvflow_num_requests_running", "Requests being processed by the backend", s.running_requests),
+        _counter("kvflow_prompt_tokens_total", "Prompt tokens admitted by the backend", s.prompt_tokens_total),
+        _counter("kvflow_generation_tokens_total", "Tokens generated by the backend", s.generated_tokens_total),
+        _counter("kvflow_kv_bytes_streamed_total", "KV-cache bytes streamed between workers", s.kv_bytes_streamed_total),
+        _labelled(CounterMetricFamily, "kvflow_worker_busy_seconds_total", "Seconds each worker spent computing",
+                  ("worker",), sorted(s.worker_busy_seconds.items())),
+        _labelled(GaugeMetricFamily, "kvflow_worker_up", "1 while the worker is alive",
+                  ("worker",), ((w, int(a)) for w, a in sorted(s.workers_alive.items()))),
+        _labelled(CounterMetricFamily, "kvflow_dropped_messages_total",
+                  "Internal messages dropped (not authentic, malformed or stale)",
+                  ("port",), sorted(s.dropped_messages_total.items())),
+        _counter("kvflow_preemptions_total", "Requests preempted (KV freed, recomputed later)", s.preemptions_total),
+        _counter("kvflow_worker_failures_total", "Workers lost (died, hung or failed a step)", s.worker_failures_total),
+        _counter("kvflow_recoveries_total", "Recoveries completed (worker replaced, requests resumed)", s.recoveries_total),
+        _counter("kvflow_recovery_seconds_total", "Seconds spent recovering", s.recovery_seconds_total),
+        _gauge("kvflow_recovering", "1 while a recovery is under way", int(s.recovering)),
+        _counter("kvflow_replicated_bytes_total", "KV bytes streamed to replicas (ring replication)", s.replicated_bytes_total),
+        _gauge("kvflow_replication_lag_tokens", "Most KV tokens of one running request not yet in its stage's replica",
+               s.replication_lag_tokens),
+        _counter("kvflow_resumed_requests_total", "Requests resumed from a replica after a failure", s.resumed_requests_total),
+        _counter("kvflow_recomputed_tokens_total", "Tokens recomputed after failures (lost past the replica)",
+                 s.recomputed_tokens_total),
+        _labelled(CounterMetricFamily, "kvflow_prefix_cache_queries_total",
+                  "Tokens of admitted requests looked up in the prefix cache",
+                  pool_tier, ((p, t, c.queries) for (p, t), c in pc)),
+        _labelled(CounterMetricFamily, "kvflow_prefix_cache_hits_total",
+                  "Of those, tokens found cached (not prefilled, or not streamed on a token pool)",
+                  pool_tier, ((p, t, c.hits) for (p, t), c in pc)),
+        _labelled(GaugeMetricFamily, "kvflow_prefix_cache_hit_rate", "hits / queries since start (0 before any query)",
+                  pool_tier, ((p, t, c.hit_rate) for (p, t), c in pc)),
+        _labelled(CounterMetricFamily, "kvflow_prefix_cache_evictions_total", "Cached blocks evicted to make room",
+                  pool_tier, ((p, t, c.evictions) for (p, t), c in pc)),
+    ]

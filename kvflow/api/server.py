@@ -27,12 +27,12 @@ from functools import partial
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 from kvflow.api import generation as gen
 from kvflow.api.drain import Drain
 from kvflow.api.errors import APIError, error_body, install_error_handlers, unavailable
-from kvflow.api.metrics import APIMetrics
+from kvflow.api.metrics import CONTENT_TYPE, APIMetrics, endpoint_label
 from kvflow.api.prepare import Prepared, prepare_chat, prepare_completion
 from kvflow.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id
 from kvflow.serving.backend import Backend
@@ -79,10 +79,11 @@ class _APIKeyAuth:
 
 
 class _StatusCounter:
-    """ASGI middleware counting responses per (path, status) without touching the body stream."""
+    """ASGI middleware counting responses per (route template or `other`, status) without touching the body
+    stream. The label is never the raw path: a client can neither inject text into /metrics nor add series."""
 
-    def __init__(self, app, metrics: APIMetrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics: APIMetrics, routes: list) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -90,10 +91,11 @@ class _StatusCounter:
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.http_response(scope["path"], message["status"])
+                self.metrics.http_response(endpoint_label(self.routes, scope), message["status"])
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
 
 
 def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
@@ -115,7 +117,7 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
     app = FastAPI(title="kvflow", summary="OpenAI-compatible API over a kvflow backend", lifespan=lifespan)
     if config.api_key is not None:
         app.add_middleware(_APIKeyAuth, api_key=config.api_key, open_paths=config.open_paths)
-    app.add_middleware(_StatusCounter, metrics=metrics)  # added last = outermost: counts the 401s too
+    app.add_middleware(_StatusCounter, metrics=metrics, routes=app.routes)  # added last = outermost: counts the 401s too
     install_error_handlers(app)
     app.state.backend, app.state.metrics, app.state.drain = backend, metrics, drain
 
@@ -195,13 +197,13 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
         return JSONResponse({"status": "ok"}, status_code=200)
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
+    async def prometheus() -> Response:
         try:
             stats = backend.stats()
         except Exception:
             log.exception("backend.stats() raised")
             stats = None
-        return PlainTextResponse(metrics.render(stats, healthy()), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(stats, healthy()), media_type=CONTENT_TYPE)
 
     return app
 

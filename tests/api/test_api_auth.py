@@ -62,7 +62,7 @@ def test_health_and_metrics_stay_open(server):
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     httpx.get(f"{server.url}/v1/models", timeout=10)  # a 401, counted
     m = httpx.get(f"{server.url}/metrics", timeout=10)
-    assert m.status_code == 200 and 'kvflow_http_requests_total{endpoint="/v1/models",code="401"}' in m.text
+    assert m.status_code == 200 and 'kvflow_http_requests_total{code="401",endpoint="/v1/models"}' in m.text  # labels in name order
 
 
 def test_open_paths_are_configurable(tiny_ckpt_dir):

@@ -54,7 +54,7 @@ def test_openai_client_gets_engine_tokens(tiny_ckpt_dir, kw):
         assert "kvflow_worker_busy_seconds" in m and "kvflow_replication_lag_tokens" in m
         if kw["mode"] == "colocated":  # depth 2: ring replication is on; the workers report its bytes with heartbeats
             deadline = time.monotonic() + 60
-            while "kvflow_replicated_bytes_total 0\n" in httpx.get(f"{server.url}/metrics").text:
+            while "kvflow_replicated_bytes_total 0.0\n" in httpx.get(f"{server.url}/metrics").text:
                 assert time.monotonic() < deadline, "no replicated bytes reported"
                 time.sleep(0.05)
 

@@ -102,7 +102,7 @@ def test_models_health_and_metrics(server):
     for name in ("kvflow_num_requests_waiting", "kvflow_num_requests_running", "kvflow_kv_bytes_streamed_total",
                  "kvflow_api_requests_in_flight"):
         assert name in values
-    assert values['kvflow_http_requests_total{endpoint="/v1/completions",code="200"}'] >= 1
+    assert values['kvflow_http_requests_total{code="200",endpoint="/v1/completions"}'] >= 1
 
 
 def _samples(text: str) -> dict[str, float]:
