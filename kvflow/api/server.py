@@ -9,6 +9,11 @@ drains in-flight requests up to `APIConfig.drain_timeout_s` (`kvflow.api.drain`)
 backend down, and a SIGTERM-initiated shutdown exits 0. A backend that fails for good (the
 controller could not replace a lost worker, the engine thread died) shuts `serve` down with exit
 code 1, so that a supervisor (systemd, Kubernetes) restarts the server.
+
+Hostile input is bounded before it costs anything: a body over `APIConfig.max_body_bytes` is refused
+with 413 before it is parsed (`_BodyLimit`), metric labels come from fixed sets (`_StatusCounter`),
+and prompts are tokenized off the event loop, a large one on its own thread (`Tokenizing`) and only
+until it passes the context (`kvflow.api.prepare`).
 """
 
 from __future__ import annotations
@@ -33,14 +38,23 @@ from kvflow.api import generation as gen
 from kvflow.api.drain import Drain
 from kvflow.api.errors import APIError, error_body, install_error_handlers, unavailable
 from kvflow.api.metrics import CONTENT_TYPE, APIMetrics, endpoint_label
-from kvflow.api.prepare import Prepared, prepare_chat, prepare_completion
+from kvflow.api.prepare import Prepared, piece_chars, prepare_chat, prepare_completion, prompt_chars
 from kvflow.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id
 from kvflow.serving.backend import Backend
 
 log = logging.getLogger(__name__)
 _uvicorn_log = logging.getLogger("uvicorn.error")  # where `kvflow serve` prints server lifecycle lines
 
-TOKENIZER_THREADS = 4  # chat templating + tokenization run here, never on the event loop
+TOKENIZER_THREADS = 4  # chat templating + tokenization of ordinary prompts run here, never on the event loop
+LARGE_TOKENIZER_THREADS = 1  # prompts longer than one tokenization piece (`piece_chars`) queue for these
+BODY_BYTES_PER_TOKEN = 32  # default body limit: this many bytes per context token (JSON escapes included) ...
+MIN_BODY_BYTES = 1 << 20  # ... and never below 1 MiB
+DISCARD_BYTES = 64 << 20  # a refused body announced up to this size is read and dropped, so the client sees the 413
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The default request body limit: a few times what a prompt filling the context could take as JSON."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class APIConfig:
     api_key: str | None = None
     open_paths: tuple[str, ...] = ("/health", "/metrics")  # answered without the key
     drain_timeout_s: float = 30.0  # on shutdown: how long in-flight requests may still run
+    max_body_bytes: int | None = None  # larger request bodies get 413; None: `default_max_body_bytes(context)`
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
@@ -58,6 +73,8 @@ class APIConfig:
             raise ValueError(f"open paths must start with '/', got {self.open_paths}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"the drain timeout must be >= 0 seconds, got {self.drain_timeout_s}")
+        if self.max_body_bytes is not None and self.max_body_bytes <= 0:
+            raise ValueError(f"the request body limit must be > 0 bytes, got {self.max_body_bytes}")
 
 
 class _APIKeyAuth:
@@ -97,12 +114,100 @@ class _StatusCounter:
         await self.app(scope, receive, counting_send)
 
 
+class _BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 (`request_too_large`) before
+    anything parses it — at once when Content-Length announces it, else as soon as the bytes read pass
+    the limit. A body within the limit is read here and handed on whole; later `receive` calls (the
+    disconnect a request watches for) go to the server. A refused body is read and dropped (up to
+    `DISCARD_BYTES`), so that a client still sending it gets the 413 rather than a reset connection."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        announced = _content_length(scope)
+        if announced is not None and announced > self.limit:
+            if announced <= DISCARD_BYTES:
+                await _discard(receive, announced)
+            return await self._refuse(scope, receive, send)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                chunks.clear()
+                if message.get("more_body", False):
+                    await _discard(receive, DISCARD_BYTES - size)
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        message = f"the request body is larger than this server's limit of {self.limit} bytes"
+        response = JSONResponse(error_body(message, "invalid_request_error", None, "request_too_large"), status_code=413)
+        await response(scope, receive, send)
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _discard(receive, budget: int) -> None:
+    """Read and drop body bytes until the body ends, the client leaves or `budget` bytes are read."""
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        budget -= len(message.get("body", b""))
+
+
+def _replay(messages: list[dict], receive):
+    async def replayed() -> dict:
+        return messages.pop(0) if messages else await receive()
+
+    return replayed
+
+
+class Tokenizing:
+    """Where `prepare_*` runs: never on the event loop. A prompt longer than one tokenization piece
+    (`piece_chars(context)` characters) goes to its own small pool, so a few huge prompts queue behind
+    each other there while ordinary requests keep the other pool to themselves."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.large_chars = piece_chars(max_model_len)
+        self.small = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvflow-tokenize")
+        self.large = ThreadPoolExecutor(LARGE_TOKENIZER_THREADS, thread_name_prefix="kvflow-tokenize-large")
+
+    async def run(self, fn: Callable[[], Prepared], chars: int) -> Prepared:
+        pool = self.large if chars > self.large_chars else self.small
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
+
+    def shutdown(self) -> None:
+        for pool in (self.small, self.large):
+            pool.shutdown(wait=False, cancel_futures=True)
+
 
 def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
     metrics = APIMetrics()
     drain = Drain(config.drain_timeout_s)
     vocab_size = getattr(backend.tokenizer, "vocab_size", None)
-    tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvflow-tokenize")
+    tokenizing = Tokenizing(backend.max_model_len)
+    max_body = config.max_body_bytes or default_max_body_bytes(backend.max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -112,17 +217,16 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
         finally:
             await drain.run()  # no-op if the server already drained (it does, before closing connections)
             await backend.shutdown()
-            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            tokenizing.shutdown()
 
     app = FastAPI(title="kvflow", summary="OpenAI-compatible API over a kvflow backend", lifespan=lifespan)
+    app.add_middleware(_BodyLimit, limit=max_body)  # inside the key check: a stranger's body is never read
     if config.api_key is not None:
         app.add_middleware(_APIKeyAuth, api_key=config.api_key, open_paths=config.open_paths)
-    app.add_middleware(_StatusCounter, metrics=metrics, routes=app.routes)  # added last = outermost: counts the 401s too
+    app.add_middleware(_StatusCounter, metrics=metrics, routes=app.routes)  # added last = outermost: counts 401s, 413s
     install_error_handlers(app)
     app.state.backend, app.state.metrics, app.state.drain = backend, metrics, drain
-
-    async def off_loop(fn: Callable[[], Prepared]) -> Prepared:
-        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn)
+    app.state.max_body_bytes = max_body
 
     def healthy() -> bool:
         try:
@@ -136,13 +240,13 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
         if not healthy():
             raise unavailable("the serving backend is not healthy; try again later")
 
-    async def respond(request: Request, prepare: Callable[[], Prepared], chat: bool) -> Response:
+    async def respond(request: Request, prepare: Callable[[], Prepared], chars: int, chat: bool) -> Response:
         admit()
         drain.enter()  # in flight from here, tokenization included: a drain waits for it
         metrics.in_flight += 1
         streaming = False  # once the SSE response owns the request, it does the accounting (`close_stream`)
         try:
-            prepared = await off_loop(prepare)
+            prepared = await tokenizing.run(prepare, chars)
             request_id = new_id("chatcmpl" if chat else "cmpl")
             fmt = gen.ChunkFormat(chat, request_id, backend.model_name)
             progress = gen.Progress(len(prepared.prompt_token_ids))
@@ -170,12 +274,12 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prepare = partial(prepare_completion, body, backend.model_name, backend.tokenizer, backend.max_model_len, vocab_size)
-        return await respond(request, prepare, chat=False)
+        return await respond(request, prepare, prompt_chars(body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         prepare = partial(prepare_chat, body, backend.model_name, backend.tokenizer, backend.max_model_len, vocab_size)
-        return await respond(request, prepare, chat=True)
+        return await respond(request, prepare, prompt_chars(body), chat=True)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -94,6 +94,9 @@ def register(sub) -> None:
                    help="comma-separated paths answered without the API key (default /health,/metrics; '' = none)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight requests may still run before they are cancelled (default 30)")
+    s.add_argument("--max-body-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                   help="refuse request bodies larger than SIZE with 413, before parsing them (default: 32 bytes per "
+                        "context token, at least 1M)")
     s.set_defaults(func=run_serve)
 
     b = sub.add_parser("bench", help="benchmarks against a running server")
@@ -223,7 +226,8 @@ def _api_config(args):
     if key is not None and not key.strip():
         raise ValueError("--api-key must not be empty")
     open_paths = tuple(p.strip() for p in args.open_paths.split(",") if p.strip())
-    return APIConfig(api_key=key, open_paths=open_paths, drain_timeout_s=args.drain_timeout)
+    return APIConfig(api_key=key, open_paths=open_paths, drain_timeout_s=args.drain_timeout,
+                     max_body_bytes=args.max_body_bytes)
 
 
 def _log_to_stderr(level: str) -> None:

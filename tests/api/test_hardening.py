@@ -1,16 +1,25 @@
 """Hostile HTTP input costs the server little (issue 39): /metrics labels come from fixed sets, so no path can
-inject text or add series (D1, D2)."""
+inject text or add series (D1, D2); bodies over the limit get 413 before parsing and long prompts are
+refused without being tokenized whole, on a tokenizer thread of their own (D3, D4). Every wait is for an
+event (a gate entered, a stream event), never a sleep."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 
 import httpx
-from api_helpers import MODEL, tiny_backend
+import pytest
+from api_helpers import MODEL, client, tiny_backend, wait_until
+from gated import GATE_TIMEOUT_S
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.api.metrics import OTHER_ENDPOINT
-from kvflow.api.server import APIConfig, BackgroundServer
+from kvflow.api.prepare import check_length, piece_chars, pieces
+from kvflow.api.server import APIConfig, BackgroundServer, default_max_body_bytes
+from kvflow.model.tokenizer import Tokenizer
+from kvflow.sched.admission import InvalidRequest
 
 KEY = "sk-hardening"
 INJECTION = ("/x%22%2Ccode%3D%22200%22%7D%201%0Akvflow_backend_healthy%200%0Akvflow_forged_metric%7Bby%3D%22anyone"
@@ -21,6 +30,10 @@ def _families(srv: BackgroundServer) -> dict:
     r = httpx.get(f"{srv.url}/metrics", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
     return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def _in_flight(srv: BackgroundServer) -> int:
+    return int(_families(srv)["kvflow_api_requests_in_flight"].samples[0].value)
 
 
 # ------------------------------------------------------------------------------------------- D1, D2: /metrics
@@ -78,3 +91,141 @@ def test_metrics_injection_and_label_cardinality(tiny_ckpt_dir):
         http = {(s.labels["endpoint"], s.labels["code"]): s.value for s in fams["kvflow_http_requests"].samples}
         assert http[(OTHER_ENDPOINT, "401")] == 5_001 and http[(OTHER_ENDPOINT, "404")] == 5_001
         assert http[("/metrics", "200")] >= 1  # a route's own template
+
+
+# ------------------------------------------------------------------------------------------- D3: body size
+def test_a_body_over_the_limit_is_refused_before_parsing(tiny_ckpt_dir):
+    limit = 64 << 10
+    with BackgroundServer(tiny_backend(tiny_ckpt_dir), config=APIConfig(max_body_bytes=limit)) as srv:
+        assert srv.app.state.max_body_bytes == limit
+        big = json.dumps({"model": MODEL, "prompt": "w7 " * 30_000, "max_tokens": 2}).encode()
+        assert len(big) > limit
+        for headers, content in (({"content-type": "application/json"}, big),  # Content-Length announces it
+                                 ({"content-type": "application/json"}, iter([big[:50_000], big[50_000:]]))):  # chunked
+            r = httpx.post(f"{srv.url}/v1/completions", content=content, headers=headers, timeout=30)
+            assert r.status_code == 413, r.text
+            err = r.json()["error"]
+            assert err["code"] == "request_too_large" and str(limit) in err["message"]
+        # a body just within the limit is parsed as usual (and refused for its length, not its size)
+        ok = json.dumps({"model": MODEL, "prompt": "w7 " * 20_000, "max_tokens": 2}).encode()
+        assert len(ok) <= limit
+        r = httpx.post(f"{srv.url}/v1/completions", content=ok, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert client(srv).completions.create(model=MODEL, prompt="w5", max_tokens=2).usage.completion_tokens >= 1
+        http = {(s.labels["endpoint"], s.labels["code"]) for s in _families(srv)["kvflow_http_requests"].samples}
+        assert ("/v1/completions", "413") in http
+
+
+def test_four_10_mb_prompts_get_413_by_default_and_a_small_request_is_answered(tiny_ckpt_dir):
+    assert default_max_body_bytes(256) == 1 << 20 and default_max_body_bytes(1 << 20) == 32 << 20
+    huge = {"model": MODEL, "prompt": " ".join(["w7"] * 3_400_000), "max_tokens": 2}  # 10.2 MB
+    with BackgroundServer(tiny_backend(tiny_ckpt_dir)) as srv:
+        out: list = []
+        threads = [threading.Thread(target=lambda: out.append(httpx.post(f"{srv.url}/v1/completions", json=huge,
+                                                                         timeout=120)), daemon=True)
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        small = client(srv).completions.create(model=MODEL, prompt="w5 w6", max_tokens=3, extra_body={"ignore_eos": True})
+        assert small.usage.completion_tokens == 3
+        for t in threads:
+            t.join(120)
+        assert [r.status_code for r in out] == [413] * 4
+
+
+# ------------------------------------------------------------------------------------------- D3, D4: tokenizing
+class RecordingTokenizer(Tokenizer):
+    """The real tokenizer, recording how many characters each encode got."""
+
+    def __init__(self, directory) -> None:
+        super().__init__(directory)
+        self.sizes: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.sizes.append(len(text))
+        return super().encode(text)
+
+
+def test_pieces_cut_where_whitespace_begins_and_lose_nothing():
+    text = "alpha beta\tgamma " * 1000
+    parts = list(pieces([text], 100))
+    assert "".join(parts) == text and all(100 <= len(p) < 200 for p in parts[:-1])
+    assert all(p[-1] != " " and p[-1] != "\t" for p in parts[:-1])  # each cut right before whitespace
+    assert [len(p) for p in pieces(["x" * 250], 100)] == [100, 100, 50]  # none near: cut at the size
+    assert list(pieces(["a", "b", "c" * 300], 100)) == ["a\nb", "c" * 100, "c" * 100, "c" * 100]
+
+
+def test_a_prompt_past_the_context_is_refused_after_one_piece(tiny_ckpt_dir):
+    tok = RecordingTokenizer(tiny_ckpt_dir)
+    size = piece_chars(256)
+    with pytest.raises(InvalidRequest, match="characters \\(the rest was not tokenized\\)") as e:
+        check_length(tok, ["w7 " * 300_000], 256)  # 900,000 characters
+    assert e.value.code == "context_length_exceeded" and e.value.field == "prompt"
+    assert sum(tok.sizes) < 2 * size  # one piece (and the empty probe), never the rest
+    tok.sizes.clear()
+    with pytest.raises(InvalidRequest):
+        check_length(tok, ["w7"] * 100_000, 256)  # chat: many messages, counted together
+    assert sum(tok.sizes) <= size
+    tok.sizes.clear()
+    check_length(tok, ["w7 " * 80], 256)  # one piece: left to the caller's own tokenization
+    assert tok.sizes == []
+
+
+def test_long_prompts_are_refused_early_through_the_api_and_one_that_fits_is_exact(tiny_ckpt_dir):
+    backend = tiny_backend(tiny_ckpt_dir)
+    tok = backend.tokenizer = RecordingTokenizer(tiny_ckpt_dir)
+    with BackgroundServer(backend) as srv:
+        for path, body in (("/v1/completions", {"model": MODEL, "prompt": "w7 " * 300_000, "max_tokens": 2}),
+                           ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "w7 " * 300_000}]})):
+            tok.sizes.clear()
+            r = httpx.post(f"{srv.url}{path}", json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            assert r.json()["error"]["param"] == ("prompt" if "prompt" in body else "messages")
+            assert sum(tok.sizes) < 2 * piece_chars(256)
+        # longer than a piece but few tokens: counted in pieces, then tokenized whole, so its ids are exact
+        text = "w7" + " " * 5000 + "w8 w9"
+        r = client(srv).completions.create(model=MODEL, prompt=text, max_tokens=2, extra_body={"ignore_eos": True})
+        assert r.usage.prompt_tokens == len(Tokenizer(tiny_ckpt_dir).encode(text)) == 3
+
+
+class GatedLargeTokenizer(Tokenizer):
+    """The real tokenizer; an encode of more than `large` characters first signals `entered` and waits for `release`."""
+
+    def __init__(self, directory, large: int) -> None:
+        super().__init__(directory)
+        self.large = large
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.held = 0
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) >= self.large:
+            self.held += 1
+            self.entered.set()
+            self.release.wait(GATE_TIMEOUT_S)
+        return super().encode(text)
+
+
+def test_large_prompts_queue_on_their_own_thread_and_a_small_request_is_answered(tiny_ckpt_dir):
+    """Four prompts longer than a piece, each held inside tokenization, would take every thread of a single pool
+    (`TOKENIZER_THREADS` is 4): a small request must still be tokenized and answered while they wait."""
+    backend = tiny_backend(tiny_ckpt_dir)
+    size = piece_chars(backend.max_model_len)
+    tok = backend.tokenizer = GatedLargeTokenizer(tiny_ckpt_dir, size)
+    body = {"model": MODEL, "prompt": "w7 " * 2 * size, "max_tokens": 2}
+    with BackgroundServer(backend) as srv:
+        out: list = []
+        threads = [threading.Thread(target=lambda: out.append(httpx.post(f"{srv.url}/v1/completions", json=body,
+                                                                         timeout=120)), daemon=True)
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        assert tok.entered.wait(60), "no large prompt reached the tokenizer"
+        wait_until(lambda: _in_flight(srv) == 4, 30, "all four large prompts to be in flight")
+        small = client(srv).completions.create(model=MODEL, prompt="w5 w6", max_tokens=3, extra_body={"ignore_eos": True})
+        assert small.usage.completion_tokens == 3
+        assert not tok.release.is_set() and tok.held == 1  # answered while one large prompt is held, three queued
+        tok.release.set()
+        for t in threads:
+            t.join(120)
+        assert [r.json()["error"]["code"] for r in out] == ["context_length_exceeded"] * 4
