@@ -8,7 +8,9 @@ The app starts the backend on startup; on shutdown (SIGTERM, Ctrl-C) the server 
 drains in-flight requests up to `APIConfig.drain_timeout_s` (`kvflow.api.drain`), then shuts the
 backend down, and a SIGTERM-initiated shutdown exits 0. A backend that fails for good (the
 controller could not replace a lost worker, the engine thread died) shuts `serve` down with exit
-code 1, so that a supervisor (systemd, Kubernetes) restarts the server.
+code 1, so that a supervisor (systemd, Kubernetes) restarts the server. A second SIGTERM / Ctrl-C during
+the drain ends it at once (requests still running stop with `server_shutdown`, the backend is shut down
+as usual) and `serve` returns 128 + that signal's number.
 
 Hostile input is bounded before it costs anything: a body over `APIConfig.max_body_bytes` is refused
 with 413 before it is parsed (`_BodyLimit`), metric labels come from fixed sets (`_StatusCounter`),
@@ -35,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvflow.api import generation as gen
-from kvflow.api.drain import Drain
+from kvflow.api.drain import CANCEL_GRACE_S, Drain
 from kvflow.api.errors import APIError, error_body, install_error_handlers, unavailable
 from kvflow.api.metrics import CONTENT_TYPE, APIMetrics, endpoint_label
 from kvflow.api.prepare import Prepared, piece_chars, prepare_chat, prepare_completion, prompt_chars
@@ -315,13 +317,38 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
 class _Server(uvicorn.Server):
     """uvicorn with kvflow's shutdown: stop accepting, drain the app (`Drain.run`), then uvicorn's own shutdown
     (close connections, lifespan → backend.shutdown). A SIGTERM that ends in a clean shutdown exits 0 instead
-    of being re-raised at exit as uvicorn does."""
+    of being re-raised at exit as uvicorn does. A second SIGTERM / Ctrl-C cuts the drain short (`Drain.cut`):
+    uvicorn's own second Ctrl-C (`force_exit`) would skip the application's shutdown and leave the backend's
+    workers running, so it is not used; `stopped_by` keeps that signal for the exit code."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, exit_on_backend_failure: bool = False) -> None:
         super().__init__(config)
         self.app = app
         self.exit_on_backend_failure = exit_on_backend_failure
         self.backend_failed = False
+        self.stopped_by: int | None = None  # the second signal, which cut the drain short
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """The signal handler (main thread, between two bytecodes of whatever runs): the first signal starts the
+        shutdown as in uvicorn; the next one asks the event loop to cut the drain short."""
+        if not self.should_exit:
+            return super().handle_exit(sig, frame)
+        if self.stopped_by is None and self._loop is not None:
+            self.stopped_by = sig
+            self._loop.call_soon_threadsafe(self._cut)
+
+    def _cut(self) -> None:
+        drain: Drain = self.app.state.drain
+        _uvicorn_log.warning("Second %s: the drain ends now (%d request(s) still running are cancelled)",
+                             signal.Signals(self.stopped_by).name, drain.in_flight)
+        # what is left: requests writing their error (CANCEL_GRACE_S), then connections closing, not the whole drain
+        self.config.timeout_graceful_shutdown = CANCEL_GRACE_S
+        drain.cut()
 
     async def on_tick(self, counter: int) -> bool:
         # every 0.5 s: a backend that can no longer serve (its recovery failed, its engine thread
@@ -341,7 +368,10 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         with super().capture_signals():
             yield
-            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+            # uvicorn re-raises the signals it caught once it has stopped: not a SIGTERM that ended in a clean
+            # shutdown (exit 0), nor any after a second signal (`serve` returns the exit code, no traceback)
+            self._captured_signals = [] if self.stopped_by is not None else \
+                [s for s in self._captured_signals if s != signal.SIGTERM]
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:  # stop accepting new connections
@@ -351,10 +381,13 @@ class _Server(uvicorn.Server):
         for connection in list(self.server_state.connections):  # idle keep-alive ones close; busy ones after their response
             connection.shutdown()
         drain: Drain = self.app.state.drain
-        if drain.in_flight:
-            _uvicorn_log.info("Draining %d in-flight request(s) for up to %g s", drain.in_flight, drain.timeout_s)
+        if drain.in_flight and not drain.cut_short:
+            _uvicorn_log.info("Draining %d in-flight request(s) for up to %g s (a second SIGTERM or Ctrl-C ends it now)",
+                              drain.in_flight, drain.timeout_s)
         await drain.run()
-        if drain.expired.is_set():
+        if drain.cut_short:
+            _uvicorn_log.warning("Drain cut short by a second signal: the requests still running were cancelled")
+        elif drain.expired.is_set():
             _uvicorn_log.warning("Drain timeout (%g s) passed: the requests still running were cancelled", drain.timeout_s)
         await super().shutdown(sockets)
 
@@ -368,11 +401,14 @@ def _config(app: FastAPI, host: str, port: int, log_level: str, config: APIConfi
 def serve(backend: Backend, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           config: APIConfig = APIConfig()) -> int:
     """Serve until SIGTERM / Ctrl-C, then drain and shut down (see the module docstring). Returns the
-    process exit code: 0 after a shutdown, 1 when the backend failed for good (see `_Server.on_tick`)."""
+    process exit code: 0 after a shutdown, 1 when the backend failed for good (see `_Server.on_tick`),
+    128 + the signal's number when a second signal cut the drain short."""
     app = build_app(backend, config)
     server = _Server(_config(app, host, port, log_level, config), app, exit_on_backend_failure=True)
     server.run()
-    return 1 if server.backend_failed else 0
+    if server.backend_failed:
+        return 1
+    return 128 + server.stopped_by if server.stopped_by is not None else 0
 
 
 class BackgroundServer:

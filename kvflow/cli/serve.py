@@ -93,7 +93,8 @@ def register(sub) -> None:
     s.add_argument("--open-paths", default="/health,/metrics",
                    help="comma-separated paths answered without the API key (default /health,/metrics; '' = none)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds in-flight requests may still run before they are cancelled (default 30)")
+                   help="on SIGTERM: seconds in-flight requests may still run before they are cancelled (default 30; "
+                        "a second SIGTERM or Ctrl-C cancels them at once)")
     s.add_argument("--max-body-bytes", type=parse_bytes, default=None, metavar="SIZE",
                    help="refuse request bodies larger than SIZE with 413, before parsing them (default: 32 bytes per "
                         "context token, at least 1M)")
