@@ -13,7 +13,7 @@ the drain ends it at once (requests still running stop with `server_shutdown`, t
 as usual) and `serve` returns 128 + that signal's number.
 
 Hostile input is bounded before it costs anything: a body over `APIConfig.max_body_bytes` is refused
-with 413 before it is parsed (`_BodyLimit`), metric labels come from fixed sets (`_StatusCounter`),
+with 413 before it is parsed, metric labels come from fixed sets (both middlewares of `kvflow.api.middleware`),
 and prompts are tokenized off the event loop, a large one on its own thread (`Tokenizing`) and only
 until it passes the context (`kvflow.api.prepare`).
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import socket
@@ -38,8 +37,9 @@ from fastapi.responses import JSONResponse, Response
 
 from kvflow.api import generation as gen
 from kvflow.api.drain import CANCEL_GRACE_S, Drain
-from kvflow.api.errors import APIError, error_body, install_error_handlers, unavailable
-from kvflow.api.metrics import CONTENT_TYPE, APIMetrics, endpoint_label
+from kvflow.api.errors import APIError, install_error_handlers, unavailable
+from kvflow.api.metrics import CONTENT_TYPE, APIMetrics
+from kvflow.api.middleware import APIKeyAuth, BodyLimit, StatusCounter, default_max_body_bytes
 from kvflow.api.prepare import Prepared, piece_chars, prepare_chat, prepare_completion, prompt_chars
 from kvflow.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id
 from kvflow.serving.backend import Backend
@@ -49,14 +49,6 @@ _uvicorn_log = logging.getLogger("uvicorn.error")  # where `kvflow serve` prints
 
 TOKENIZER_THREADS = 4  # chat templating + tokenization of ordinary prompts run here, never on the event loop
 LARGE_TOKENIZER_THREADS = 1  # prompts longer than one tokenization piece (`piece_chars`) queue for these
-BODY_BYTES_PER_TOKEN = 32  # default body limit: this many bytes per context token (JSON escapes included) ...
-MIN_BODY_BYTES = 1 << 20  # ... and never below 1 MiB
-DISCARD_BYTES = 64 << 20  # a refused body announced up to this size is read and dropped, so the client sees the 413
-
-
-def default_max_body_bytes(max_model_len: int) -> int:
-    """The default request body limit: a few times what a prompt filling the context could take as JSON."""
-    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
 @dataclass(frozen=True)
@@ -77,112 +69,6 @@ class APIConfig:
             raise ValueError(f"the drain timeout must be >= 0 seconds, got {self.drain_timeout_s}")
         if self.max_body_bytes is not None and self.max_body_bytes <= 0:
             raise ValueError(f"the request body limit must be > 0 bytes, got {self.max_body_bytes}")
-
-
-class _APIKeyAuth:
-    """ASGI middleware: without `Authorization: Bearer <key>` every path but the open ones gets a 401 (OpenAI shape)."""
-
-    def __init__(self, app, api_key: str, open_paths: tuple[str, ...]) -> None:
-        self.app, self.expected, self.open_paths = app, f"Bearer {api_key}".encode(), frozenset(open_paths)
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
-            return await self.app(scope, receive, send)
-        message = ("Incorrect API key provided" if given else "Missing API key: send it as 'Authorization: Bearer <key>'")
-        response = JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"), status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
-
-
-class _StatusCounter:
-    """ASGI middleware counting responses per (route template or `other`, status) without touching the body
-    stream. The label is never the raw path: a client can neither inject text into /metrics nor add series."""
-
-    def __init__(self, app, metrics: APIMetrics, routes: list) -> None:
-        self.app, self.metrics, self.routes = app, metrics, routes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def counting_send(message) -> None:
-            if message["type"] == "http.response.start":
-                self.metrics.http_response(endpoint_label(self.routes, scope), message["status"])
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
-
-
-class _BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes is answered 413 (`request_too_large`) before
-    anything parses it — at once when Content-Length announces it, else as soon as the bytes read pass
-    the limit. A body within the limit is read here and handed on whole; later `receive` calls (the
-    disconnect a request watches for) go to the server. A refused body is read and dropped (up to
-    `DISCARD_BYTES`), so that a client still sending it gets the 413 rather than a reset connection."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        announced = _content_length(scope)
-        if announced is not None and announced > self.limit:
-            if announced <= DISCARD_BYTES:
-                await _discard(receive, announced)
-            return await self._refuse(scope, receive, send)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left: let the app see it
-                return await self.app(scope, _replay([message], receive), send)
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                chunks.clear()
-                if message.get("more_body", False):
-                    await _discard(receive, DISCARD_BYTES - size)
-                return await self._refuse(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
-
-    async def _refuse(self, scope, receive, send) -> None:
-        message = f"the request body is larger than this server's limit of {self.limit} bytes"
-        response = JSONResponse(error_body(message, "invalid_request_error", None, "request_too_large"), status_code=413)
-        await response(scope, receive, send)
-
-
-def _content_length(scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
-async def _discard(receive, budget: int) -> None:
-    """Read and drop body bytes until the body ends, the client leaves or `budget` bytes are read."""
-    while budget > 0:
-        message = await receive()
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            return
-        budget -= len(message.get("body", b""))
-
-
-def _replay(messages: list[dict], receive):
-    async def replayed() -> dict:
-        return messages.pop(0) if messages else await receive()
-
-    return replayed
 
 
 class Tokenizing:
@@ -222,10 +108,10 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
             tokenizing.shutdown()
 
     app = FastAPI(title="kvflow", summary="OpenAI-compatible API over a kvflow backend", lifespan=lifespan)
-    app.add_middleware(_BodyLimit, limit=max_body)  # inside the key check: a stranger's body is never read
+    app.add_middleware(BodyLimit, limit=max_body)  # inside the key check: a stranger's body is never read
     if config.api_key is not None:
-        app.add_middleware(_APIKeyAuth, api_key=config.api_key, open_paths=config.open_paths)
-    app.add_middleware(_StatusCounter, metrics=metrics, routes=app.routes)  # added last = outermost: counts 401s, 413s
+        app.add_middleware(APIKeyAuth, api_key=config.api_key, open_paths=config.open_paths)
+    app.add_middleware(StatusCounter, metrics=metrics, routes=app.routes)  # added last = outermost: counts 401s, 413s
     install_error_handlers(app)
     app.state.backend, app.state.metrics, app.state.drain = backend, metrics, drain
     app.state.max_body_bytes = max_body

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.streaming.connector import KVReceiver, send_restore
 from kvflow.streaming.primitives import InStream, OutStream
-from kvflow.streaming.transports.tcp import TcpReceiver, TcpSender
+from kvflow.streaming.transports.tcp import TcpSender
+from kvflow.streaming.transports.tcp_receiver import TcpReceiver
 
 
 class ReplicaStore:

@@ -145,7 +145,7 @@ class Worker:
             self._to_controller(WorkerError(self.name, f"start-up failed: {type(e).__name__}: {e}"))
             raise
         kv_addr = replica_addr = ""
-        from kvflow.streaming.transports.tcp import TcpReceiver
+        from kvflow.streaming.transports.tcp_receiver import TcpReceiver
 
         if self.spec.role == "token" or self.spec.replicated:  # hand-offs, or a restore after a failure
             rx = TcpReceiver(self.host)

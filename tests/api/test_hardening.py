@@ -24,8 +24,9 @@ from gated import GATE_TIMEOUT_S, GatedEngine
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.api.metrics import OTHER_ENDPOINT
+from kvflow.api.middleware import default_max_body_bytes
 from kvflow.api.prepare import check_length, piece_chars, pieces
-from kvflow.api.server import APIConfig, BackgroundServer, default_max_body_bytes
+from kvflow.api.server import APIConfig, BackgroundServer
 from kvflow.model.tokenizer import Tokenizer
 from kvflow.sched.admission import InvalidRequest
 

@@ -400,7 +400,8 @@ def test_shm_receiver_serves_several_senders_and_survives_one_dying():
 def test_tcp_receiver_drops_a_sender_that_dies_mid_chunk_and_serves_the_others():
     """A connection that closes halfway through a chunk is dropped with its partial message; a
     header claiming an absurd payload is not allocated (the chunk comes out empty, so rejected)."""
-    from kvflow.streaming.transports.tcp import _MSG, MAX_PAYLOAD
+    from kvflow.streaming.transports.tcp import _MSG
+    from kvflow.streaming.transports.tcp_receiver import MAX_PAYLOAD
 
     rx = TcpReceiver()
     host, port = rx.address[len("tcp://") :].rsplit(":", 1)

@@ -14,7 +14,8 @@ import torch
 from kvflow.streaming.chunk import ChunkDesc, Segment, encode_header, make_header
 from kvflow.streaming.errors import ChunkError
 from kvflow.streaming.primitives import InStream, OutStream, authenticate, fetch_many, flush
-from kvflow.streaming.transports.tcp import _MSG, PENDING_INBOX, TcpReceiver, TcpSender
+from kvflow.streaming.transports.tcp import _MSG, TcpSender
+from kvflow.streaming.transports.tcp_receiver import PENDING_INBOX, TcpReceiver
 
 SECRET = b"s" * 32
 
