@@ -80,8 +80,7 @@ class Controller:
             # side's stream, outside its own steps, so its evictions could not be copied out in order)
             host, disk = ecfg.tier_sizes(block_bytes, spec.depth).pools() if spec.role != "token" else (None, None)
             kv = KVCacheManager(swap.pool_blocks, ecfg.block_size, ecfg.enable_prefix_caching, host, disk)
-            hook = (lambda req: self.executor.handoff.reserve(req)) if spec.role == "prompt" else None
-            sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role, hook)
+            sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role)
             self.pipelines.append(Pipeline(spec, stages, kv, sched))
         self.store: ReplicaStore | None = None  # host replicas of stages with no stage to replicate to
         for p in self.pipelines:

@@ -108,6 +108,9 @@ class PipelineExecutor:
         self.prompt, self.token, self.driver = list(prompt), list(token), driver
         self.pipelines = self.prompt + self.token
         self.handoff = Handoff(self.token) if self.token else None
+        for p in self.prompt:
+            if p.role == "prompt":  # admission reserves the blocks its KV will take on the token side
+                p.sched.admit_hook = self.handoff.reserve
         self.queue = self.prompt[0].queue  # where token-side preemptions and recovered requests go
         self.rigid_rounds, self.make_request = rigid_rounds, make_request
         self.preemptions = 0

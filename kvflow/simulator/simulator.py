@@ -81,8 +81,7 @@ class Simulator:
         for i in range(spec.count):
             blocks = self._pool_blocks(spec, role, perf)
             kv = KVCacheManager(blocks, self.config.block_size, self.config.prefix_caching)
-            hook = (lambda req: self.handoff.reserve(req)) if role == "prompt" else None
-            sched = Scheduler(self.config.scheduler_for(spec, role, blocks), kv, self.max_model_len, role, hook)
+            sched = Scheduler(self.config.scheduler_for(spec, role, blocks), kv, self.max_model_len, role)
             out.append(SimPipeline(role, i, spec, kv, sched, deque() if own else self.queue, perf, self.log_batches))
         return out
 
