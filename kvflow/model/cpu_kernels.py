@@ -19,6 +19,12 @@ kernel); this module builds it and holds the Python contracts:
 - `skinny_linear(x, w)`: a projection of a few rows that reads each weight row once (a decode step of
   a few sequences is bound by reading the weights, which oneDNN's prepacked GEMM did well short of
   the memory bandwidth), in float32, bf16 or fp16, accumulated in float32.
+- `invariant_linear(x, packed, out)`: a projection of any number of rows whose every output element
+  is one fixed chain of multiply-adds over the input dimension, so a row's result does not depend on
+  the other rows (AMX tiles, AVX512-BF16 dot products or float32 FMAs, one of them per machine and
+  dtype: `invariant_linear_isa`); the weight is packed for it by `kvflow.model.linear`.
+- `paged_decode_attention(..., invariant=True)`: decode rows through the prefill kernel, as
+  one-token chunks, so a token's attention is the same decoded, prefilled or recomputed.
 - `decode_layers(...)`: a decode-only step's whole layer loop, calling the kernels above and the
   model's chosen projection path from C++ (bitwise the model's per-op path, without ~25 Python
   calls per layer).
@@ -100,7 +106,10 @@ def _build():
         return load(
             name=build_dir.name,
             sources=[str(src / name) for name in sorted(sources) if name.endswith(".cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_defines()],
+            # -ffp-contract=off: no multiply and add fused unless the source says so (GCC's default for
+            # C++ fuses where it sees fit, so two kernels written with the same arithmetic could round
+            # differently; the batch-invariant paths rely on writing the same arithmetic twice)
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *_capability_defines()],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
@@ -153,6 +162,11 @@ def available(device: torch.device | str = "cpu") -> bool:
     return _op is not None
 
 
+def vec_size() -> int:
+    """float32 lanes of the kernels' vectors (16 with AVX-512, 8 with AVX2). Call `available()` first."""
+    return _op.vec_size()
+
+
 def paged_attention_supported(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
     """Whether `paged_decode_attention` and `paged_prefill_attention` handle this attention: heads of
     `head_dim` a multiple of the vector width (1-16 vectors), and (prefill) at most 32-64 query heads per
@@ -164,12 +178,17 @@ def paged_attention_supported(head_dim: int, num_heads: int, num_kv_heads: int) 
 
 
 def paged_decode_attention(
-    q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor, scale: float
+    q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D] (one token per sequence), kv_layer [2, num_blocks, block_size, kv_heads, D] (one layer
     of `KVCache`), block_table [B, max_blocks] int64, context_lens [B] int64 -> [B, H, D].
-    Query head j attends with KV head j // (H // kv_heads). Call `available()` first."""
+    Query head j attends with KV head j // (H // kv_heads). `invariant`: computed by the prefill kernel
+    as one-token chunks, bitwise what `paged_prefill_attention` gives the same token in any chunk.
+    Call `available()` first."""
     assert _op is not None, "paged_decode_attention called before available()"
+    if invariant:
+        return _op.paged_decode_invariant(q.contiguous(), kv_layer, block_table, context_lens, scale)
     return _op.paged_decode(q.contiguous(), kv_layer, block_table, context_lens, scale)
 
 
@@ -231,6 +250,22 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _op.skinny_linear(x, weight)
 
 
+def invariant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, in] (contiguous) @ W^T -> [M, out_features] in x's dtype, W packed by
+    `kvflow.model.linear.pack_invariant` for `invariant_linear_isa(dtype)`. Every output element is one
+    chain of multiply-adds over `in` in a fixed order (float32 accumulators, one rounding at the end),
+    whatever M is: row i's result is bitwise the same alone or among any other rows. Call
+    `available()` first."""
+    return _op.invariant_linear(x, packed, out_features)
+
+
+def invariant_linear_isa(dtype: torch.dtype) -> str:
+    """How `invariant_linear` computes in `dtype` on this CPU: "amx-bf16" (bf16 with AMX),
+    "avx512-bf16" (bf16 with AVX512-BF16, no AMX) or "fma" (float32 FMAs: float32, fp16, and bf16 on
+    CPUs without native bf16). One per machine and dtype, for every row count. Call `available()` first."""
+    return _op.invariant_linear_isa(str(dtype).removeprefix("torch."))
+
+
 def decode_layers(
     hidden: torch.Tensor,
     input_norms: list[torch.Tensor],
@@ -248,11 +283,14 @@ def decode_layers(
     scale: float,
     num_heads: int,
     num_kv_heads: int,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's layers in one call (see `LlamaModel.run_layers`): hidden [T, D], one query token
     per sequence -> (residual stream, last MLP output). Per layer its norms, KV view and the four
     projections (qkv, o, gate_up, down; plain and prepacked weights, `path` the index in
-    `DECODE_PATHS` of the `Linear` path to take). Call `available()` first."""
+    `DECODE_PATHS` of the `Linear` path to take). `invariant`: `packed` holds the `invariant_linear`
+    weights, which every projection takes (`path` unused), and attention is
+    `paged_decode_attention(..., invariant=True)`. Call `available()` first."""
     x, delta = _op.decode_layers(hidden, input_norms, post_norms, weights, packed, path, kv_layers, cos, sin, slots,
-                                 block_table, context_lens, eps, scale, num_heads, num_kv_heads)
+                                 block_table, context_lens, eps, scale, num_heads, num_kv_heads, invariant)
     return x, delta

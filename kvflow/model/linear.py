@@ -1,5 +1,5 @@
-"""A projection prepared once at load (`Linear`), and the choice, measured on this machine, of how
-it runs a few rows (`choose_small_paths`)."""
+"""A projection prepared once at load (`Linear`): batch-invariant (`pack_invariant`, one kernel for
+every row count), or the fastest path per row count, measured on this machine (`choose_small_paths`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,13 @@ SMALL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts measured at load; 5 uses 4
 class Linear:
     """`y = x @ weight.T` with the weight ([out, in], Hugging Face layout) prepared once at load.
 
-    On CPU with oneDNN (fp32, bf16) the weight is also reordered into oneDNN's blocked layout and
+    `deterministic=True` (a batch-invariant model's projections): on CPU with the kernels built, every
+    call, whatever its row count, is `cpu_kernels.invariant_linear` on the weight packed by
+    `pack_invariant` (`invariant`), so a row's result never depends on the rows beside it; no other
+    path is prepared. Without the kernels (or off the CPU) it is `F.linear`, whose GEMM may block by
+    row count (not batch-invariant).
+
+    Otherwise, on CPU with oneDNN (fp32, bf16) the weight is also reordered into oneDNN's blocked layout and
     applied with its prepacked linear (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's
     freezing pass emits), faster than F.linear over a model's projections. Up to 16 rows (decoding a
     few sequences) the step is bound by reading the weights and the fastest path depends on the CPU,
@@ -31,13 +37,17 @@ class Linear:
     (never both read in one step).
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, deterministic: bool = False) -> None:
         self.weight = weight.contiguous()
-        usable = weight.device.type == "cpu" and _prepack_ok(weight.dtype)
+        cpu = weight.device.type == "cpu"
+        self.invariant = pack_invariant(self.weight) if deterministic and cpu and cpu_kernels.available("cpu") else None
+        usable = cpu and not deterministic and _prepack_ok(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16) if usable else None
         self.small = {1: "plain", 2: "plain", 3: "prepacked"}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant is not None:
+            return cpu_kernels.invariant_linear(x.contiguous(), self.invariant, self.weight.shape[0])
         return getattr(self, self.path(x.shape[0]))(x)
 
     def path(self, rows: int) -> str:
@@ -57,6 +67,20 @@ class Linear:
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.skinny_linear(x.contiguous(), self.weight)
+
+
+def pack_invariant(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] in the layout `cpu_kernels.invariant_linear` reads on this CPU, zero-padded:
+    for "amx-bf16" and "avx512-bf16" [out / 16, in / 2, 16, 2] (columns in panels of 16, pairs of
+    the input dimension: one AMX B tile is 16 consecutive pair rows of a panel; out padded to 32, in
+    to 32), for "fma" [out / V, in, V] (panels of the float32 vector width V, out padded to V)."""
+    out, k = weight.shape
+    if cpu_kernels.invariant_linear_isa(weight.dtype) == "fma":
+        v = cpu_kernels.vec_size()
+        w = F.pad(weight, (0, 0, 0, -out % v))
+        return w.view(-1, v, k).transpose(1, 2).contiguous()
+    w = F.pad(weight, (0, -k % 32, 0, -out % 32))
+    return w.view(w.shape[0] // 16, 16, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
 _SMALL: dict[tuple[torch.dtype, int, bool], dict[int, str]] = {}

@@ -17,6 +17,8 @@ from kvflow.model.linear import Linear, choose_small_paths
 # Called right after layer `layer`'s K and V for this step are written into the cache.
 LayerHook = Callable[[int, ForwardBatch], None]
 
+ROPE_BLOCK = 256  # positions per block of the RoPE table (`LlamaModel._rope`)
+
 
 @dataclass
 class LayerWeights:
@@ -54,6 +56,13 @@ class LlamaModel:
     held layer, writing each layer's new K/V at `batch.slot_mapping` before attending, then calling
     `hook(layer, batch)`; `logits(hidden, batch) -> [num_seqs, vocab]` for each sequence's last token.
     Running stage [0, k) then [k, L) on the hidden states equals running [0, L) at once.
+
+    `deterministic=True` (the default) makes the forward batch-invariant where the CPU kernels run
+    (`batch_invariant`): a token's hidden states, K/V and logits are bitwise the same whatever else
+    shares its step, wherever it sits, and whether it is decoded, computed in a prompt chunk of any
+    length or recomputed (projections by `cpu_kernels.invariant_linear` for every row count, decode
+    rows attended by the prefill kernel, RoPE from a per-position table, per-row norms). False takes
+    the fastest path per row count instead (`choose_small_paths`, oneDNN, the decode kernel).
     """
 
     def __init__(
@@ -64,19 +73,22 @@ class LlamaModel:
         embed: torch.Tensor | None,
         norm: torch.Tensor | None,
         lm_head: torch.Tensor | None,
+        deterministic: bool = True,
     ) -> None:
         self.cfg = cfg
+        self.deterministic = deterministic
         self.layer_start, self.layer_end = layer_range
         assert len(layers) == self.layer_end - self.layer_start
         self.layers = layers
         self.embed_tokens = embed
         self.norm = norm
         self.lm_head = lm_head
-        self._lm_head = Linear(lm_head) if lm_head is not None else None
-        linears = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [self._lm_head] * (lm_head is not None)
-        small = choose_small_paths(linears)
-        for lin in linears:
-            lin.small = dict(small)
+        self._lm_head = Linear(lm_head, deterministic) if lm_head is not None else None
+        if not deterministic:
+            linears = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [self._lm_head] * (lm_head is not None)
+            small = choose_small_paths(linears)
+            for lin in linears:
+                lin.small = dict(small)
         self.scale = cfg.head_dim**-0.5
         device = layers[0].input_norm.device
         # On CPU with a C++ compiler the layer's elementwise passes run as fused kernels (`cpu_kernels`) and
@@ -90,11 +102,15 @@ class LlamaModel:
         # runs them op by op from Python (for comparison; hooks and prompt chunks always do).
         self.native_decode = self.paged_kernel
         projections = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
+        # Batch-invariant: every projection on the invariant kernel and attention on the paged kernels
+        # (decode rows through the prefill kernel); else the fast paths.
+        self.batch_invariant = self.paged_kernel and all(lin.invariant is not None for lin in projections)
+        prepared = [lin.invariant if self.batch_invariant else lin.packed for lin in projections]
         self._decode_weights = (
             [w.input_norm for w in layers],
             [w.post_norm for w in layers],
             [lin.weight for lin in projections],
-            [lin.packed if lin.packed is not None else lin.weight.new_empty(0) for lin in projections],
+            [p if p is not None else lin.weight.new_empty(0) for p, lin in zip(prepared, projections)],
         )
         if cfg.rope_scaling.kind == "default":  # the same float32 arithmetic as transformers
             exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float().to(device) / cfg.head_dim
@@ -102,6 +118,7 @@ class LlamaModel:
         else:
             inv = cfg.rope_scaling.inv_freq(cfg.head_dim, cfg.rope_theta)
             self.inv_freq = torch.tensor(inv, dtype=torch.float32, device=device)
+        self._cos = self._sin = torch.empty(0, cfg.head_dim, dtype=layers[0].input_norm.dtype, device=device)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -112,8 +129,10 @@ class LlamaModel:
         layer_range: tuple[int, int] | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        deterministic: bool = True,
     ) -> "LlamaModel":
-        """Build from Hugging Face Llama parameter names (`model.layers.N.self_attn.q_proj.weight`, ...)."""
+        """Build from Hugging Face Llama parameter names (`model.layers.N.self_attn.q_proj.weight`, ...);
+        `deterministic`: batch-invariant (see the class)."""
         start, end = layer_range or (0, cfg.num_layers)
         if not 0 <= start < end <= cfg.num_layers:
             raise ValueError(f"layer range [{start}, {end}) outside the model's {cfg.num_layers} layers")
@@ -124,7 +143,7 @@ class LlamaModel:
             return sd[name].to(device=device, dtype=dtype)
 
         def proj(*names: str) -> Linear:  # HF [out, in] matrices, stacked on out
-            return Linear(torch.cat([get(n) for n in names]))
+            return Linear(torch.cat([get(n) for n in names]), deterministic)
 
         layers = []
         for i in range(start, end):
@@ -145,7 +164,7 @@ class LlamaModel:
         if last:
             norm = get("model.norm.weight")
             lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
-        return cls(cfg, layers, (start, end), embed if start == 0 else None, norm, lm_head)
+        return cls(cfg, layers, (start, end), embed if start == 0 else None, norm, lm_head, deterministic)
 
     @staticmethod
     def tensor_filter(cfg: ModelConfig, layer_range: tuple[int, int]):
@@ -208,7 +227,7 @@ class LlamaModel:
                 hidden, *self._decode_weights, cpu_kernels.DECODE_PATHS.index(self.layers[0].qkv.path(hidden.shape[0])),
                 [kv.layer_kv(layer) for layer in range(self.layer_start, self.layer_end)], cos, sin, batch.slot_mapping,
                 batch.decode_block_table, batch.decode_context_lens, self.cfg.rms_norm_eps, self.scale,
-                self.cfg.num_heads, self.cfg.num_kv_heads,
+                self.cfg.num_heads, self.cfg.num_kv_heads, self.batch_invariant,
             )
             return x + delta
         delta = None  # the last layer's MLP output, added to `hidden` by the next layer's norm
@@ -225,11 +244,19 @@ class LlamaModel:
                 and hidden.dtype == kv.data.dtype == self.layers[0].input_norm.dtype and hidden.is_contiguous())
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, head_dim] of each token's position, in the model's dtype."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.layers[0].input_norm.dtype
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos and sin [T, head_dim] of each token's position, in the model's dtype, from a table grown
+        in blocks of `ROPE_BLOCK` positions. Every block is computed by the same ops on a tensor of the
+        same shape, so a position's values never depend on the step it is in (computed per step,
+        ATen's vectorised cos/sin left a tail of a step's elements to its scalar loop: values that
+        differed in the last bit by batch size)."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        while self._cos.shape[0] < need:
+            pos = torch.arange(self._cos.shape[0], self._cos.shape[0] + ROPE_BLOCK, device=self.inv_freq.device)
+            freqs = pos.float()[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos = torch.cat((self._cos, emb.cos().to(self._cos.dtype)))
+            self._sin = torch.cat((self._sin, emb.sin().to(self._sin.dtype)))
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     def _fused(self, *tensors: torch.Tensor) -> bool:
         """Whether the CPU kernels take these tensors (built, contiguous, one dtype)."""
@@ -283,7 +310,8 @@ class LlamaModel:
         """One query token per decode sequence [Bd, H, hd] over its cached context -> [Bd, H, hd]."""
         if self.paged_kernel:
             return cpu_kernels.paged_decode_attention(
-                qd, kv.layer_kv(layer), batch.decode_block_table, batch.decode_context_lens, self.scale
+                qd, kv.layer_kv(layer), batch.decode_block_table, batch.decode_context_lens, self.scale,
+                self.batch_invariant,
             )
         # Fallback (non-CPU devices, no compiler): K and V of every decode sequence in one gather,
         # [2, Bd, S, kvh, hd] -> [2, Bd, kvh, S, hd]; queries grouped per KV head: [Bd, kvh, g, hd].

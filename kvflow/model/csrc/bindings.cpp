@@ -12,6 +12,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   KVFLOW_DEF(paged_decode);
   KVFLOW_DEF(paged_prefill);
+  KVFLOW_DEF(paged_decode_invariant);
   KVFLOW_DEF(prefill_max_group);
   KVFLOW_DEF(vec_size);
   KVFLOW_DEF(rms_norm);
@@ -20,4 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   KVFLOW_DEF(rope_write);
   KVFLOW_DEF(skinny_linear);
   KVFLOW_DEF(decode_layers);
+  KVFLOW_DEF(invariant_linear);
+  KVFLOW_DEF(invariant_linear_isa);
 }

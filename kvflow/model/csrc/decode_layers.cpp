@@ -4,7 +4,8 @@
 // op. Run from Python, the ~25 calls per layer left the OpenMP workers waiting for the next op for
 // much of a decode step (docs/model.md). Projections take the path the model chose for this row count:
 // 0 skinny_linear on the plain weight, 1 oneDNN's prepacked linear, 2 the same on rows padded to 4,
-// 3 at::linear on the plain weight.
+// 3 at::linear on the plain weight; a batch-invariant model (`invariant`) takes invariant_linear on
+// its packed weights and attends through paged_decode_invariant instead.
 #include "kernel_utils.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -14,7 +15,8 @@
 
 #include <string>
 
-static at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed, int64_t path) {
+static at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed, int64_t path, bool invariant) {
+  if (invariant) return invariant_linear(x, packed, w.size(0));
   if (path == 0) return skinny_linear(x, w);
   if (path == 3) return at::linear(x, w);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -33,7 +35,7 @@ static at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Te
 std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> in_norm, std::vector<at::Tensor> post_norm,
     std::vector<at::Tensor> w, std::vector<at::Tensor> packed, int64_t path, std::vector<at::Tensor> kv,
     at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor table, at::Tensor ctx,
-    double eps, double scale, int64_t H, int64_t KVH) {
+    double eps, double scale, int64_t H, int64_t KVH, bool invariant) {
   NoGil no_gil;
   const size_t L = in_norm.size();
   const int64_t T = x.size(0), D = cos.size(1);
@@ -47,13 +49,15 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> in_n
     } else {
       h = rms_norm(x, in_norm[l], eps);
     }
-    at::Tensor qkv = project(h, w[4 * l], packed[4 * l], path);
+    at::Tensor qkv = project(h, w[4 * l], packed[4 * l], path, invariant);
     rope_write(qkv, cos, sin, H, KVH, kv[l], slots);
-    at::Tensor attn = paged_decode(qkv.narrow(1, 0, H * D).view({T, H, D}).contiguous(), kv[l], table, ctx, scale);
-    at::Tensor o = project(attn.view({T, H * D}), w[4 * l + 1], packed[4 * l + 1], path);
+    at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D}).contiguous();
+    at::Tensor attn = invariant ? paged_decode_invariant(q, kv[l], table, ctx, scale) : paged_decode(q, kv[l], table, ctx, scale);
+    at::Tensor o = project(attn.view({T, H * D}), w[4 * l + 1], packed[4 * l + 1], path, invariant);
     h = add_rms_norm(o, x, post_norm[l], eps);
     x = o;
-    delta = project(silu_mul(project(h, w[4 * l + 2], packed[4 * l + 2], path)), w[4 * l + 3], packed[4 * l + 3], path);
+    delta = project(silu_mul(project(h, w[4 * l + 2], packed[4 * l + 2], path, invariant)), w[4 * l + 3], packed[4 * l + 3],
+                    path, invariant);
   }
   return {x, delta};
 }

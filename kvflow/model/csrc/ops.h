@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 // elementwise.cpp: the layer's fused elementwise passes, in float32, bf16 or fp16.
@@ -27,9 +28,16 @@ int64_t vec_size();  // float32 lanes of a vector: head dims are a multiple of i
 at::Tensor paged_prefill(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor q_start, at::Tensor q_len,
                          at::Tensor ctx, double scale);
 int64_t prefill_max_group();  // the most query heads per KV head paged_prefill takes
+// decode rows as one-token prompt chunks: bitwise what paged_prefill computes for the same token
+at::Tensor paged_decode_invariant(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor ctx, double scale);
 
 // decode_layers.cpp: a decode step's whole layer loop.
 std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> in_norm, std::vector<at::Tensor> post_norm,
     std::vector<at::Tensor> w, std::vector<at::Tensor> packed, int64_t path, std::vector<at::Tensor> kv,
     at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor table, at::Tensor ctx,
-    double eps, double scale, int64_t H, int64_t KVH);
+    double eps, double scale, int64_t H, int64_t KVH, bool invariant);
+
+// invariant_linear.cpp: a projection whose every output element is one fixed chain over k, for any
+// number of rows (the weight packed by kvflow/model/linear.py for the ISA invariant_linear_isa names).
+at::Tensor invariant_linear(at::Tensor x, at::Tensor packed, int64_t N);
+std::string invariant_linear_isa(std::string dtype);  // "amx-bf16", "avx512-bf16" or "fma"

@@ -188,28 +188,39 @@ static void prefill_kernel(const T* q, int64_t q_row_stride, const T* kv, int64_
   };
   // First pass, per (sequence, KV head), 32-bit words at base[s * KVH + h]: float32 K then V rows
   // ([2][keys][D]), or for DP V's key pairs ([keys / 2][D] bf16 pairs; K is read in place).
+  // Where every sequence's chunk is one query tile (decode rows: one token each), no tile would reuse
+  // the copy: `in_place` skips the pass, and each key tile's words are made as the tile is reached
+  // (the same values, so the same results).
+  bool in_place = true;
+  for (int64_t s = 0; s < S; ++s) in_place = in_place && q_len[s] <= QT;
   std::vector<int64_t> base(S * KVH + 1, 0);
-  for (int64_t s = 0; s < S; ++s)
+  for (int64_t s = 0; s < S && !in_place; ++s)
     for (int64_t h = 0; h < KVH; ++h)
       base[s * KVH + h + 1] = base[s * KVH + h] + (DP ? (ctx[s] + 1) / 2 * D : 2 * ctx[s] * D);
   std::unique_ptr<float[]> kvf(new float[base.back()]);  // every word is written below
-  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+  // V rows of keys t, t + 1 of (s, h) as bf16 pairs (the missing key past the context is 0) -> C vectors at vp
+  auto v_pairs = [&](int64_t s, int64_t h, int64_t t, Pair* vp) {
+#if defined(__AVX512BF16__)
+    if constexpr (DP) {
+      const T* v0 = row(s, h, t) + v_offset;
+      const T* v1 = t + 1 < ctx[s] ? row(s, h, t + 1) + v_offset : nullptr;
+      for (int c = 0; c < C; ++c) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c * V)));
+        const __m512i hi = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + c * V)))
+                              : _mm512_setzero_si512();  // an odd count's last pair: the missing key is 0
+        _mm512_storeu_si512(vp + c * V, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+#endif
+    (void)s; (void)h; (void)t; (void)vp;
+  };
+  at::parallel_for(0, in_place ? 0 : S * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = w / KVH, h = w % KVH, n = ctx[s];
       float* kf = kvf.get() + base[w];
       if constexpr (DP) {
-#if defined(__AVX512BF16__)
         Pair* vp = reinterpret_cast<Pair*>(kf);
-        for (int64_t t = 0; t < n; t += 2) {
-          const T* v0 = row(s, h, t) + v_offset;
-          for (int c = 0; c < C; ++c) {
-            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c * V)));
-            const __m512i hi = t + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(s, h, t + 1) + v_offset + c * V)))
-                                         : _mm512_setzero_si512();  // an odd count's last pair: the missing key is 0
-            _mm512_storeu_si512(vp + (t / 2) * D + c * V, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-          }
-        }
-#endif
+        for (int64_t t = 0; t < n; t += 2) v_pairs(s, h, t, vp + (t / 2) * D);
       } else {
         float* vf = kf + n * D;
         for (int64_t t = 0; t < n; ++t) {
@@ -237,6 +248,8 @@ static void prefill_kernel(const T* q, int64_t q_row_stride, const T* kv, int64_
     std::vector<float> qt(D * LD), sc(kKT * LD), o(LD * D), m(LD), l(LD), lim(LD), pp(DP ? kKT / 2 * LD : 0);
     std::vector<const float*> kp(DP ? 0 : kKT), vp(DP ? 0 : kKT);  // K/V rows of a key tile: float32 copies,
     std::vector<const T*> kr(DP ? kKT : 0);                         // or (DP) K rows in the cache
+    // in_place: the key tile's float32 K and V rows ([2][kKT][D]), or (DP) its V pairs ([kKT / 2][D])
+    std::vector<float> tile(in_place ? (DP ? kKT / 2 * D : 2 * kKT * D) : 0);
     for (int64_t w = next++; w < n_items; w = next++) {
       const Item it = items[w];
       const int64_t nq = std::min(QT, q_len[it.s] - it.i0), R = nq * G, NRV = (R + V - 1) / V, past = ctx[it.s] - q_len[it.s];
@@ -273,9 +286,23 @@ static void prefill_kernel(const T* q, int64_t q_row_stride, const T* kv, int64_
             default: score_tiles_dp<4>(qp, LD, kr.data(), nk, D, sc.data()); break;
           }
 #endif
+        } else if (in_place) {
+          for (int64_t j = 0; j < nk; ++j) {
+            const T* kr_ = row(it.s, it.h, j0 + j);
+            float* kt = tile.data() + j * D;
+            float* vt = tile.data() + (kKT + j) * D;
+            for (int c = 0; c < C; ++c) {
+              load_f32<T>(kr_ + c * V).store(kt + c * V);
+              load_f32<T>(kr_ + v_offset + c * V).store(vt + c * V);
+            }
+            kp[j] = kt;
+            vp[j] = vt;
+          }
         } else {
           const float* vf = kf + ctx[it.s] * D;
           for (int64_t j = 0; j < nk; ++j) { kp[j] = kf + (j0 + j) * D; vp[j] = vf + (j0 + j) * D; }
+        }
+        if constexpr (!DP) {
           switch (NRV) {
             case 1: score_tiles<1>(qt.data(), LD, kp.data(), nk, D, sc.data()); break;
             case 2: score_tiles<2>(qt.data(), LD, kp.data(), nk, D, sc.data()); break;
@@ -323,7 +350,13 @@ static void prefill_kernel(const T* q, int64_t q_row_stride, const T* kv, int64_
               const __m512 p1 = 2 * jp + 1 < nk ? _mm512_loadu_ps(sc.data() + (2 * jp + 1) * LD + c * V) : _mm512_setzero_ps();
               _mm512_storeu_si512(ppp + jp * LD + c * V, bf16_pairs(p0, p1));
             }
-          pv_tiles_dp<C>(ppp, LD, reinterpret_cast<const Pair*>(kf) + (j0 / 2) * D, pairs, R, o.data());
+          const Pair* vpairs = reinterpret_cast<const Pair*>(kf) + (j0 / 2) * D;
+          if (in_place) {
+            Pair* vt = reinterpret_cast<Pair*>(tile.data());
+            for (int64_t jp = 0; jp < pairs; ++jp) v_pairs(it.s, it.h, j0 + 2 * jp, vt + jp * D);
+            vpairs = vt;
+          }
+          pv_tiles_dp<C>(ppp, LD, vpairs, pairs, R, o.data());
 #endif
         } else {
           pv_tiles<C>(sc.data(), LD, vp.data(), nk, R, o.data());
@@ -380,4 +413,20 @@ at::Tensor paged_prefill(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tens
     });
   });
   return out;
+}
+
+// Decode rows through the prefill kernel: each sequence's one query token is a prompt chunk of one
+// token, so a token's attention is bitwise the same whether it was decoded, computed in a prompt
+// chunk of any length or recomputed after a preemption or a failure (what `paged_decode` cannot
+// promise: its reduction order is its own). q [B, H, D] contiguous, the rest as paged_decode.
+at::Tensor paged_decode_invariant(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor ctx, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q [B, H, D], contiguous");
+  const int64_t B = q.size(0);
+  auto opts = ctx.options().dtype(at::kLong);
+  at::Tensor start = at::empty({B}, opts), len = at::empty({B}, opts);
+  for (int64_t b = 0; b < B; ++b) {
+    start.data_ptr<int64_t>()[b] = b;
+    len.data_ptr<int64_t>()[b] = 1;
+  }
+  return paged_prefill(q, kv, table, start, len, ctx, scale);
 }

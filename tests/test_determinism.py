@@ -1,0 +1,234 @@
+"""Batch invariance: a token's logits, K/V and greedy continuation do not depend on what else shares its
+steps, where it sits, how its prompt is chunked or whether it was decoded or prefilled — bitwise, in
+bf16 (the default dtype where the CPU has native bf16; on CPUs without it the same kernels run their
+float32-FMA path) and in float32."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvflow.config import EngineConfig
+from kvflow.engine.engine import LLMEngine
+from kvflow.kv.cache import KVCache, KVLayout
+from kvflow.model import cpu_kernels
+from kvflow.model.batch import ForwardBatch, SeqSlice
+from kvflow.model.linear import Linear
+from kvflow.model.llama import LlamaModel
+from kvflow.sched.sampling import SamplingParams
+from kvflow.sched.scheduler import SchedulerConfig
+
+from conftest import TINY_VOCAB, run_to_completion, tiny_config, tiny_state_dict
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="batch invariance needs the CPU kernels (a C++ compiler)")
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+
+
+# ----------------------------------------------------------------------------- the kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "fp32", "fp16"])
+@pytest.mark.parametrize("out,width", [(48, 64), (33, 37), (200, 576)], ids=["64", "odd", "576"])
+def test_invariant_linear_rows_do_not_depend_on_the_batch(dtype, out, width):
+    g = torch.Generator().manual_seed(out + width)
+    w = torch.randn(out, width, generator=g).to(dtype)
+    lin = Linear(w, deterministic=True)
+    assert lin.invariant is not None and lin.packed is None
+    x = torch.randn(300, width, generator=g).to(dtype)
+    full = lin(x)
+    ref = x.double() @ w.double().t()
+    # float32 accumulation over up to 576 products, then one rounding to the dtype
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2**-8, torch.float16: 2**-10}[dtype]
+    assert ((full.double() - ref).abs() / (1 + ref.abs())).max().item() <= tol
+    for rows in (1, 2, 3, 5, 6, 7, 15, 16, 17, 31, 32, 33, 64, 100, 193, 299):
+        assert torch.equal(lin(x[:rows]), full[:rows]), rows
+        assert torch.equal(lin(x[300 - rows:]), full[300 - rows:]), rows  # the same rows at other positions
+    perm = torch.randperm(300, generator=g)
+    assert torch.equal(lin(x[perm]), full[perm])
+    for i in (0, 1, 150, 299):
+        assert torch.equal(lin(x[i:i + 1]), full[i:i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert torch.equal(lin(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads,head_dim", [((4, 2), 16), ((9, 3), 64), ((4, 4), 32), ((8, 1), 128)],
+                         ids=["tiny", "smollm", "mha-32", "mqa-128"])
+def test_decoded_token_attends_as_in_any_prompt_chunk(dtype, heads, head_dim):
+    # the invariant decode attention of a token == its row in a prompt chunk of any length, bitwise
+    H, KVH = heads
+    D, bs, n = head_dim, 4, 150  # 150 keys: more than two of the prefill kernel's 64-key tiles
+    g = torch.Generator().manual_seed(H * D)
+    kv = torch.randn(2, 64, bs, KVH, D, generator=g).to(dtype)
+    table = torch.randperm(64, generator=g)[: -(-n // bs)].view(1, -1)
+    q = torch.randn(n, H, D, generator=g).to(dtype)
+    one = lambda *xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    whole = cpu_kernels.paged_prefill_attention(q, kv, table, one(0), one(n), one(n), 0.125)
+    for qlen in (1, 2, 7, 63, 64, 65):  # the last qlen tokens as one chunk after the rest
+        chunk = cpu_kernels.paged_prefill_attention(q[n - qlen:], kv, table, one(0), one(qlen), one(n), 0.125)
+        assert torch.equal(chunk, whole[n - qlen:]), qlen
+    ctx = torch.tensor([1, 2, 17, 64, 65, 128, 150])
+    rows = cpu_kernels.paged_decode_attention(q[ctx - 1], kv, table.expand(len(ctx), -1).contiguous(), ctx, 0.125,
+                                              invariant=True)
+    assert torch.equal(rows, whole[ctx - 1])
+
+
+# ----------------------------------------------------------------------------- the model, step by step
+def _model(dtype: torch.dtype, layers: int = 2) -> LlamaModel:
+    cfg = tiny_config(num_layers=layers)
+    model = LlamaModel.from_state_dict(cfg, tiny_state_dict(cfg, 11), dtype=dtype)
+    assert model.batch_invariant
+    return model
+
+
+def _kv_of(kv: KVCache, model: LlamaModel, blocks, n: int) -> torch.Tensor:
+    return torch.stack([torch.stack(kv.read(layer, list(blocks), n)) for layer in range(model.cfg.num_layers)])
+
+
+@DTYPES
+def test_logits_and_kv_do_not_depend_on_batch_chunking_or_decode(dtype):
+    """Twelve sequences: each alone (whole prompt in one chunk, then decode steps) against all of them
+    in random mixed steps — prompt chunks of random lengths (1-token chunks are decode rows), decode
+    rows, shuffled order, other blocks, a different thread count — same logits and K/V, bitwise."""
+    model = _model(dtype)
+    rng = random.Random(0)
+    seqs = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(1, 45))] for _ in range(12)]
+    decodes = 3
+    follow = [[(7 * i + j) % TINY_VOCAB for j in range(decodes)] for i in range(len(seqs))]
+    bs = 4
+    need = [-(-(len(s) + decodes) // bs) for s in seqs]
+
+    def layout():
+        return KVLayout.for_model(model.cfg, sum(need) + 8, bs, dtype=dtype)
+
+    # alone
+    ref_logits, ref_kv = [], []
+    for i, s in enumerate(seqs):
+        kv = KVCache(layout())
+        blocks = tuple(range(need[i]))
+        out = [model.forward(torch.tensor(s), ForwardBatch.build([SeqSlice(0, len(s), len(s), blocks)], bs), kv)[0]]
+        for j, t in enumerate(follow[i]):
+            n = len(s) + j + 1
+            out.append(model.forward(torch.tensor([t]), ForwardBatch.build([SeqSlice(0, 1, n, blocks)], bs), kv)[0])
+        ref_logits.append(torch.stack(out))
+        ref_kv.append(_kv_of(kv, model, blocks, len(s) + decodes))
+
+    # together, in random steps
+    kv = KVCache(layout())
+    ids = list(range(kv.layout.num_blocks))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for k in need:
+        tables.append(tuple(ids[at:at + k]))
+        at += k
+    tokens = [s + f for s, f in zip(seqs, follow)]
+    done = [0] * len(seqs)
+    got: list[list[torch.Tensor]] = [[] for _ in seqs]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        while any(d < len(t) for d, t in zip(done, tokens)):
+            live = [i for i, t in enumerate(tokens) if done[i] < len(t)]
+            step = rng.sample(live, rng.randint(1, len(live)))
+            slices, ids_, start, takes = [], [], 0, []
+            for i in step:
+                if done[i] < len(seqs[i]):  # prompt: a chunk of 1 .. the rest
+                    take = rng.randint(1, len(seqs[i]) - done[i])
+                else:
+                    take = 1
+                slices.append(SeqSlice(start, take, done[i] + take, tables[i]))
+                ids_ += tokens[i][done[i]:done[i] + take]
+                start += take
+                takes.append(take)
+            logits = model.forward(torch.tensor(ids_), ForwardBatch.build(slices, bs), kv)
+            for row, (i, take) in enumerate(zip(step, takes)):
+                done[i] += take
+                if done[i] >= len(seqs[i]):  # the prompt is in: this row's logits are a sampled position
+                    got[i].append(logits[row])
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(len(seqs)):
+        assert torch.equal(torch.stack(got[i]), ref_logits[i]), f"sequence {i} (prompt of {len(seqs[i])})"
+        assert torch.equal(_kv_of(kv, model, tables[i], len(tokens[i])), ref_kv[i]), f"K/V of sequence {i}"
+
+
+@DTYPES
+def test_native_decode_step_equals_per_op_step_and_prefill(dtype):
+    # decode_layers (a decode-only step in one native call) is the same arithmetic as the per-op path
+    model = _model(dtype)
+    bs, s = 4, [5, 9, 3, 17, 2, 30, 8]
+    kv = KVCache(KVLayout.for_model(model.cfg, 64, bs, dtype=dtype))
+    model.forward(torch.tensor(s), ForwardBatch.build([SeqSlice(0, len(s), len(s), tuple(range(3)))], bs), kv)
+    b = ForwardBatch.build([SeqSlice(0, 1, len(s) + 1, tuple(range(3)))], bs)
+    native = model.forward(torch.tensor([4]), b, kv)
+    model.native_decode = False
+    per_op = model.forward(torch.tensor([4]), b, kv)
+    assert torch.equal(native, per_op)
+    kv2 = KVCache(kv.layout)  # the same token prefilled with its prompt
+    whole = model.forward(torch.tensor(s + [4]), ForwardBatch.build([SeqSlice(0, len(s) + 1, len(s) + 1, tuple(range(3)))], bs), kv2)
+    assert torch.equal(whole, native)
+
+
+# ----------------------------------------------------------------------------- the engine
+def _engine(model: LlamaModel, dtype: torch.dtype, budget: int, chunk: int, prefix: bool = True) -> LLMEngine:
+    config = EngineConfig(dtype=str(dtype).removeprefix("torch."), block_size=4, num_kv_blocks=2048,
+                          enable_prefix_caching=prefix,
+                          scheduler=SchedulerConfig(max_num_batched_tokens=budget, prefill_chunk_size=chunk, max_num_seqs=64))
+    return LLMEngine(model, None, config)
+
+
+def _generate(engine: LLMEngine, prompts, params) -> list[list[int]]:
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = run_to_completion(engine)
+    return [list(final[r.request_id].token_ids) for r in reqs]
+
+
+@DTYPES
+def test_greedy_tokens_alone_equal_tokens_in_any_batch(dtype):
+    """64 prompts of 1-60 tokens (a few sharing prefixes: prefix-cache hits in the batched runs), each
+    generated alone with its whole prompt in one step, then in batches of 1 to 64 with small token
+    budgets (chunked prompts beside other requests' decodes, prompts split at other places, requests
+    joining and leaving): the same greedy tokens, bitwise."""
+    model = _model(dtype)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(56)]
+    prompts += [prompts[i][: max(1, len(prompts[i]) - 3)] + [5, 6] for i in range(8)]  # shared prefixes
+    params = [SamplingParams(max_tokens=rng.randint(4, 24), temperature=0, ignore_eos=True) for _ in prompts]
+    alone = []
+    for p, sp in zip(prompts, params):
+        alone.append(_generate(_engine(model, dtype, 512, 512, prefix=False), [p], [sp])[0])
+    assert len({tuple(t) for t in alone}) > 48  # the model does not collapse to a few continuations
+
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    runs = [(64, 16, 8), (32, 24, 5), (16, 40, 17), (8, 300, 256), (5, 9, 3), (3, 64, 64), (2, 12, 12), (1, 20, 7)]
+    checked = 0
+    for size, budget, chunk in runs:
+        engine = _engine(model, dtype, budget, chunk)
+        for at in range(0, len(order), size) if size >= 8 else [0]:  # every prompt in the big batches, a few in the small
+            group = order[at:at + size]
+            rng.shuffle(group)
+            got = _generate(engine, [prompts[i] for i in group], [params[i] for i in group])
+            for i, tokens in zip(group, got):
+                assert tokens == alone[i], f"prompt {i} ({len(prompts[i])} tokens) in a batch of {len(group)}"
+                checked += 1
+    assert checked == 4 * 64 + 5 + 3 + 2 + 1
+
+
+# ----------------------------------------------------------------------------- the real model
+@pytest.mark.slow
+def test_real_model_greedy_alone_equals_batched_in_bf16():
+    from kvflow import LLM
+
+    llm = LLM(dtype="bfloat16")
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "List three uses of a paperclip.",
+               "Once upon a time", "def fibonacci(n):", "The quick brown fox", "In 1969, astronauts", "Water boils at"]
+    sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    batched = [o.token_ids for o in llm.generate(prompts, sp)]
+    for i in (0, 3, 6):
+        assert llm.generate([prompts[i]], sp)[0].token_ids == batched[i], prompts[i]
