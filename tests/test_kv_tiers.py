@@ -340,9 +340,13 @@ def test_metrics_report_hits_and_hit_rate_per_tier(tmp_path):
     stats = eng.kv_manager.tier_stats()
     from kvflow.serving.backend import BackendStats
 
-    text = APIMetrics().render(BackendStats(prefix_cache={("engine", t): c for t, c in stats.items()}), True)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = APIMetrics().render(BackendStats(prefix_cache={("engine", t): c for t, c in stats.items()}), True).decode()
+    samples = {(s.name, s.labels.get("pool"), s.labels.get("tier")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
     for tier in ("device", "host", "disk"):
         c = stats[tier]
-        assert f'kvflow_prefix_cache_hits_total{{pool="engine",tier="{tier}"}} {c.hits}' in text
-        assert f'kvflow_prefix_cache_hit_rate{{pool="engine",tier="{tier}"}} {c.hit_rate:.6f}' in text
+        assert samples["kvflow_prefix_cache_hits_total", "engine", tier] == c.hits
+        assert samples["kvflow_prefix_cache_hit_rate", "engine", tier] == pytest.approx(c.hit_rate)
     assert stats["disk"].hits > 0 and stats["device"].queries == stats["disk"].queries

@@ -268,7 +268,7 @@ def run_serve(args) -> int:
         return serve(backend, args.host, args.port, args.log_level, api_config)
     finally:
         if args.mode != "engine":
-            backend.launcher.close()  # after the workers stopped (the Ray launcher's placement group)
+            backend.workers.launcher.close()  # after the workers stopped (the Ray launcher's placement group)
 
 
 def _length_dist(spec: str | None):
