@@ -199,6 +199,9 @@ struct alignas(64) TileConfig {
 void amx_linear(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t Kp, const Pair* w, at::BFloat16* y, int64_t N) {
   const int64_t pairs = Kp / 2, steps = Kp / kKStep, blocks = round_up(N, 2 * kPanel) / (2 * kPanel);
   const int64_t mblocks = (M + 31) / 32;
+  // rows in chunks of ~512 KB of x, so a chunk stays in L2 while every column block reads it
+  const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (32 * ldx * 2));
+  for (int64_t mb0 = 0; mb0 < mblocks; mb0 += chunk)
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
@@ -207,22 +210,30 @@ void amx_linear(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t Kp, const
     for (int64_t blk = begin; blk < end; ++blk) {
       const Pair* w0 = w + (2 * blk) * pairs * kPanel;
       const Pair* w1 = w0 + pairs * kPanel;
-      for (int64_t mb = 0; mb < mblocks; ++mb) {
+      for (int64_t mb = mb0; mb < std::min(mblocks, mb0 + chunk); ++mb) {
         const at::BFloat16* a0 = x + mb * 32 * ldx;
         const at::BFloat16* a1 = a0 + 16 * ldx;
         const bool two = mb * 32 + 16 < M;  // a second row tile holds rows
         _tile_zero(0); _tile_zero(1);
         if (two) { _tile_zero(2); _tile_zero(3); }
-        for (int64_t s = 0; s < steps; ++s) {
-          _tile_loadd(6, w0 + s * 16 * kPanel, 64);
-          _tile_loadd(7, w1 + s * 16 * kPanel, 64);
-          _tile_loadd(4, a0 + s * kKStep, ldx * 2);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          if (two) {
+        if (two) {
+          for (int64_t s = 0; s < steps; ++s) {  // each load issued as early as its tile is free
+            _tile_loadd(4, a0 + s * kKStep, ldx * 2);
+            _tile_loadd(6, w0 + s * 16 * kPanel, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, w1 + s * 16 * kPanel, 64);
+            _tile_dpbf16ps(1, 4, 7);
             _tile_loadd(5, a1 + s * kKStep, ldx * 2);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
+          }
+        } else {
+          for (int64_t s = 0; s < steps; ++s) {
+            _tile_loadd(4, a0 + s * kKStep, ldx * 2);
+            _tile_loadd(6, w0 + s * 16 * kPanel, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, w1 + s * 16 * kPanel, 64);
+            _tile_dpbf16ps(1, 4, 7);
           }
         }
         _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
