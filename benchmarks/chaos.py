@@ -7,10 +7,15 @@ and seeded) and, once a random number of tokens has been streamed (an event, not
 random worker of a random role; the trial passes when every request completes with exactly the
 tokens of the failure-free reference (`LLMEngine` in-process): none missing, none duplicated, the
 same seeded samples. The killed worker is replaced by the recovery, so the next trial runs on the
-recovered cluster. Reports per layout: trials, passes, resumed vs recomputed requests, recovery
-time. Writes results/chaos.json and results/chaos.png.
+recovered cluster. Reports per dtype and layout: trials, passes, resumed vs recomputed requests,
+recovery time. Writes results/chaos.json and results/chaos.png.
 
-    python benchmarks/chaos.py [--trials 100] [--seed 0]
+The trials run in every dtype of `--dtypes`: by default bfloat16 where the CPU has native bf16 (the
+dtype `auto` picks, so the one users run: it holds only because every kernel is batch-invariant,
+the reference engine batching the requests differently from the pipelines) and float32; float32
+alone elsewhere. `--trials` is per dtype.
+
+    python benchmarks/chaos.py [--trials 100] [--dtypes bfloat16,float32] [--seed 0]
 """
 
 from __future__ import annotations
@@ -51,10 +56,16 @@ def params(i: int):
     return SamplingParams(max_tokens=LENGTHS[i], temperature=0, ignore_eos=True)
 
 
-def reference(model_cfg) -> list[list[int]]:
-    from conftest import run_to_completion, tiny_engine
+def reference(model_cfg, dtype: str) -> list[list[int]]:
+    import torch
+    from conftest import run_to_completion, tiny_state_dict
 
-    eng = tiny_engine(model_cfg, num_kv_blocks=256, block_size=4)
+    from kvflow.config import EngineConfig
+    from kvflow.engine.engine import LLMEngine
+    from kvflow.model.llama import LlamaModel
+
+    model = LlamaModel.from_state_dict(model_cfg, tiny_state_dict(model_cfg), dtype=getattr(torch, dtype))
+    eng = LLMEngine(model, None, EngineConfig(dtype=dtype, num_kv_blocks=256, block_size=4))
     reqs = [eng.add_request(p, params(i)) for i, p in enumerate(PROMPTS)]
     final = run_to_completion(eng)
     return [final[r.request_id].token_ids for r in reqs]
@@ -95,14 +106,14 @@ async def trial(ctrl, t: int, rng: random.Random, expected) -> dict:
             "recoveries": d[0], "resumed": d[1], "recomputed_tokens": d[2], "lost_tokens": d[3], "recovery_s": d[4]}
 
 
-async def run(args) -> dict:
+async def run(args, dtype: str) -> dict:
     from conftest import save_tiny_checkpoint, tiny_config
 
     from kvflow.config import ClusterConfig, EngineConfig
     from kvflow.controller.controller import Controller
 
     mc = tiny_config(num_layers=4)
-    expected = reference(mc)
+    expected = reference(mc, dtype)
     rng = random.Random(args.seed)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,7 +121,7 @@ async def run(args) -> dict:
         names = [n for n in LAYOUTS if n in args.layouts.split(",")]
         per = [args.trials // len(names) + (i < args.trials % len(names)) for i in range(len(names))]
         for name, n in zip(names, per):
-            cfg = ClusterConfig(engine=EngineConfig(model=str(ckpt), num_kv_blocks=256, block_size=4), microbatch_size=4,
+            cfg = ClusterConfig(engine=EngineConfig(model=str(ckpt), dtype=dtype, num_kv_blocks=256, block_size=4), microbatch_size=4,
                                 prompt_microbatch_size=2, heartbeat_timeout_s=30.0, replication=args.replication,
                                 **LAYOUTS[name])
             ctrl = Controller(cfg)
@@ -120,7 +131,7 @@ async def run(args) -> dict:
                 for t in range(n):
                     r = await trial(ctrl, t, rng, expected)
                     rows.append(r)
-                    print(f"{name} trial {t + 1}/{n}: kill {r['victim']} after {r['after_tokens']} tokens -> "
+                    print(f"{dtype} {name} trial {t + 1}/{n}: kill {r['victim']} after {r['after_tokens']} tokens -> "
                           f"{'ok' if r['ok'] else 'FAILED ' + str(r['mismatched']) + str(r['errors'])} "
                           f"(resumed {r['resumed']}, recomputed {r['recomputed_tokens']}/{r['lost_tokens']} tokens, "
                           f"{r['recovery_s']:.2f}s)", flush=True)
@@ -130,25 +141,39 @@ async def run(args) -> dict:
     return out
 
 
+def default_dtypes() -> str:
+    """bfloat16 (the dtype `auto` resolves to) and float32 where the CPU has native bf16, else float32."""
+    from kvflow.config import resolve_dtype
+
+    return "bfloat16,float32" if resolve_dtype("auto")[0] == "bfloat16" else "float32"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trials", type=int, default=100, help="trials in all, spread over the layouts")
+    ap.add_argument("--trials", type=int, default=100, help="trials per dtype, spread over the layouts")
+    ap.add_argument("--dtypes", default=None, help="comma-separated (default: bfloat16,float32 where the CPU has bf16, else float32)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--replication", default="ring", choices=["ring", "none"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    args.dtypes = args.dtypes or default_dtypes()
     t0 = time.time()
-    res = asyncio.run(run(args))
-    print(f"\n{args.trials} trials in {time.time() - t0:.0f}s, replication {args.replication}")
-    print(f"{'layout':<13}{'trials':>7}{'passed':>8}{'resumed req':>13}{'recomputed/lost tok':>21}{'recovery p50 (s)':>18}")
-    summary = {}
-    for name, rows in res.items():
-        s = {"trials": len(rows), "passed": sum(r["ok"] for r in rows), "resumed": sum(r["resumed"] for r in rows),
-             "recomputed_tokens": sum(r["recomputed_tokens"] for r in rows), "lost_tokens": sum(r["lost_tokens"] for r in rows),
-             "recovery_p50_s": statistics.median(r["recovery_s"] for r in rows) if rows else 0.0}
-        summary[name] = s
-        print(f"{name:<13}{s['trials']:>7}{s['passed']:>8}{s['resumed']:>13}{s['recomputed_tokens']:>12}/{s['lost_tokens']:<8}"
-              f"{s['recovery_p50_s']:>18.2f}")
+    res = {dtype: asyncio.run(run(args, dtype)) for dtype in args.dtypes.split(",")}
+    print(f"\n{args.trials} trials per dtype in {time.time() - t0:.0f}s, replication {args.replication}")
+    print(f"{'dtype':<10}{'layout':<13}{'trials':>7}{'passed':>8}{'resumed req':>13}{'recomputed/lost tok':>21}{'recovery p50 (s)':>18}")
+    summary: dict[str, dict] = {}
+    for dtype, layouts in res.items():
+        summary[dtype] = {}
+        for name, rows in layouts.items():
+            s = {"trials": len(rows), "passed": sum(r["ok"] for r in rows), "resumed": sum(r["resumed"] for r in rows),
+                 "recomputed_tokens": sum(r["recomputed_tokens"] for r in rows),
+                 "lost_tokens": sum(r["lost_tokens"] for r in rows),
+                 "recovery_p50_s": statistics.median(r["recovery_s"] for r in rows) if rows else 0.0}
+            summary[dtype][name] = s
+            print(f"{dtype:<10}{name:<13}{s['trials']:>7}{s['passed']:>8}{s['resumed']:>13}"
+                  f"{s['recomputed_tokens']:>12}/{s['lost_tokens']:<8}{s['recovery_p50_s']:>18.2f}")
+        total = sum(s["trials"] for s in summary[dtype].values())
+        print(f"{dtype:<10}{'all':<13}{total:>7}{sum(s['passed'] for s in summary[dtype].values()):>8}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "chaos.json").write_text(json.dumps({"config": vars(args), "summary": summary, "trials": res}, indent=2))
     plot(summary, RESULTS / "chaos.png")
@@ -161,14 +186,20 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(summary)
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    ax[0].bar(names, [summary[n]["trials"] for n in names], color="#ccc", label="trials")
-    ax[0].bar(names, [summary[n]["passed"] for n in names], color="#4a4", width=0.5, label="passed")
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(summary)
+    for d, (dtype, layouts) in enumerate(summary.items()):
+        names = list(layouts)
+        xs = [i + d * width for i in range(len(names))]
+        ax[0].bar(xs, [layouts[n]["trials"] for n in names], width, color="#ccc", label="trials" if d == 0 else None)
+        ax[0].bar(xs, [layouts[n]["passed"] for n in names], width * 0.6, label=f"passed ({dtype})")
+        ax[1].bar(xs, [layouts[n]["recovery_p50_s"] for n in names], width, label=dtype)
+        for a in ax:
+            a.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
     ax[0].set_title("chaos trials (SIGKILL of a random worker)")
     ax[0].legend()
-    ax[1].bar(names, [summary[n]["recovery_p50_s"] for n in names], color="#48c")
     ax[1].set_ylabel("recovery time p50 (s)")
+    ax[1].legend()
     for a in ax:
         a.tick_params(axis="x", rotation=20)
     fig.tight_layout()

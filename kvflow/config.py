@@ -77,7 +77,11 @@ class EngineConfig:
     `host_kv_bytes` / `disk_kv_bytes`: byte budgets of the prefix cache's lower tiers (0: off, the
     default): blocks evicted from the device pool are kept in host memory, and below it in chunk
     files under `disk_kv_path` (a fresh temporary directory when None; a disk tier needs a host
-    tier). Each budget counts the KV of every layer (a pipeline's stages share it by their layers)."""
+    tier). Each budget counts the KV of every layer (a pipeline's stages share it by their layers).
+    `deterministic` (default on): the model is batch-invariant (`kvflow.model.llama.LlamaModel`): a
+    request's tokens do not depend on what else shares its steps, in every dtype, so greedy and
+    seeded outputs are the same alone, batched, chunked, preempted and recovered; off takes the
+    fastest kernel per batch shape instead."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -91,6 +95,7 @@ class EngineConfig:
     host_kv_bytes: int = 0
     disk_kv_bytes: int = 0
     disk_kv_path: str | None = None
+    deterministic: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self) -> None:
@@ -108,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
         for key in ("host_kv_bytes", "disk_kv_bytes"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -232,3 +232,13 @@ def test_real_model_greedy_alone_equals_batched_in_bf16():
     batched = [o.token_ids for o in llm.generate(prompts, sp)]
     for i in (0, 3, 6):
         assert llm.generate([prompts[i]], sp)[0].token_ids == batched[i], prompts[i]
+
+
+def test_deterministic_switch_reaches_the_model(tiny_ckpt_dir):
+    for on in (True, False):
+        eng = LLMEngine.from_config(EngineConfig(model=str(tiny_ckpt_dir), dtype="bfloat16", num_kv_blocks=64,
+                                                 block_size=4, deterministic=on))
+        assert eng.model.batch_invariant == on
+        assert (eng.model.layers[0].qkv.invariant is not None) == on
+    with pytest.raises(ValueError, match="deterministic"):
+        EngineConfig(deterministic="yes")

@@ -15,6 +15,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    dest="enable_prefix_caching", help="reuse the KV of earlier turns' tokens (default on)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="batch-invariant kernels (default on; --no-deterministic: the fastest kernel per batch shape)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -70,7 +72,7 @@ def _load(args):
     print(f"[kvflow] dtype {dtype} ({why})", file=sys.stderr)
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=dtype, device=args.device, num_threads=args.threads,
-              enable_prefix_caching=args.enable_prefix_caching)
+              enable_prefix_caching=args.enable_prefix_caching, deterministic=args.deterministic)
     return llm, params, time.perf_counter() - t0
 
 

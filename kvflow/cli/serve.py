@@ -37,6 +37,9 @@ def register(sub) -> None:
                    dest="enable_prefix_caching",
                    help="keep full KV blocks after a request and reuse them for prompts that start the same way "
                         "(default on; --no-prefix-caching turns it off)")
+    s.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="batch-invariant kernels: a request's tokens do not depend on the other requests in its steps "
+                        "(default on; --no-deterministic: the fastest kernel per batch shape)")
     s.add_argument("--host-kv-bytes", type=parse_bytes, default=0, metavar="SIZE",
                    help="prefix cache: keep KV blocks evicted from the device cache in host memory, up to SIZE "
                         "(bytes, or with a K/M/G/T suffix; all layers counted; default 0: off)")
@@ -171,7 +174,8 @@ def _engine_config(args):
     block_size = default_block_size(args.device) if args.block_size is None else args.block_size
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=block_size,
                           max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_gb,
-                          enable_prefix_caching=args.enable_prefix_caching, host_kv_bytes=args.host_kv_bytes,
+                          enable_prefix_caching=args.enable_prefix_caching, deterministic=args.deterministic,
+                          host_kv_bytes=args.host_kv_bytes,
                           disk_kv_bytes=args.disk_kv_bytes, disk_kv_path=args.disk_kv_path,
                           scheduler=_scheduler_config(args))
     if args.mode == "engine":

@@ -75,7 +75,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         ck = load_checkpoint(config.model)
         log.info("loaded %s in %.2fs (%s)", ck.config.name, ck.load_seconds, "converted" if ck.converted else "cached")
-        model = LlamaModel.from_state_dict(ck.config, ck.state_dict, dtype=config.torch_dtype, device=config.device)
+        model = LlamaModel.from_state_dict(ck.config, ck.state_dict, dtype=config.torch_dtype, device=config.device,
+                                           deterministic=config.deterministic)
         tokenizer = Tokenizer(ck.directory) if Tokenizer.available(ck.directory) else None
         if tokenizer is None:
             log.warning("%s has no tokenizer: prompts must be token ids", ck.directory)

@@ -9,9 +9,10 @@ kernel); this module builds it and holds the Python contracts:
   Work is split over (sequence, KV head) pairs; scores and output accumulate in float32. bf16 on a
   CPU with AVX512-BF16 (head dims 32, 64, 128, 256) runs bf16 dot products over staged 16-key groups.
 - `paged_prefill_attention(...)`: causal attention of prompt chunks (whole prompts, or chunks after
-  cached context) over the same paged cache, flash-attention style: register-blocked float32 tiles
-  (bf16 dot products where the CPU has AVX512-BF16), an online softmax, no per-sequence K/V gather
-  and no mask tensor.
+  cached context) over the same paged cache, flash-attention style: 64-key tiles with the keys in
+  vector lanes (bf16 dot products where the CPU has AVX512-BF16), an online softmax, no per-sequence
+  K/V gather and no mask tensor; each row (query token x head) computed alone, so its result does
+  not depend on the chunk it is in.
 - `rms_norm(x, w, eps)` and `add_rms_norm(x, res, w, eps)` (x += res, then the norm of x, one pass).
 - `silu_mul(gate_up)`: SiLU(gate) * up from the fused gate_up projection's output.
 - `rope_write(qkv, cos, sin, heads, kv_heads, kv_layer, slots)`: RoPE in place on the query and key
