@@ -111,7 +111,8 @@ class Worker:
         if spec.layer_end > mc.num_layers:
             raise ValueError(f"layers [{spec.layer_start}, {spec.layer_end}) exceed the model's {mc.num_layers}")
         ck = load_checkpoint(ecfg.model, want=LlamaModel.tensor_filter(mc, layers))  # only this stage's tensors
-        self.model = LlamaModel.from_state_dict(ck.config, ck.state_dict, layers, dtype=ecfg.torch_dtype, device=ecfg.device)
+        self.model = LlamaModel.from_state_dict(ck.config, ck.state_dict, layers, dtype=ecfg.torch_dtype, device=ecfg.device,
+                                                deterministic=ecfg.deterministic)
         self.device = torch.device(ecfg.device)
         nblocks = spec.pool_blocks or ecfg.num_kv_blocks  # the block ids the pipeline's scheduler accounts
         layout = KVLayout.for_model(ck.config, nblocks, ecfg.block_size, layers, dtype=ecfg.torch_dtype)
