@@ -11,9 +11,10 @@ recovered cluster. Reports per dtype and layout: trials, passes, resumed vs reco
 recovery time. Writes results/chaos.json and results/chaos.png.
 
 The trials run in every dtype of `--dtypes`: by default bfloat16 where the CPU has native bf16 (the
-dtype `auto` picks, so the one users run: it holds only because every kernel is batch-invariant,
-the reference engine batching the requests differently from the pipelines) and float32; float32
-alone elsewhere. `--trials` is per dtype.
+dtype `auto` picks, so the one users run) and float32; float32 alone elsewhere. `--trials` is per
+dtype. The engine and the workers are batch-invariant (`EngineConfig.deterministic`): the reference
+engine batches the requests differently from the pipelines, and in bf16 only batch-invariant kernels
+make their tokens the same.
 
     python benchmarks/chaos.py [--trials 100] [--dtypes bfloat16,float32] [--seed 0]
 """
@@ -64,8 +65,8 @@ def reference(model_cfg, dtype: str) -> list[list[int]]:
     from kvflow.engine.engine import LLMEngine
     from kvflow.model.llama import LlamaModel
 
-    model = LlamaModel.from_state_dict(model_cfg, tiny_state_dict(model_cfg), dtype=getattr(torch, dtype))
-    eng = LLMEngine(model, None, EngineConfig(dtype=dtype, num_kv_blocks=256, block_size=4))
+    model = LlamaModel.from_state_dict(model_cfg, tiny_state_dict(model_cfg), dtype=getattr(torch, dtype), deterministic=True)
+    eng = LLMEngine(model, None, EngineConfig(dtype=dtype, num_kv_blocks=256, block_size=4, deterministic=True))
     reqs = [eng.add_request(p, params(i)) for i, p in enumerate(PROMPTS)]
     final = run_to_completion(eng)
     return [final[r.request_id].token_ids for r in reqs]
@@ -121,7 +122,8 @@ async def run(args, dtype: str) -> dict:
         names = [n for n in LAYOUTS if n in args.layouts.split(",")]
         per = [args.trials // len(names) + (i < args.trials % len(names)) for i in range(len(names))]
         for name, n in zip(names, per):
-            cfg = ClusterConfig(engine=EngineConfig(model=str(ckpt), dtype=dtype, num_kv_blocks=256, block_size=4), microbatch_size=4,
+            cfg = ClusterConfig(engine=EngineConfig(model=str(ckpt), dtype=dtype, num_kv_blocks=256, block_size=4,
+                                                    deterministic=True), microbatch_size=4,
                                 prompt_microbatch_size=2, heartbeat_timeout_s=30.0, replication=args.replication,
                                 **LAYOUTS[name])
             ctrl = Controller(cfg)

@@ -78,10 +78,11 @@ class EngineConfig:
     default): blocks evicted from the device pool are kept in host memory, and below it in chunk
     files under `disk_kv_path` (a fresh temporary directory when None; a disk tier needs a host
     tier). Each budget counts the KV of every layer (a pipeline's stages share it by their layers).
-    `deterministic` (default on): the model is batch-invariant (`kvflow.model.llama.LlamaModel`): a
-    request's tokens do not depend on what else shares its steps, in every dtype, so greedy and
-    seeded outputs are the same alone, batched, chunked, preempted and recovered; off takes the
-    fastest kernel per batch shape instead."""
+    `deterministic`: build the model batch-invariant (`kvflow.model.llama.LlamaModel`): a request's
+    tokens do not depend on what else shares its steps, in every dtype, so greedy and seeded outputs
+    are the same alone, batched, chunked, preempted and recovered. Off by default: it cost more than
+    5% of throughput on prefill-heavy and long-context work where measured (docs/results.md,
+    2026-11-26 determinism); off takes the fastest kernel per batch shape."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -95,7 +96,7 @@ class EngineConfig:
     host_kv_bytes: int = 0
     disk_kv_bytes: int = 0
     disk_kv_path: str | None = None
-    deterministic: bool = True
+    deterministic: bool = False
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self) -> None:

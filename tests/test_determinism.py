@@ -78,9 +78,66 @@ def test_decoded_token_attends_as_in_any_prompt_chunk(dtype, heads, head_dim):
     assert torch.equal(rows, whole[ctx - 1])
 
 
+_OTHER_CPU = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import tiny_config, tiny_state_dict
+from kvflow.kv.cache import KVCache, KVLayout
+from kvflow.model import cpu_kernels
+from kvflow.model.batch import ForwardBatch, SeqSlice
+from kvflow.model.linear import Linear
+from kvflow.model.llama import LlamaModel
+assert cpu_kernels.available()
+print(cpu_kernels.invariant_linear_isa(torch.bfloat16))
+g = torch.Generator().manual_seed(0)
+for out, width in ((48, 64), (33, 37), (200, 576)):
+    w = torch.randn(out, width, generator=g).bfloat16()
+    lin = Linear(w, deterministic=True)
+    x = torch.randn(300, width, generator=g).bfloat16()
+    full = lin(x)
+    ref = x.double() @ w.double().t()
+    assert ((full.double() - ref).abs() / (1 + ref.abs())).max().item() <= 2**-8
+    for rows in (1, 2, 3, 5, 6, 7, 16, 17, 33, 100, 299):
+        assert torch.equal(lin(x[:rows]), full[:rows]) and torch.equal(lin(x[300 - rows:]), full[300 - rows:]), rows
+cfg = tiny_config()
+model = LlamaModel.from_state_dict(cfg, tiny_state_dict(cfg, 3), dtype=torch.bfloat16)
+seqs = [[5, 9, 30, 2, 7, 8, 11], [40, 41], [3] * 13]
+alone = []
+for s in seqs:
+    kv = KVCache(KVLayout.for_model(cfg, 16, 4, dtype=torch.bfloat16))
+    alone.append(model.forward(torch.tensor(s), ForwardBatch.build([SeqSlice(0, len(s), len(s), (0, 1, 2, 3))], 4), kv)[0])
+kv = KVCache(KVLayout.for_model(cfg, 16, 4, dtype=torch.bfloat16))
+starts = [sum(map(len, seqs[:i])) for i in range(len(seqs))]
+slices = [SeqSlice(q0, len(s), len(s), tuple(range(4 * i, 4 * i + 4))) for i, (q0, s) in enumerate(zip(starts, seqs))]
+both = model.forward(torch.tensor(sum(seqs, [])), ForwardBatch.build(slices, 4), kv)
+assert all(torch.equal(a, b) for a, b in zip(alone, both))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx512-bf16", "fma"])
+def test_other_cpus_projection_paths_are_batch_invariant(isa):
+    """The bf16 projection paths of other CPUs, forced on this one (KVFLOW_INVARIANT_ISA, in a fresh
+    process: the choice is made once): AVX512-BF16 dot products (a CPU without AMX) and float32
+    FMAs on widened bf16 (a CPU without native bf16) — rows against any batch, and a tiny model's
+    logits alone against batched."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _OTHER_CPU.format(tests=str(Path(__file__).parent))
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, KVFLOW_INVARIANT_ISA=isa),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    if r.stdout.split()[0] != isa:
+        pytest.skip(f"{isa} is not built on this CPU (it runs {r.stdout.split()[0]})")
+
+
 # ----------------------------------------------------------------------------- the model, step by step
-def _model(dtype: torch.dtype, layers: int = 2) -> LlamaModel:
-    cfg = tiny_config(num_layers=layers)
+def _model(dtype: torch.dtype, layers: int = 2, head_dim: int = 16) -> LlamaModel:
+    # head_dim 32: 2 query heads on 1 KV head (the attention kernel's AMX and paired-V paths need 32s)
+    heads = dict(num_heads=2, num_kv_heads=1, head_dim=32) if head_dim == 32 else {}
+    cfg = tiny_config(num_layers=layers, **heads)
     model = LlamaModel.from_state_dict(cfg, tiny_state_dict(cfg, 11), dtype=dtype)
     assert model.batch_invariant
     return model
@@ -91,11 +148,12 @@ def _kv_of(kv: KVCache, model: LlamaModel, blocks, n: int) -> torch.Tensor:
 
 
 @DTYPES
-def test_logits_and_kv_do_not_depend_on_batch_chunking_or_decode(dtype):
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_logits_and_kv_do_not_depend_on_batch_chunking_or_decode(dtype, head_dim):
     """Twelve sequences: each alone (whole prompt in one chunk, then decode steps) against all of them
     in random mixed steps — prompt chunks of random lengths (1-token chunks are decode rows), decode
     rows, shuffled order, other blocks, a different thread count — same logits and K/V, bitwise."""
-    model = _model(dtype)
+    model = _model(dtype, head_dim=head_dim)
     rng = random.Random(0)
     seqs = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(1, 45))] for _ in range(12)]
     decodes = 3
@@ -189,12 +247,13 @@ def _generate(engine: LLMEngine, prompts, params) -> list[list[int]]:
 
 
 @DTYPES
-def test_greedy_tokens_alone_equal_tokens_in_any_batch(dtype):
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_greedy_tokens_alone_equal_tokens_in_any_batch(dtype, head_dim):
     """64 prompts of 1-60 tokens (a few sharing prefixes: prefix-cache hits in the batched runs), each
     generated alone with its whole prompt in one step, then in batches of 1 to 64 with small token
     budgets (chunked prompts beside other requests' decodes, prompts split at other places, requests
     joining and leaving): the same greedy tokens, bitwise."""
-    model = _model(dtype)
+    model = _model(dtype, head_dim=head_dim)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(56)]
     prompts += [prompts[i][: max(1, len(prompts[i]) - 3)] + [5, 6] for i in range(8)]  # shared prefixes
@@ -225,7 +284,7 @@ def test_greedy_tokens_alone_equal_tokens_in_any_batch(dtype):
 def test_real_model_greedy_alone_equals_batched_in_bf16():
     from kvflow import LLM
 
-    llm = LLM(dtype="bfloat16")
+    llm = LLM(dtype="bfloat16", deterministic=True)
     prompts = ["The capital of France is", "Write a haiku about the sea.", "List three uses of a paperclip.",
                "Once upon a time", "def fibonacci(n):", "The quick brown fox", "In 1969, astronauts", "Water boils at"]
     sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -240,5 +299,6 @@ def test_deterministic_switch_reaches_the_model(tiny_ckpt_dir):
                                                  block_size=4, deterministic=on))
         assert eng.model.batch_invariant == on
         assert (eng.model.layers[0].qkv.invariant is not None) == on
+    assert EngineConfig().deterministic is False  # off by default: what it costs is in docs/results.md
     with pytest.raises(ValueError, match="deterministic"):
         EngineConfig(deterministic="yes")

@@ -15,8 +15,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    dest="enable_prefix_caching", help="reuse the KV of earlier turns' tokens (default on)")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
-                   help="batch-invariant kernels (default on; --no-deterministic: the fastest kernel per batch shape)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
+                   help="batch-invariant kernels: the same tokens whatever else is batched (default off: the fastest "
+                        "kernel per batch shape)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

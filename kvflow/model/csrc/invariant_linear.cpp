@@ -16,6 +16,7 @@
 
 #include <ATen/ops/zeros.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -39,9 +40,12 @@ bool amx_usable() {
 #endif
 }
 
+// KVFLOW_INVARIANT_ISA (read once) picks a slower ISA than the CPU's best, to test the paths of other
+// CPUs on this one: "avx512-bf16" (no AMX) or "fma" (bf16 without native bf16); unset: the best.
 Isa isa_for(at::ScalarType t) {
+  static const std::string forced = [] { const char* e = std::getenv("KVFLOW_INVARIANT_ISA"); return std::string(e ? e : ""); }();
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-  if (t == at::kBFloat16) return amx_usable() ? Isa::kAmx : Isa::kDpBf16;
+  if (t == at::kBFloat16 && forced != "fma") return amx_usable() && forced != "avx512-bf16" ? Isa::kAmx : Isa::kDpBf16;
 #endif
   (void)t;
   return Isa::kFma;
@@ -188,10 +192,11 @@ void dp_linear(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t pairs, con
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-struct alignas(64) TileConfig {
+struct alignas(64) TileConfig {  // 8 tiles of 16 rows x 64 bytes
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
+  TileConfig() { for (int t = 0; t < 8; ++t) { rows[t] = 16; colsb[t] = 64; } }
 };
 
 // Tiles: C 0-3 (two row tiles x two column panels), A 4-5 (16 rows x 32 k), B 6-7 (16 pairs x 16 columns).
@@ -204,7 +209,6 @@ void amx_linear(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t Kp, const
   for (int64_t mb0 = 0; mb0 < mblocks; mb0 += chunk)
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     TileConfig cfg;
-    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);
     alignas(64) float c[4][16][16];
     for (int64_t blk = begin; blk < end; ++blk) {
