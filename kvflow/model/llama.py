@@ -57,8 +57,8 @@ class LlamaModel:
     `hook(layer, batch)`; `logits(hidden, batch) -> [num_seqs, vocab]` for each sequence's last token.
     Running stage [0, k) then [k, L) on the hidden states equals running [0, L) at once.
 
-    `deterministic=True` (the default here; `EngineConfig.deterministic`, off by default, is what the
-    engine builds with) makes the forward batch-invariant where the CPU kernels run (`batch_invariant`): a token's hidden states, K/V and logits are bitwise the same whatever else
+    `deterministic=True` (the default here; engines and pipeline workers build with
+    `EngineConfig.deterministic`, off by default) makes the forward batch-invariant where the CPU kernels run (`batch_invariant`): a token's hidden states, K/V and logits are bitwise the same whatever else
     shares its step, wherever it sits, and whether it is decoded, computed in a prompt chunk of any
     length or recomputed (projections by `cpu_kernels.invariant_linear` for every row count, decode
     rows attended by the prefill kernel, RoPE from a per-position table, per-row norms). False takes
