@@ -1,5 +1,5 @@
 """Graceful shutdown: stop accepting, let in-flight requests finish up to the drain timeout, then cancel the rest
-with a clear error; `kvflow serve` exits 0 on SIGTERM. Every signal is sent after an event (a streamed token,
+with a clear error; `kvflow serve` exits 0 on SIGTERM; a second SIGTERM / Ctrl-C ends the drain at once. Every signal is sent after an event (a streamed token,
 the engine held at a step), never after a sleep."""
 
 from __future__ import annotations
@@ -203,3 +203,104 @@ def test_sigterm_drains_and_exits_0(tiny_ckpt_dir):
             proc.wait()
     log = proc.stdout.read().decode()
     assert "Traceback" not in log and "aclose" not in log and "Cancel" not in log, log
+
+
+# ------------------------------------------------------------------------------------------- a second signal
+HELD = {"model": MODEL, "prompt": "w5 w6 w7", "max_tokens": 200, "ignore_eos": True, "stream": True}  # outlasts the drain
+
+
+def test_a_second_signal_cuts_the_drain_short(tiny_ckpt_dir, server_errors):
+    backend = tiny_backend(tiny_ckpt_dir, GatedEngine)
+    eng: GatedEngine = backend.engine
+    srv = BackgroundServer(backend, config=APIConfig(drain_timeout_s=600))
+    with srv:
+        eng.hold_after(2)
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{srv.url}/v1/completions", json=HELD) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert eng.holding.wait(60)
+            srv.server.handle_exit(signal.SIGTERM, None)  # what the first SIGTERM does
+            assert srv.app.state.drain.started.wait(60)
+            srv.server.handle_exit(signal.SIGTERM, None)  # the second: the engine is still held
+            events = _events([first, *lines])
+        assert events[-1] == "[DONE]"
+        err = events[-2]["error"]
+        assert err["code"] == "server_shutdown" and "second shutdown signal" in err["message"]
+        eng.release()
+        srv.join(60)
+        assert not srv.thread.is_alive() and not backend.healthy()  # the backend was shut down all the same
+        assert srv.server.stopped_by == signal.SIGTERM and srv.app.state.drain.cut_short
+    assert not backend.engine.requests
+    assert not server_errors, [r.getMessage() for r in server_errors]
+
+
+# A `kvflow serve` whose engine holds every step after the third until the backend shuts down: a stream stays
+# in flight through the drain for as long as the test needs, with no timing involved.
+HELD_SERVE = """
+import sys, threading
+from kvflow.engine.engine import LLMEngine
+from kvflow.serving.backend import EngineBackend
+gate, steps = threading.Event(), [0]
+step, shutdown = LLMEngine.step, EngineBackend.shutdown
+def held(self):
+    steps[0] += 1
+    if steps[0] > 3:
+        gate.wait(120)
+    return step(self)
+async def released(self):
+    print("[test] backend shutdown", file=sys.stderr, flush=True)
+    gate.set()
+    await shutdown(self)
+LLMEngine.step, EngineBackend.shutdown = held, released
+from kvflow.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_kvflow_serve_second_signal_ends_the_drain_without_a_traceback(tiny_ckpt_dir, sig):
+    port = _free_port()
+    cmd = [sys.executable, "-c", HELD_SERVE, "serve", "--model", str(tiny_ckpt_dir), "--port", str(port), "--threads",
+           "1", "--served-model-name", MODEL, "--drain-timeout", "600", "--log-level", "info"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    log: list[str] = []
+    draining = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            log.append(line)
+            if "Draining 1 in-flight request" in line:
+                draining.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, "".join(log)
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "kvflow serve did not come up"
+            time.sleep(0.2)
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=HELD) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(sig)
+            assert draining.wait(60), "".join(log)
+            proc.send_signal(sig)  # the engine is held: only this can end the stream
+            events = _events([first, *lines])
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutdown"
+        assert proc.wait(60) == 128 + sig
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(10)
+    text = "".join(log)
+    assert "Traceback" not in text and "CancelledError" not in text, text
+    assert "[test] backend shutdown" in text and "Application shutdown complete" in text, text
