@@ -217,7 +217,7 @@ class Controller:
         self._take_submissions()
         self._check_liveness()
         if self.failure is None:
-            self.executor.schedule_all()
+            self.executor.fill_all()
 
     def handle(self, msg, tensor: torch.Tensor | None) -> None:
         """The one dispatch of worker messages (also during a worker's start-up and a restore)."""
@@ -256,7 +256,7 @@ class Controller:
         else:
             return
         if self.failure is None and self.recovery.recovering is None:
-            self.executor.schedule_all()  # as the simulator: decide after each result or arrival
+            self.executor.fill_all()  # as the simulator: decide after each result or arrival
 
     def _on_result(self, msg: StepResult, logits: torch.Tensor) -> None:
         p = next((p for p in self.pipelines if msg.batch in p.in_flight), None)

@@ -6,7 +6,7 @@ returned batch completed, apply it, hand requests from the prompt side to the to
 token-side preemptions back to the prompt side and recover from a failed worker. Those decisions
 live here; a driver only carries them out:
 
-    executor.schedule_all()            -> driver.dispatch(p, wire_id, out, free, streams)
+    executor.fill_all()            -> driver.dispatch(p, wire_id, out, free, streams)
     driver: batch `wire_id` came back  -> executor.complete(p, wire_id, result)
     driver: part of a prompt's KV is in -> executor.kv_arrived(rid, part)
     driver: a worker of `p` was lost   -> executor.recover(p, resume, voided)
@@ -143,17 +143,17 @@ class PipelineExecutor:
         queued = sum(len(q) for q in {id(p.queue): p.queue for p in self.prompt}.values())
         return queued + sum(len(p.sched.waiting) for p in self.pipelines) + (self.handoff.num_waiting if self.handoff else 0)
 
-    # --- scheduling ----------------------------------------------------------------------------
+    # --- filling pipelines (each call asks its Scheduler.schedule for a batch) ---------------
 
-    def schedule_all(self, todo: Iterable[PipelineState] | None = None) -> None:
+    def fill_all(self, todo: Iterable[PipelineState] | None = None) -> None:
         """Fill the free slots of `todo` (default: every pipeline), prompt-side pipelines first
         (their admission reserves token-side blocks)."""
         if todo is None:
             todo, self.dirty = self.pipelines, set()
         for p in sorted(todo, key=lambda p: p.role == "token"):
-            self.schedule(p)
+            self.fill(p)
 
-    def schedule(self, p: PipelineState) -> None:
+    def fill(self, p: PipelineState) -> None:
         """While `p` has fewer than `depth` batches in flight: offer it queued requests, schedule,
         route preemptions, dispatch."""
         if p.down:

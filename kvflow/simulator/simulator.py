@@ -69,7 +69,7 @@ class Simulator:
         self.executor = PipelineExecutor(self.prompt, self.token, self, config.rigid_rounds, self._request)
         self.handoff = self.executor.handoff
         self.now = 0.0
-        self._events: list[Event] = []  # what dispatching batches caused, collected by `_schedule_all`
+        self._events: list[Event] = []  # what dispatching batches caused, collected by `_fill_all`
         self._times: dict[tuple, float] = {}
         self._idle: set[SimPipeline] = set(self.prompt)  # prompt-side pipelines with a free slot
         self._tried: dict[SimPipeline, int] = {}
@@ -115,13 +115,13 @@ class Simulator:
         while heap:
             now, _, ev = heapq.heappop(heap)
             self.now = now
-            for nxt in ev.handle(self) + self._schedule_all():
+            for nxt in ev.handle(self) + self._fill_all():
                 heapq.heappush(heap, (nxt.time, next(seq), nxt))
         return SimResult.build(self)
 
-    def _schedule_all(self) -> list[Event]:
+    def _fill_all(self) -> list[Event]:
         """Let every pipeline that may have something to do fill its free slots (the executor's
-        `schedule_all`, skipping idle pipelines whose queue has not changed since they last tried)."""
+        `fill_all`, skipping idle pipelines whose queue has not changed since they last tried)."""
         ex = self.executor
         todo, ex.dirty = ex.dirty, set()
         if self.queue or self.config.dispatch == "round_robin":
@@ -130,7 +130,7 @@ class Simulator:
                     todo.add(p)
         for p in todo:
             self._tried[p] = ex.version
-        ex.schedule_all(sorted(todo, key=lambda p: p.index))
+        ex.fill_all(sorted(todo, key=lambda p: p.index))
         for p in todo:
             if p.role != "token":
                 if len(p.in_flight) < p.depth and not p.down:
