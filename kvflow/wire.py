@@ -124,11 +124,13 @@ class Setup:
 @dataclass
 class Ready:
     """Worker -> controller once its layers are loaded: where it receives KV into its cache (token
-    role, or any role restoring after a failure), and into the replica it holds of the previous stage."""
+    role, or any role restoring after a failure), and into the replica it holds of the previous stage;
+    the kernel variant its model computes with (`LlamaModel.kernel_variant`)."""
 
     name: str
     kv_addr: str = ""
     replica_addr: str = ""
+    kernel_variant: str = ""
 
 
 @dataclass

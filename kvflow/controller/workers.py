@@ -35,6 +35,7 @@ class Workers:
         self.address = f"tcp://{cfg.host}:{port}"
         self.to_stage: dict[str, zmq.Socket] = {}
         self.dropped_messages = 0  # inbox messages that were not authentic or did not decode
+        self.kernel_variants: dict[str, str] = {}  # each stage's `Ready.kernel_variant`
 
     def pipeline_of(self, s: StageHandle) -> Pipeline:
         return next(p for p in self.pipelines if s in p.stages)
@@ -89,6 +90,7 @@ class Workers:
                 self.send(msg.name, Setup(to_dict(self._spec(self.stages[msg.name])), to_dict(self.cfg.engine), epoch))
                 hello.discard(msg.name)
             elif isinstance(msg, Ready) and msg.name in ready and msg.name not in hello:
+                self._same_kernel_variant(msg.name, msg.kernel_variant)
                 s = self.stages[msg.name]
                 s.kv_addr, s.replica_addr, s.last_heartbeat = msg.kv_addr, msg.replica_addr, time.monotonic()
                 ready.discard(msg.name)
@@ -96,6 +98,16 @@ class Workers:
                 raise StartError(f"worker {msg.name} failed: {msg.message}")
             elif other is not None and not isinstance(msg, WorkerError):
                 other(msg, tensor)  # (a worker failing meanwhile is found by the next liveness check)
+
+    def _same_kernel_variant(self, name: str, variant: str) -> None:
+        """Every stage must compute with one kernel variant: a request's steps move between stages
+        (prompt to token pipeline, a replaced worker, a resumed replica) and would change its tokens."""
+        for other, theirs in self.kernel_variants.items():
+            if other != name and theirs != variant:
+                raise StartError(f"worker {name} computes with kernels {variant!r} but {other} with {theirs!r}: "
+                                 "a request moved between them would change its tokens (run every worker on "
+                                 "the same kind of CPU with the same --deterministic)")
+        self.kernel_variants[name] = variant
 
     def _connect(self, s: StageHandle, step_addr: str) -> None:
         s.step_addr = step_addr

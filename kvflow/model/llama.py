@@ -190,6 +190,21 @@ class LlamaModel:
         return self.layer_end == self.cfg.num_layers
 
     @property
+    def kernel_variant(self) -> str:
+        """What decides the bits of a row's result, the same string on every process that computes
+        them alike: "batch-invariant <dtype> linear=<invariant_linear_isa> vec=<vector width>
+        cpu=<torch's CPU capability>" when `batch_invariant` (two such processes give a request the
+        same tokens whichever of them runs which of its steps), else "per-shape <dtype>" (paths
+        chosen per row count, measured in each process: no bitwise promise across processes).
+        Pipeline stages report it at start-up; the controller refuses stages that disagree."""
+        dtype = str(self.layers[0].input_norm.dtype).removeprefix("torch.")
+        if not self.batch_invariant:
+            return f"per-shape {dtype}"
+        isa = cpu_kernels.invariant_linear_isa(self.layers[0].input_norm.dtype)
+        return (f"batch-invariant {dtype} linear={isa} vec={cpu_kernels.vec_size()} "
+                f"cpu={torch.backends.cpu.get_cpu_capability()}")
+
+    @property
     def weight_bytes(self) -> int:
         seen: dict[int, int] = {}  # the bytes one step reads (a prepacked copy is read instead, not as well)
         tensors = [t.weight if isinstance(t, Linear) else t for lw in self.layers for t in vars(lw).values()]

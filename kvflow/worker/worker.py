@@ -158,7 +158,7 @@ class Worker:
             replica_addr = rx.address
             self.replica_rx = KVReceiver(self.replica, InStream(rx, secret=self.secret), self._replicated, self._kv_dropped)
             self.replica_rx.start()
-        self._to_controller(Ready(self.name, kv_addr, replica_addr))
+        self._to_controller(Ready(self.name, kv_addr, replica_addr, self.model.kernel_variant))
         self.out = None
         self._route(self._expect(Route))
         hb = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
