@@ -24,7 +24,8 @@ from kvflow.api.errors import APIError, invalid_request, unavailable
 from kvflow.api.metrics import APIMetrics
 from kvflow.api.prepare import Prepared
 from kvflow.api.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                 ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse, Usage)
+                                 ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionChoiceWithIds,
+                                 CompletionResponse, Usage)
 from kvflow.sched.request import RequestOutput
 from kvflow.serving.backend import Backend, BackendUnavailable
 
@@ -41,6 +42,7 @@ class Progress:
     first_token: float | None = None
     text: str = ""
     tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     closed: bool = False  # streamed request already aborted/accounted
@@ -49,6 +51,7 @@ class Progress:
         if out.new_token_ids and self.first_token is None:
             self.first_token = time.monotonic()
         self.tokens += len(out.new_token_ids)
+        self.token_ids += out.new_token_ids
         self.text += out.new_text
         metrics.tokens_sent(len(out.new_token_ids))
         if out.finished:
@@ -64,25 +67,31 @@ class Progress:
 
 
 class ChunkFormat:
-    """How one endpoint spells its answer: a whole response, stream chunks, the final usage chunk."""
+    """How one endpoint spells its answer: a whole response, stream chunks, the final usage chunk.
+    `token_ids` (completions only): each choice carries its token ids too (`CompletionChoiceWithIds`)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str) -> None:
-        self.chat, self.id, self.model = chat, request_id, model
+    def __init__(self, chat: bool, request_id: str, model: str, token_ids: bool = False) -> None:
+        self.chat, self.id, self.model, self.token_ids = chat, request_id, model, token_ids
 
     def response(self, p: Progress) -> BaseModel:
         if self.chat:
             choice = ChatChoice(message=AssistantMessage(content=p.text), finish_reason=p.finish_reason)
             return ChatCompletionResponse(id=self.id, model=self.model, choices=[choice], usage=p.usage)
         return CompletionResponse(id=self.id, model=self.model, usage=p.usage,
-                                  choices=[CompletionChoice(text=p.text, finish_reason=p.finish_reason)])
+                                  choices=[self._choice(p.text, p.finish_reason, p.token_ids)])
 
     def opening(self) -> list[BaseModel]:
         return [self._chunk(ChatDelta(role="assistant", content=""), None)] if self.chat else []
 
-    def delta(self, text: str, finish_reason: str | None) -> BaseModel:
+    def delta(self, text: str, finish_reason: str | None, token_ids: list[int]) -> BaseModel:
         if self.chat:
             return self._chunk(ChatDelta(content=text) if text else ChatDelta(), finish_reason)
-        return CompletionResponse(id=self.id, model=self.model, choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
+        return CompletionResponse(id=self.id, model=self.model, choices=[self._choice(text, finish_reason, token_ids)])
+
+    def _choice(self, text: str, finish_reason: str | None, token_ids: list[int]) -> CompletionChoice:
+        if self.token_ids:
+            return CompletionChoiceWithIds(text=text, finish_reason=finish_reason, token_ids=token_ids)
+        return CompletionChoice(text=text, finish_reason=finish_reason)
 
     def usage(self, usage: Usage) -> BaseModel:
         if self.chat:
@@ -183,7 +192,7 @@ async def stream(agen: AsyncIterator[RequestOutput], first: RequestOutput, p: Pr
                 yield _sse(failed(p).body())
                 break
             if out.new_token_ids or out.new_text or out.finished:  # one chunk per step, even before text is decodable
-                yield _sse(fmt.delta(out.new_text, out.finish_reason if out.finished else None))
+                yield _sse(fmt.delta(out.new_text, out.finish_reason if out.finished else None, out.new_token_ids))
             out = None if out.finished else await race(anext(agen, None), drain)
         if include_usage and p.finish_reason != "error":
             yield _sse(fmt.usage(p.usage))

@@ -158,9 +158,9 @@ class APIMetrics:
             out += _backend_families(stats)
         return out
 
-    def render(self, stats: BackendStats | None, healthy: bool) -> bytes:
-        """The exposition text (`CONTENT_TYPE`) of one scrape."""
-        return generate_latest(_Families(self.families(stats, healthy)))
+    def render(self, stats: BackendStats | None, healthy: bool, extra: Iterable[Metric] = ()) -> bytes:
+        """The exposition text (`CONTENT_TYPE`) of one scrape; `extra`: a backend's own families (the router's)."""
+        return generate_latest(_Families(self.families(stats, healthy) + list(extra)))
 
 
 def _backend_families(s: BackendStats) -> list[Metric]:

@@ -37,6 +37,7 @@ class Prepared:
     include_usage: bool
     prompt_param: str  # the field a backend's complaint about the prompt is reported against
     max_tokens_param: str = "max_tokens"  # the field the client sent max_tokens in
+    return_token_ids: bool = False  # completions only: answer with the token ids beside the text
 
 
 def piece_chars(max_model_len: int) -> int:
@@ -179,7 +180,7 @@ def _prepared(req: SamplingFields, ids: list[int], max_tokens: int | None, limit
     except InvalidRequest as e:
         raise invalid_request(e, prompt_param, max_tokens_param) from e
     return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), prompt_param,
-                    max_tokens_param)
+                    max_tokens_param, isinstance(req, CompletionRequest) and req.return_token_ids)
 
 
 def prepare_completion(req: CompletionRequest, model_name: str, tokenizer: Tokenizer, max_model_len: int,

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_SEED = 2**64 - 1  # what a torch.Generator accepts
@@ -97,6 +97,7 @@ class SamplingFields(_Body):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]  # checked by `_prompt`
+    return_token_ids: bool = False  # extension (as vLLM): each choice also carries its `token_ids` (the router needs them)
     echo: bool = False
     logprobs: int | None = None
     suffix: Text | None = None
@@ -177,12 +178,19 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
+class CompletionChoiceWithIds(CompletionChoice):
+    """A choice of a request sent with `return_token_ids`: the token ids its `text` was decoded from (a stream
+    chunk's new ones, or the whole output)."""
+
+    token_ids: list[int]
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[SerializeAsAny[CompletionChoice]]  # a `CompletionChoiceWithIds` keeps its token_ids
     usage: Usage | None = None
 
 

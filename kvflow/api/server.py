@@ -136,7 +136,7 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
         try:
             prepared = await tokenizing.run(prepare, chars)
             request_id = new_id("chatcmpl" if chat else "cmpl")
-            fmt = gen.ChunkFormat(chat, request_id, backend.model_name)
+            fmt = gen.ChunkFormat(chat, request_id, backend.model_name, prepared.return_token_ids)
             progress = gen.Progress(len(prepared.prompt_token_ids))
             try:
                 agen, first = await gen.start(backend, prepared, request_id, request, drain)
@@ -195,7 +195,8 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
         except Exception:
             log.exception("backend.stats() raised")
             stats = None
-        return Response(metrics.render(stats, healthy()), media_type=CONTENT_TYPE)
+        extra = getattr(backend, "metric_families", None)  # optional: a backend with metrics of its own (the router)
+        return Response(metrics.render(stats, healthy(), extra() if extra else ()), media_type=CONTENT_TYPE)
 
     return app
 
