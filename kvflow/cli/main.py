@@ -13,6 +13,7 @@ COMMAND_MODULES = [
     "kvflow.cli.plan",
     "kvflow.cli.worker",
     "kvflow.cli.serve",
+    "kvflow.cli.router",
 ]
 
 

@@ -1,0 +1,63 @@
+"""The router's HTTP app: `kvflow.api.server.build_app` over a `RouterBackend` (the OpenAI routes, /health, /metrics,
+the API key, the drain) plus the pool's admin routes, behind the same key:
+
+- `GET /router/instances`: each instance's URL, health, queue and requests open there;
+- `POST /router/instances` `{"url": ...}`: an instance joins (used from the next request on; 400 if it does not
+  answer /v1/models with the pool's model);
+- `DELETE /router/instances` `{"url": ...}`: no more requests go there (those open there finish).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from kvflow.api.errors import APIError, bad_request
+from kvflow.api.server import APIConfig, _config, _Server, build_app  # (kvflow serve's uvicorn with its drain)
+from kvflow.router.backend import RouterBackend
+
+
+class InstanceBody(BaseModel):
+    url: str
+
+
+def build_router_app(backend: RouterBackend, config: APIConfig = APIConfig()) -> FastAPI:
+    app = build_app(backend, config)
+    pool = backend.pool
+
+    @app.get("/router/instances")
+    async def instances() -> dict:
+        return {"policy": backend.config.policy, "instances": [
+            {"url": i.url, "healthy": i.healthy, "waiting": i.waiting, "running": i.running,
+             "in_flight": len(i.flights), "routed_total": i.routed_total, "failures_total": i.failures_total}
+            for i in pool.instances.values()]}
+
+    @app.post("/router/instances")
+    async def join(body: InstanceBody) -> dict:
+        try:
+            inst = await pool.add(body.url)
+        except ValueError as e:
+            raise bad_request(str(e), "url") from e
+        return {"url": inst.url, "healthy": inst.healthy}
+
+    @app.delete("/router/instances")
+    async def leave(body: InstanceBody) -> dict:
+        try:
+            removed = pool.remove(body.url)
+        except ValueError as e:
+            raise bad_request(str(e), "url") from e
+        if not removed:
+            raise APIError(404, f"no instance {body.url} in the pool", "invalid_request_error", "url", "not_found")
+        return {"url": body.url, "removed": True}
+
+    return app
+
+
+def serve_router(backend: RouterBackend, host: str, port: int, log_level: str = "info",
+                 config: APIConfig = APIConfig()) -> int:
+    """Serve until SIGTERM / Ctrl-C with `kvflow serve`'s drain and exit codes — except that the router keeps
+    running (answering 503) while no instance is healthy, since instances may come back or join."""
+    app = build_router_app(backend, config)
+    server = _Server(_config(app, host, port, log_level, config), app, exit_on_backend_failure=False)
+    server.run()
+    return 128 + server.stopped_by if server.stopped_by is not None else 0

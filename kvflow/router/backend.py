@@ -1,0 +1,269 @@
+"""`RouterBackend`: the router as a `Backend` of the HTTP API, so `kvflow.api.server.build_app` serves it with every
+route, check and error of `kvflow serve` (the prompt is templated, tokenized and validated here, once).
+
+A request goes to the instance the pool chooses as `/v1/completions` with the prompt as token ids, streamed, with
+`return_token_ids`. The router keeps the request's output in its own `Request` (the object the engine keeps), fed
+with the token ids the instance streams: its stop checks, detokenizer and held-back text are the engine's, so the
+client sees what one instance would have sent. If the instance fails (connection refused or reset, an error event,
+its `down` event), the request is re-sent to another instance with its generated prefix — prompt + tokens so far,
+`max_tokens` and `min_tokens` reduced by what was generated — and its stream goes on from the next token: no token
+is lost or sent twice. A greedy request then continues exactly as it would have (a seeded sampled one does not:
+the new instance's generator starts afresh). A stop string that spans the move is still found (by the router's
+`Request`; the stream on the instance is then closed, which aborts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvflow.kv.prefix_hash import extend_hashes
+from kvflow.model.loader import load_config
+from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvflow.router.config import RouterConfig
+from kvflow.router.length import LengthModel
+from kvflow.router.pool import Instance, InstancePool, ModelInfo, NoInstance, probe
+from kvflow.router.policies import RouteRequest
+from kvflow.sched.request import Request, RequestOutput
+from kvflow.sched.sampling import SamplingParams
+from kvflow.serving.backend import BackendStats, BackendUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class InstanceFailed(Exception):
+    """The instance broke off the request (connection refused or reset, an error event, taken out)."""
+
+
+class InstanceRefused(Exception):
+    """The instance answered the request with an HTTP error (`status`, its message)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+def request_body(model: str, prompt: list[int], params: SamplingParams, generated: int) -> dict:
+    """The `/v1/completions` body that continues a request after `generated` tokens (0: the whole request)."""
+    return {"model": model, "prompt": prompt, "stream": True, "return_token_ids": True,
+            "max_tokens": params.max_tokens - generated, "min_tokens": max(params.min_tokens - generated, 0),
+            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
+            "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos}
+
+
+async def _stream(client: httpx.AsyncClient, inst: Instance, body: dict) -> AsyncIterator[Chunk]:
+    """The instance's chunks for one request; raises `InstanceFailed` or `InstanceRefused`."""
+    down = asyncio.ensure_future(inst.down.wait())
+    try:
+        async with client.stream("POST", f"{inst.url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                try:
+                    text = json.loads(text)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    pass
+                raise InstanceRefused(r.status_code, text)
+            lines = r.aiter_lines()
+            while True:
+                line = asyncio.ensure_future(anext(lines, None))
+                done, _ = await asyncio.wait({line, down}, return_when=asyncio.FIRST_COMPLETED)
+                if line not in done:
+                    line.cancel()
+                    await asyncio.gather(line, return_exceptions=True)
+                    raise InstanceFailed("taken out of the pool")
+                text = line.result()
+                if text is None:
+                    raise InstanceFailed("the stream ended without [DONE]")
+                if not text.startswith("data: "):
+                    continue
+                if text == "data: [DONE]":
+                    return
+                event = json.loads(text[6:])
+                if "error" in event:
+                    raise InstanceFailed(f"error event: {event['error'].get('message')}")
+                for choice in event.get("choices", ()):
+                    yield Chunk(choice.get("token_ids") or [], choice.get("finish_reason"))
+    except httpx.TransportError as e:
+        raise InstanceFailed(f"{type(e).__name__}: {e}") from e
+    finally:
+        down.cancel()
+
+
+class RouterBackend:
+    """A `Backend` over an `InstancePool` (see the module docstring)."""
+
+    def __init__(self, config: RouterConfig, model: ModelInfo, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...],
+                 length_model: LengthModel) -> None:
+        self.config = config
+        self.model_name, self.max_model_len = model.name, model.max_model_len
+        self.tokenizer, self.eos_token_ids, self.length_model = tokenizer, eos_token_ids, length_model
+        timeout = httpx.Timeout(connect=config.connect_timeout_s, read=None, write=30.0, pool=None)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
+                                                                             max_keepalive_connections=256))
+        self.pool = InstancePool(config, model, self.client)
+        for url in config.instances:
+            self.pool.add_unchecked(url)
+        self._started = False
+        self._prompt_tokens = self._generated_tokens = 0
+
+    @classmethod
+    async def connect(cls, config: RouterConfig, model: str | None = None, wait_s: float = 60.0) -> "RouterBackend":
+        """Wait (up to `wait_s`) until one configured instance answers /v1/models, take the model's name and context
+        from it, and load the tokenizer of `model` (the checkpoint the instances serve: a GGUF file or a checkpoint
+        directory; None: the embedded default)."""
+        if not config.instances:
+            raise ValueError("the router needs at least one instance (--instance URL or `instances` in --config)")
+        info: ModelInfo | None = None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        async with httpx.AsyncClient() as client:
+            while info is None:
+                for url in config.instances:
+                    try:
+                        info = await probe(client, url, config.health_timeout_s)
+                        break
+                    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+                        continue
+                if info is None:
+                    if loop.time() > deadline:
+                        raise ValueError(f"no instance answered /v1/models within {wait_s:g} s: {list(config.instances)}")
+                    await asyncio.sleep(0.2)
+        mcfg, directory = await asyncio.to_thread(load_config, model)
+        tokenizer = await asyncio.to_thread(Tokenizer, directory)
+        eos = set(mcfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        return cls(config, info, tokenizer, tuple(sorted(eos)), LengthModel.load(config.length_model))
+
+    # ------------------------------------------------------------------ Backend
+    async def start(self) -> None:
+        await self.pool.check_all()  # the configured instances that are up are healthy before the first request
+        self.pool.start()
+        self._started = True
+
+    async def shutdown(self) -> None:
+        self._started = False
+        await self.pool.stop()
+        await self.client.aclose()
+
+    def healthy(self) -> bool:
+        return self._started and any(i.healthy for i in self.pool.instances.values())
+
+    def degraded(self) -> str | None:
+        out = [i.url for i in self.pool.instances.values() if not i.healthy]
+        return f"{len(out)} of {len(self.pool.instances)} instances out: {', '.join(out)}" if out else None
+
+    def stats(self) -> BackendStats:
+        insts = self.pool.instances.values()
+        return BackendStats(waiting_requests=sum(i.waiting for i in insts),
+                            running_requests=sum(len(i.flights) for i in insts),
+                            prompt_tokens_total=self._prompt_tokens, generated_tokens_total=self._generated_tokens)
+
+    def route(self, token_ids: list[int]) -> RouteRequest:
+        bt = self.config.block_tokens
+        hashes = extend_hashes([], token_ids, len(token_ids) // bt, bt)
+        return RouteRequest(len(token_ids), tuple(hashes), self.length_model.predict(len(token_ids)))
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
+                      IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
+        route = self.route(req.token_ids)
+        failed: set[str] = set()
+        self._prompt_tokens += len(prompt_token_ids)
+        while True:
+            generated = len(req.output_token_ids)
+            try:
+                inst = self.pool.choose(route, failed)
+            except NoInstance as e:
+                if not generated:
+                    raise BackendUnavailable(str(e)) from None
+                req.finish("error", f"{e}; {generated} tokens were generated")
+                yield req.take_output()
+                return
+            flight = self.pool.open(inst, route)
+            flight.generated = generated
+            body = request_body(self.model_name, req.token_ids, params, generated)
+            stream = _stream(self.client, inst, body)
+            try:
+                async for chunk in stream:
+                    reason = None
+                    for t in chunk.token_ids:
+                        reason = req.append_token(t, self.max_model_len)
+                        self._generated_tokens += 1
+                        if reason:
+                            break
+                    reason = reason or _instance_finish(chunk.finish_reason)
+                    if reason:
+                        req.finish(reason)
+                    flight.generated = len(req.output_token_ids)
+                    if chunk.token_ids or req.is_finished:
+                        yield req.take_output()
+                    if req.is_finished:
+                        self.pool.remember(inst, self.route(req.token_ids).block_hashes)  # its output's blocks too
+                        return
+                raise InstanceFailed("the stream ended before the request finished")
+            except InstanceRefused as e:
+                if e.status < 500 and not generated:
+                    raise ValueError(e.args[0]) from None  # the request itself: 400 (or 404) to the client
+                log.warning("instance %s refused request %s (%d): %s", inst.url, request_id, e.status, e.args[0])
+            except InstanceFailed as e:
+                self.pool.fail(inst, str(e))
+            finally:
+                await stream.aclose()
+                self.pool.close(inst, flight)
+            failed.add(inst.url)
+            if len(failed) > self.config.max_resends:
+                if not req.output_token_ids:
+                    raise BackendUnavailable(f"request {request_id} failed on {len(failed)} instances")
+                req.finish("error", f"failed on {len(failed)} instances")
+                yield req.take_output()
+                return
+            self.pool.failovers_total += 1
+            self.pool.resent_tokens_total += len(req.output_token_ids)
+            route = self.route(req.token_ids)
+
+    # ------------------------------------------------------------------ /metrics
+    def metric_families(self) -> Iterable[Metric]:
+        insts = sorted(self.pool.instances.values(), key=lambda i: i.url)
+
+        def per_instance(kind, name: str, help: str, value) -> Metric:
+            family = kind(name, help, labels=["instance"])
+            for i in insts:
+                family.add_metric([i.url], value(i))
+            return family
+
+        return [
+            per_instance(GaugeMetricFamily, "kvflow_router_instance_up", "1 while the instance is in the pool's rotation",
+                         lambda i: int(i.healthy)),
+            per_instance(GaugeMetricFamily, "kvflow_router_instance_in_flight", "Requests the router has open there",
+                         lambda i: len(i.flights)),
+            per_instance(GaugeMetricFamily, "kvflow_router_instance_queue",
+                         "Requests waiting + running there, as its last /metrics said", lambda i: i.waiting + i.running),
+            per_instance(CounterMetricFamily, "kvflow_router_routed_total", "Requests (and re-sent requests) sent there",
+                         lambda i: i.routed_total),
+            per_instance(CounterMetricFamily, "kvflow_router_instance_failures_total", "Times the instance was taken out",
+                         lambda i: i.failures_total),
+            CounterMetricFamily("kvflow_router_failovers_total", "Requests re-sent to another instance after a failure",
+                                value=self.pool.failovers_total),
+            CounterMetricFamily("kvflow_router_resent_tokens_total",
+                                "Generated tokens re-sent as prompt with those requests", value=self.pool.resent_tokens_total),
+        ]
+
+
+def _instance_finish(reason: str | None) -> str | None:
+    """The instance's finish reason where the router's own checks did not already end the request: "stop" or
+    "length" end it as on the instance; "error" or "abort" mean the instance failed it (raises)."""
+    if reason in (None, "stop", "length"):
+        return reason
+    raise InstanceFailed(f"the instance ended the request with {reason!r}")

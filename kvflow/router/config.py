@@ -1,0 +1,64 @@
+"""`RouterConfig`: the instances behind the router, its placement policy and how it checks instances (frozen,
+validated); `from_file` reads the same fields from a YAML or JSON file (`kvflow router --config`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from urllib.parse import urlparse
+
+import yaml
+
+from kvflow.router.policies import POLICIES, PolicyConfig
+
+
+def instance_url(url: str) -> str:
+    """An instance's base URL, checked and without a trailing slash: http(s)://host:port."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path not in ("", "/"):
+        raise ValueError(f"an instance is a base URL such as http://127.0.0.1:8001, got {url!r}")
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    instances: tuple[str, ...] = ()  # base URLs of `kvflow serve` instances (more may join at runtime)
+    policy: str = "prefix_aware"
+    placement: PolicyConfig = field(default_factory=PolicyConfig)
+    health_interval_s: float = 1.0  # how often each instance's /health and /metrics are read
+    health_timeout_s: float = 2.0
+    failure_threshold: int = 3  # consecutive failed checks that take an instance out (a failed stream: at once)
+    connect_timeout_s: float = 5.0
+    block_tokens: int = 16  # prompt tokens per entry of the router's prefix-hash chain
+    cached_blocks: int = 1 << 16  # chain entries remembered per instance (least recently sent forgotten first)
+    length_model: str = "all"  # which fit of `output_lengths.json` predicts output lengths
+    max_resends: int = 3  # how many times one request may move to another instance after a failure
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "instances", tuple(dict.fromkeys(instance_url(u) for u in self.instances)))
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("failure_threshold", "block_tokens", "cached_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_resends < 0:
+            raise ValueError(f"max_resends must be >= 0, got {self.max_resends}")
+
+    @classmethod
+    def from_file(cls, path: Path, **overrides) -> "RouterConfig":
+        """The file's fields (`placement` a mapping of `PolicyConfig`'s), then `overrides` that are not None."""
+        raw = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping of router settings")
+        known = {f.name for f in fields(cls)}
+        if unknown := set(raw) - known:
+            raise ValueError(f"{path}: unknown router setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        if isinstance(raw.get("placement"), dict):
+            raw["placement"] = PolicyConfig(**raw["placement"])
+        if "instances" in raw:
+            raw["instances"] = tuple(raw["instances"])
+        return replace(cls(**raw), **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,202 @@
+"""`InstancePool`: the kvflow instances behind the router — who is in, who is healthy, what each is doing — and the
+placement decision over them (`choose`, by the configured policy of `kvflow.router.policies`).
+
+An instance joins (`add`: from the config, or `POST /router/instances` at runtime) once its /v1/models names the
+pool's model, and is a candidate from its next `choose` on. A periodic check reads each instance's /health and
+/metrics; `failure_threshold` failed checks in a row take it out, as does one failed stream (`fail`: connection
+refused or reset). An instance that is out keeps being checked, and one good check brings it back with an empty
+cache record (it may have restarted). Taking an instance out sets its `down` event, which the streams open on it
+watch, so that requests stuck on a hung instance move too. `remove` stops routing to an instance; the requests
+open on it finish there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvflow.router.config import RouterConfig, instance_url
+from kvflow.router.policies import POLICIES, InstanceState, RouteRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Flight:
+    """One request open on one instance, as placement counts it."""
+
+    prompt_len: int
+    predicted: float
+    generated: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What every instance of a pool must agree on (from its /v1/models)."""
+
+    name: str
+    max_model_len: int
+
+
+@dataclass(eq=False)
+class Instance:
+    url: str
+    healthy: bool = False
+    failures: int = 0  # consecutive failed checks
+    waiting: int = 0
+    running: int = 0
+    cached: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # LRU of prefix-hash chain entries sent
+    flights: set[Flight] = field(default_factory=set)
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+    routed_total: int = 0
+    failures_total: int = 0  # times taken out
+
+    def state(self) -> InstanceState:
+        return InstanceState(
+            self.url, self.waiting, self.running, len(self.flights), frozenset(self.cached),
+            sum(max(f.predicted - f.generated, 0.0) for f in self.flights),
+            sum(f.prompt_len + max(f.predicted, f.generated) for f in self.flights))
+
+
+class NoInstance(Exception):
+    """No healthy instance is left to send a request to."""
+
+
+async def probe(client: httpx.AsyncClient, url: str, timeout: float) -> ModelInfo:
+    """The model an instance serves (its /v1/models); raises httpx errors when it does not answer."""
+    r = await client.get(f"{url}/v1/models", timeout=timeout)
+    r.raise_for_status()
+    card = r.json()["data"][0]
+    return ModelInfo(card["id"], int(card["max_model_len"]))
+
+
+class InstancePool:
+    def __init__(self, config: RouterConfig, model: ModelInfo, client: httpx.AsyncClient) -> None:
+        self.config, self.model, self.client = config, model, client
+        self.policy = POLICIES[config.policy]
+        self.instances: dict[str, Instance] = {}
+        self.turn = 0
+        self.failovers_total = 0
+        self.resent_tokens_total = 0
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ membership
+    async def add(self, url: str) -> Instance:
+        """Admit an instance: it must answer /v1/models with the pool's model and context length now (raises
+        ValueError otherwise). Used by the next `choose`."""
+        url = instance_url(url)
+        try:
+            info = await probe(self.client, url, self.config.health_timeout_s)
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"instance {url} did not answer /v1/models: {e}") from e
+        if info != self.model:
+            raise ValueError(f"instance {url} serves {info}, this router {self.model}")
+        inst = self.instances.get(url) or Instance(url)
+        inst.healthy, inst.failures = True, 0
+        inst.down.clear()
+        self.instances[url] = inst
+        log.info("instance %s joined (%d in the pool)", url, len(self.instances))
+        return inst
+
+    def add_unchecked(self, url: str) -> None:
+        """An instance from the config that is not up yet: checked like the others, used once a check passes."""
+        url = instance_url(url)
+        self.instances.setdefault(url, Instance(url))
+
+    def remove(self, url: str) -> bool:
+        return self.instances.pop(instance_url(url), None) is not None
+
+    def fail(self, inst: Instance, why: str) -> None:
+        """Take an instance out now (a stream to it broke); the health check may bring it back."""
+        if inst.healthy:
+            log.warning("instance %s taken out: %s", inst.url, why)
+            inst.failures_total += 1
+        inst.healthy, inst.failures = False, self.config.failure_threshold
+        inst.cached.clear()
+        inst.down.set()
+
+    # ------------------------------------------------------------------ placement
+    def choose(self, route: RouteRequest, exclude: set[str] = frozenset()) -> Instance:
+        candidates = [i for i in self.instances.values() if i.healthy and i.url not in exclude]
+        if not candidates:
+            raise NoInstance(f"no healthy instance ({len(self.instances)} in the pool, {len(exclude)} failed this request)")
+        states = [i.state() for i in candidates]
+        chosen = candidates[self.policy(route, states, self.config.placement, self.turn)]
+        self.turn += 1
+        return chosen
+
+    def open(self, inst: Instance, route: RouteRequest) -> Flight:
+        flight = Flight(route.prompt_len, route.predicted_output)
+        inst.flights.add(flight)
+        inst.routed_total += 1
+        self.remember(inst, route.block_hashes)
+        return flight
+
+    def close(self, inst: Instance, flight: Flight) -> None:
+        inst.flights.discard(flight)
+
+    def remember(self, inst: Instance, block_hashes: Sequence[bytes]) -> None:
+        """The instance now likely caches these blocks: most recently used first to stay in the bounded record."""
+        for h in block_hashes:
+            inst.cached[h] = None
+            inst.cached.move_to_end(h)
+        while len(inst.cached) > self.config.cached_blocks:
+            inst.cached.popitem(last=False)
+
+    # ------------------------------------------------------------------ health
+    async def check(self, inst: Instance) -> None:
+        timeout = self.config.health_timeout_s
+        try:
+            r = await self.client.get(f"{inst.url}/health", timeout=timeout)
+            ok = r.status_code == 200
+            if ok:
+                m = await self.client.get(f"{inst.url}/metrics", timeout=timeout)
+                inst.waiting, inst.running = _queue(m.text) if m.status_code == 200 else (inst.waiting, inst.running)
+            if ok and not inst.healthy:  # back (or up for the first time): the same model?
+                ok = await probe(self.client, inst.url, timeout) == self.model
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            ok = False
+        if ok:
+            if not inst.healthy:
+                log.info("instance %s is up", inst.url)
+                inst.cached.clear()
+                inst.down.clear()
+            inst.healthy, inst.failures = True, 0
+            return
+        inst.failures += 1
+        if inst.failures >= self.config.failure_threshold and inst.healthy:
+            self.fail(inst, f"{inst.failures} failed health checks")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(i) for i in list(self.instances.values())))
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+            except Exception:  # one bad check must not stop the checking
+                log.exception("health check failed")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvflow-router-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _queue(text: str) -> tuple[int, int]:
+    """(waiting, running) from an instance's /metrics text."""
+    values = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("kvflow_num_requests_waiting", "kvflow_num_requests_running") and family.samples:
+            values[family.name] = int(family.samples[0].value)
+    return values.get("kvflow_num_requests_waiting", 0), values.get("kvflow_num_requests_running", 0)
