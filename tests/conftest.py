@@ -10,6 +10,8 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not torch.cuda.is_available():  # the Triton kernels run on CPU tensors, interpreted (read when a kernel is defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
 
 from kvflow.config import EngineConfig  # noqa: E402

@@ -46,6 +46,7 @@ class ForwardBatch:
     decode_block_table: torch.Tensor  # [Bd, max_blocks] long (padded with the sequence's first block)
     decode_key_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
     decode_context_lens: torch.Tensor  # [Bd] long: tokens each decode sequence attends to
+    decode_query_len: torch.Tensor  # [Bd] long: ones (the query length of each decode row, for kernels that take one)
     prefill: list[SeqSlice]
     prefill_block_table: torch.Tensor  # [Sp, max_blocks] long, per prompt-chunk sequence (padded like decode's)
     prefill_query_start: torch.Tensor  # [Sp] long: first token row of each chunk
@@ -101,6 +102,7 @@ class ForwardBatch:
             decode_block_table=torch.tensor(table, **long).reshape(len(decode), max_blocks),
             decode_key_mask=mask.to(dev),
             decode_context_lens=ctx.to(dev),
+            decode_query_len=torch.ones(len(decode), **long),
             prefill=prefill,
             prefill_block_table=torch.tensor(prefill_table, **long).reshape(len(prefill), prefill_blocks),
             prefill_query_start=torch.tensor([s.query_start for s in prefill], **long),

@@ -49,6 +49,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _triton_kernels():
+    """The Triton kernels' module, imported on first use (Triton's import is slow and only CUDA uses it)."""
+    from kvflow.model import triton_attention
+
+    return triton_attention
+
+
 class LlamaModel:
     """Layers [layer_start, layer_end) of a Llama model; the first stage embeds, the last computes logits.
 
@@ -97,6 +104,9 @@ class LlamaModel:
         self.cpu_kernels = cpu_kernels.available(device)
         self.paged_kernel = self.cpu_kernels and cpu_kernels.paged_attention_supported(
             cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+        # On CUDA with Triton, attention reads K/V in place too (`triton_attention`, batch-invariant by
+        # construction); the projections there are cuBLAS's, which are not.
+        self.triton_attention = device.type == "cuda" and _triton_kernels().available(device)
         # A step of decode rows only runs its layers in one native call (`cpu_kernels.decode_layers`:
         # the same kernels and projections, bitwise the same result, no Python call per op); False
         # runs them op by op from Python (for comparison; hooks and prompt chunks always do).
@@ -342,6 +352,8 @@ class LlamaModel:
         return torch.matmul(probs, vals).reshape(bd, cfg.num_heads, cfg.head_dim)
 
     def _attention(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        if self.triton_attention:
+            return self._triton_attention(layer, q, batch, kv)
         if not batch.prefill and batch.decode_rows.numel():  # all rows decode, in order: no row gather/scatter
             return self._decode_attention(layer, q, batch, kv)
         if self.paged_kernel:  # every prompt chunk in one call, K/V read in place from the cache
@@ -354,6 +366,18 @@ class LlamaModel:
         if batch.decode_rows.numel():
             qd = q.index_select(0, batch.decode_rows)
             out.index_copy_(0, batch.decode_rows, self._decode_attention(layer, qd, batch, kv))
+        return out
+
+    def _triton_attention(self, layer: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Prompt chunks in one kernel call, decode rows in another (the same kernel and tile sizes)."""
+        out, kv_layer = torch.empty(q.shape, dtype=q.dtype, device=q.device), kv.layer_kv(layer)
+        if batch.prefill:
+            _triton_kernels().paged_attention(q, kv_layer, batch.prefill_block_table, batch.prefill_query_start,
+                                             batch.prefill_query_len, batch.prefill_context_lens,
+                                             max(s.query_len for s in batch.prefill), self.scale, out)
+        if batch.decode_rows.numel():
+            _triton_kernels().paged_attention(q, kv_layer, batch.decode_block_table, batch.decode_rows,
+                                             batch.decode_query_len, batch.decode_context_lens, 1, self.scale, out)
         return out
 
     def _sdpa_prefill(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:

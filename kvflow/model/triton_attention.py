@@ -1,0 +1,145 @@
+"""Paged attention for GPUs, in Triton: every query row of a step attends to its sequence's K/V read
+in place from the paged cache (no gather into a padded copy, no per-sequence launch).
+
+One kernel serves prompt chunks (with or without cached context before them) and decode rows. A
+program takes BLOCK_Q query tokens of one sequence and the GROUP query heads that share one KV head
+(grouped-query attention: the K/V tile is read once for all of them), and walks the sequence's keys
+in tiles of BLOCK_N positions with an online softmax in float32.
+
+Batch invariance holds by construction: every call uses the same tile sizes, key tiles start at
+absolute positions 0, BLOCK_N, 2*BLOCK_N, ... whatever the batch, and a row's result depends only
+on its own query, its own keys and that fixed order (rows of a tile share no reduction; a key tile
+past a row's position is fully masked and leaves its running max, sum and output exactly as they
+were). So a request's tokens do not depend on what else is in its step, nor on how its prompt was
+chunked. There is no split over the key dimension for long contexts: merging partial softmaxes
+would tie a row's rounding to the split, which would have to be fixed per position to stay
+invariant; at the contexts kvflow serves, one program per (sequence, KV head, query tile) keeps
+the GPU busy enough at any batch worth batching.
+
+Under `TRITON_INTERPRET=1` the same kernel runs on CPU tensors (slowly), which is how CI tests it.
+The interpreter multiplies half-precision matrices wrongly (it sees their raw bits), so there the
+dots take float32 copies of the same values: the products are exact either way, only the order of
+the float32 sums may differ from the GPU's. float32 dots are IEEE (no TF32) everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: `available` is False and nothing below is called
+    triton = None
+
+BLOCK_Q = 16  # query tokens per program
+BLOCK_N = 32  # keys per tile of the walk over the context
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(device: torch.device) -> bool:
+    """The kernel runs on `device`: a CUDA device with Triton, or any tensor under the interpreter."""
+    return triton is not None and (device.type == "cuda" or interpreted())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
+        scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,  # q and out: [T, H, D], last dim contiguous
+        stride_kb, stride_ks, stride_kh,  # K and V cache: [num_blocks, block_size, kv_heads, D]
+        stride_tab,  # block table: [num_seqs, max_blocks]
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        tile = tl.program_id(2)
+        q_len = tl.load(q_len_ptr + seq)
+        if tile * BLOCK_Q >= q_len:  # this sequence has fewer query tiles than the longest
+            return
+        q_start = tl.load(q_start_ptr + seq)
+        ctx_len = tl.load(ctx_len_ptr + seq)
+
+        BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+        m = tl.arange(0, BLOCK_M)
+        tok = tile * BLOCK_Q + m // GROUP_PAD  # query token within the chunk
+        g = m % GROUP_PAD  # query head within the group
+        row_ok = (tok < q_len) & (g < GROUP)
+        pos = ctx_len - q_len + tok  # the token's position: it sees keys 0..pos
+        d = tl.arange(0, HEAD_DIM)
+        head = kv_head * GROUP + g
+        q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        last = tl.minimum(ctx_len, ctx_len - q_len + (tile + 1) * BLOCK_Q)  # keys this tile's rows can see
+        for n0 in range(0, last, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            key_ok = n < last
+            block = tl.load(table_ptr + seq * stride_tab + n // BLOCK_SIZE, mask=key_ok, other=0)
+            kv_off = block[:, None] * stride_kb + (n % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+            if UPCAST:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            visible = (n[None, :] <= pos[:, None]) & key_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key at all
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if UPCAST:  # p rounded to the cache's dtype first, as the half-precision dot below takes it
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, query_start: torch.Tensor,
+                    query_len: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, scale: float,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Attention of the sequences described by (`query_start`, `query_len`, `context_lens`,
+    `block_table` rows) into the rows of `out` they own; other rows of `out` are left as they are.
+
+    q, out: [T, H, D]; kv_layer: [2, num_blocks, block_size, kv_heads, D] (one layer of the cache, this
+    step's K/V already written); block_table: [S, max_blocks] (padded); query_len <= context_lens;
+    `max_query_len`: the largest of `query_len`, known on the host (1 for decode rows)."""
+    num_seqs = query_len.numel()
+    if num_seqs == 0:
+        return out
+    _, num_blocks, block_size, kv_heads, head_dim = kv_layer.shape
+    heads = q.shape[1]
+    if heads % kv_heads or q.stride(-1) != 1 or out.stride(-1) != 1 or kv_layer.stride(-1) != 1:
+        raise ValueError("paged_attention: heads must be a multiple of kv_heads and the last dims contiguous")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"paged_attention: head_dim {head_dim} must be a power of two >= 16")
+    group = heads // kv_heads
+    k_cache, v_cache = kv_layer[0], kv_layer[1]
+    grid = (num_seqs, kv_heads, triton.cdiv(max_query_len, BLOCK_Q))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_table, query_start, query_len, context_lens,
+        scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), HEAD_DIM=head_dim,
+        BLOCK_Q=BLOCK_Q, BLOCK_N=BLOCK_N, UPCAST=q.dtype == torch.float32 or interpreted(),
+    )
+    return out
