@@ -18,18 +18,19 @@ def register(sub) -> None:
                    help="base URL of a kvflow serve instance, e.g. http://127.0.0.1:8001 (repeat for each)")
     r.add_argument("--config", type=Path, default=None,
                    help="YAML or JSON file of router settings (instances, policy, placement, health checks); "
-                        "flags given here override it, --instance adds to its instances")
+                        "flags given here override it, --instance adds to its instances (default: none)")
     r.add_argument("--policy", default=None, choices=sorted(POLICIES), help="placement policy (default prefix_aware)")
     r.add_argument("--model", default=None,
                    help="the checkpoint the instances serve, for its tokenizer (default: the embedded SmolLM2-135M-Instruct)")
     r.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--port", type=int, default=8000, help="port to listen on")
     r.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a first instance to answer")
     r.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but --open-paths (default: $KVFLOW_API_KEY)")
     r.add_argument("--open-paths", default="/health,/metrics", help="comma-separated paths answered without the key")
     r.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may run on shutdown")
-    r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="of the HTTP server's and kvflow's own log lines (stderr)")
     r.set_defaults(func=run_router)
 
 
