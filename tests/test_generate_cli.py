@@ -22,7 +22,7 @@ def test_generate_applies_chat_template_by_default(tiny_ckpt_dir, capsys):
 
 def test_bad_flags_exit_2_with_message(tiny_ckpt_dir, capsys):
     assert main(["generate", "w10", "--model", str(tiny_ckpt_dir), "--top-p", "0"]) == 2
-    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert "argument --top-p: must be > 0, got 0" in capsys.readouterr().err
     assert main(["generate", "w10", "--model", "/nonexistent/model.gguf"]) == 2
     assert "not found" in capsys.readouterr().err
 

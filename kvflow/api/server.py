@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: `build_app(backend, config)` (FastAPI), `serve(...)` (uvicorn) and `BackgroundServer`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
-GET /health (200 "ok", 200 "degraded" while a worker is being replaced, 503 "unhealthy"; answered
-even while the backend is broken), GET /metrics (Prometheus).
+GET /v1/models/{id} (the served model's card; 404 `model_not_found` for any other id), GET /health
+(200 "ok", 200 "degraded" while a worker is being replaced, 503 "unhealthy"; answered even while the
+backend is broken), GET /metrics (Prometheus).
 With an API key every route but `APIConfig.open_paths` needs `Authorization: Bearer <key>`.
 The app starts the backend on startup; on shutdown (SIGTERM, Ctrl-C) the server stops accepting,
 drains in-flight requests up to `APIConfig.drain_timeout_s` (`kvflow.api.drain`), then shuts the
@@ -169,11 +170,20 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
         prepare = partial(prepare_chat, body, backend.model_name, backend.tokenizer, backend.max_model_len, vocab_size)
         return await respond(request, prepare, prompt_chars(body), chat=True)
 
+    def card() -> ModelCard:
+        return ModelCard(id=backend.model_name, root=backend.model_name, max_model_len=backend.max_model_len,
+                         vocab_size=vocab_size)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=backend.model_name, root=backend.model_name, max_model_len=backend.max_model_len,
-                         vocab_size=vocab_size)
-        return ModelList(data=[card])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")  # `openai`'s models.retrieve; ids may hold '/' (org/name)
+    async def model(model_id: str) -> ModelCard:
+        if model_id != backend.model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{backend.model_name}'",
+                           "invalid_request_error", "model", "model_not_found")
+        return card()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -208,10 +218,12 @@ class _Server(uvicorn.Server):
     uvicorn's own second Ctrl-C (`force_exit`) would skip the application's shutdown and leave the backend's
     workers running, so it is not used; `stopped_by` keeps that signal for the exit code."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, exit_on_backend_failure: bool = False) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, exit_on_backend_failure: bool = False,
+                 on_listening: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.app = app
         self.exit_on_backend_failure = exit_on_backend_failure
+        self.on_listening = on_listening
         self.backend_failed = False
         self.stopped_by: int | None = None  # the second signal, which cut the drain short
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -219,6 +231,11 @@ class _Server(uvicorn.Server):
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)  # the backend started (lifespan), then the sockets listen
+        if self.started and self.on_listening is not None:
+            self.on_listening()
 
     def handle_exit(self, sig: int, frame) -> None:
         """The signal handler (main thread, between two bytecodes of whatever runs): the first signal starts the
@@ -286,13 +303,17 @@ def _config(app: FastAPI, host: str, port: int, log_level: str, config: APIConfi
 
 
 def serve(backend: Backend, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          config: APIConfig = APIConfig()) -> int:
+          config: APIConfig = APIConfig(), sock: socket.socket | None = None,
+          on_listening: Callable[[], None] | None = None) -> int:
     """Serve until SIGTERM / Ctrl-C, then drain and shut down (see the module docstring). Returns the
     process exit code: 0 after a shutdown, 1 when the backend failed for good (see `_Server.on_tick`),
-    128 + the signal's number when a second signal cut the drain short."""
+    128 + the signal's number when a second signal cut the drain short. `sock`: a socket already bound
+    to host:port (`kvflow serve` binds it before loading the model, so a busy port fails at once); it
+    starts listening once the backend has started, and then `on_listening()` is called."""
     app = build_app(backend, config)
-    server = _Server(_config(app, host, port, log_level, config), app, exit_on_backend_failure=True)
-    server.run()
+    server = _Server(_config(app, host, port, log_level, config), app, exit_on_backend_failure=True,
+                     on_listening=on_listening)
+    server.run(sockets=None if sock is None else [sock])
     if server.backend_failed:
         return 1
     return 128 + server.stopped_by if server.stopped_by is not None else 0

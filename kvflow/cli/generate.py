@@ -6,43 +6,48 @@ import argparse
 import sys
 import time
 
+from kvflow.cli.args import model_arg, number
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF-style checkpoint dir (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", type=model_arg, default=None,
+                   help="GGUF file or HF-style checkpoint dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="torch device the model runs on")
+    p.add_argument("--threads", type=number(int, 1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   dest="enable_prefix_caching", help="reuse the KV of earlier turns' tokens (default on)")
+                   dest="enable_prefix_caching", help="reuse the KV of earlier turns' tokens")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
-                   help="batch-invariant kernels: the same tokens whatever else is batched (default off: the fastest "
+                   help="batch-invariant kernels: the same tokens whatever else is batched (off: the fastest "
                         "kernel per batch shape)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=number(int, 1), default=max_tokens, help="most tokens to generate")
+    p.add_argument("--temperature", type=number(float, 0), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=number(int, 0), default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=number(float, 0, 1, low_open=True), default=1.0,
+                   help="sample from the smallest set of tokens whose probability reaches p (1: all)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
+    p.add_argument("--stop-token-id", type=number(int, 0), action="append", default=[], dest="stop_token_ids",
+                   help="token id that ends the reply, beside the model's EOS (repeatable; default: none)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token, up to --max-tokens")
 
 
 def register(sub) -> None:
     g = sub.add_parser("generate", help="generate a reply to one prompt, streaming tokens as they come")
     g.add_argument("prompt", help="the prompt (a user message unless --raw)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template; use the prompt as raw text")
-    g.add_argument("--system", default=None, help="system message (chat template only)")
+    g.add_argument("--system", default=None, help="system message (chat template only; default: none)")
     g.add_argument("--stats", action="store_true", help="print load time, TTFT and tokens/s to stderr")
     _add_model_args(g)
     _add_sampling_args(g, 256)
     g.set_defaults(func=run_generate)
 
     c = sub.add_parser("chat", help="interactive chat with the model (Ctrl-D or /exit to quit, /reset to clear)")
-    c.add_argument("--system", default=None)
+    c.add_argument("--system", default=None, help="system message (default: none)")
     _add_model_args(c)
     _add_sampling_args(c, 512)
     c.set_defaults(func=run_chat)
@@ -64,10 +69,9 @@ def _params(args):
 
 
 def _load(args):
-    from kvflow.engine.llm import LLM
-
     params = _params(args)  # validate flags before the (slow) model load
     from kvflow.config import resolve_dtype
+    from kvflow.engine.llm import LLM
 
     dtype, why = resolve_dtype(args.dtype, args.device)
     print(f"[kvflow] dtype {dtype} ({why})", file=sys.stderr)
@@ -94,10 +98,10 @@ def _stream(llm, prompt, params, chat: bool) -> tuple[float | None, int, str | N
 
 
 def run_generate(args) -> int:
+    if args.raw and args.system:
+        raise ValueError("--system needs the chat template (drop --raw)")
     llm, params, load_s = _load(args)
     if args.raw:
-        if args.system:
-            raise ValueError("--system needs the chat template (drop --raw)")
         prompt, chat = args.prompt, False
     else:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from kvflow import __version__
+from kvflow.cli.args import ArgumentParser
 
 # Each module listed here defines `register(subparsers)`, which adds its sub-commands and sets
 # `func` on them (a callable taking the parsed args and returning an exit code).
@@ -18,7 +22,8 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: LLM serving built around KV-cache streaming")
+    parser = ArgumentParser(prog="kvflow", description="kvflow: LLM serving built around KV-cache streaming")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -27,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or an argument error (already printed in one line)
+        return e.code if isinstance(e.code, int) else 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -36,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kvflow plan ... | head`: the reader left, nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit does not fail again
+        return 0
     except (ValueError, FileNotFoundError) as e:
         print(f"kvflow {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -6,80 +6,102 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from kvflow.cli.args import existing_path, int_list, length_dist, model_arg, number
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="recommend a prompt/token machine split (DéjàVu planner)")
+    p = sub.add_parser("plan", help="recommend a prompt/token machine split (DéjàVu planner)",
+                       description="Recommend how to split a cluster between prompt and token pipelines (DéjàVu's "
+                                   "planner, docs/planner.md). Layouts are written (2d, 4p, 16b): 2 replicas (d) of "
+                                   "a pipeline of 4 stages (p) running microbatches of 16 requests (b); a "
+                                   "disaggregated layout lists its prompt pipelines, then its token pipelines.")
     _hardware_args(p)
-    p.add_argument("--machines", type=int, required=True, help="cluster size D")
+    p.add_argument("--machines", type=number(int, 1), required=True, help="cluster size D")
     p.add_argument("--goal", choices=["makespan", "goodput"], default="makespan",
                    help="makespan: DéjàVu's search (Appendix B/D); goodput: DistServe's Algorithm 1 for --rate")
-    p.add_argument("--rate", type=float, help="--goal goodput: the traffic rate R to serve (requests/s)")
-    p.add_argument("--max-depth", type=int, default=16, help="deepest pipeline considered (replicas beyond)")
-    p.add_argument("--ttft-slo", type=float, help="seconds; with --tpot-slo also searches goodput")
-    p.add_argument("--tpot-slo", type=float, help="seconds per output token")
-    p.add_argument("--attainment", type=float, default=0.9)
-    p.add_argument("--trial-requests", type=int, default=150,
+    p.add_argument("--rate", type=number(float, 0, low_open=True),
+                   help="--goal goodput: the traffic rate R to serve (requests/s; default: none, required there)")
+    p.add_argument("--max-depth", type=number(int, 1), default=16, help="deepest pipeline considered (replicas beyond)")
+    p.add_argument("--ttft-slo", type=number(float, 0, low_open=True),
+                   help="seconds; with --tpot-slo also searches goodput (default: no SLO)")
+    p.add_argument("--tpot-slo", type=number(float, 0, low_open=True),
+                   help="seconds per output token (default: no SLO)")
+    p.add_argument("--attainment", type=number(float, 0, 1, low_open=True), default=0.9,
+                   help="share of requests that must meet both SLOs")
+    p.add_argument("--trial-requests", type=number(int, 1), default=150,
                    help="--goal goodput: requests per simulated trial of the rate search")
-    p.add_argument("--decode-microbatches", default=None,
+    p.add_argument("--decode-microbatches", type=int_list, default=None,
                    help="--goal goodput: decode batch sizes (default: --microbatches)")
-    p.add_argument("--json", type=Path, help="write the plan as JSON here")
+    p.add_argument("--json", type=Path, help="write the plan as JSON here (default: not written)")
     p.add_argument("--placement", type=Path, metavar="FILE",
                    help="--goal makespan: write a Ray placement of the best configuration `kvflow serve` runs "
-                        "(one colocated pipeline, or one prompt + one token pipeline) for `kvflow serve --launcher ray --plan FILE`")
+                        "(one colocated pipeline, or one prompt + one token pipeline) for `kvflow serve --launcher ray "
+                        "--plan FILE` (default: not written)")
     p.add_argument("--ray-nodes", default=None, metavar="IP,IP,...",
-                   help="with --placement: the Ray nodes' IPs, one stage per node in order")
+                   help="with --placement: the Ray nodes' IPs, one stage per node in order (default: none)")
     p.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("simulate", help="simulate a scenario (YAML) or one layout given by flags")
-    s.add_argument("--scenario", type=Path, help="YAML scenario: sweeps its machine counts")
+    s.add_argument("--scenario", type=existing_path, help="YAML scenario: sweeps its machine counts (default: none; "
+                                                          "then --layout)")
     _hardware_args(s)
     s.add_argument("--layout", help="'8p16b' (baseline), '4x2p16b' (DP) or '3p16b,5p16b' (prompt,token; "
-                                    "replicas as '2x3p16b,4x5p16b')")
-    s.add_argument("--rate", type=float, help="Poisson requests/s (default: all arrive at t=0)")
-    s.add_argument("--trace", type=Path, help="Azure LLM inference trace CSV")
-    s.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times")
+                                    "replicas as '2x3p16b,4x5p16b'; default: none, then --scenario)")
+    s.add_argument("--rate", type=number(float, 0, low_open=True),
+                   help="Poisson requests/s (default: all arrive at t=0)")
+    s.add_argument("--trace", type=existing_path, help="Azure LLM inference trace CSV (default: synthetic requests)")
+    s.add_argument("--time-scale", type=number(float, 0, low_open=True), default=1.0,
+                   help="multiply trace arrival times")
     s.add_argument("--fail", action="append", default=[], metavar="T[:ROLE[:PIPE[:STAGE]]]",
-                   help="kill a worker at T seconds (role prompt|token)")
-    s.add_argument("--recovery", choices=["resume", "restart"], default="resume")
-    s.add_argument("--recovery-costs", type=Path, metavar="JSON",
+                   help="kill a worker at T seconds (role prompt|token; repeatable; default: none)")
+    s.add_argument("--recovery", choices=["resume", "restart"], default="resume",
+                   help="after a failure: resume from the replicated KV, or restart the lost requests")
+    s.add_argument("--recovery-costs", type=existing_path, metavar="JSON",
                    help="measured recovery costs (results/fault_tolerance.json of benchmarks/fault_tolerance.py) "
-                        "instead of the defaults (detect 1 s, restart 10 s, restore modelled from the KV size)")
-    s.add_argument("--dispatch", choices=["shared", "round_robin"], default="shared")
+                        "instead of the defaults (default: detect 1 s, restart 10 s, restore modelled from the KV size)")
+    s.add_argument("--dispatch", choices=["shared", "round_robin"], default="shared",
+                   help="how requests reach replicas: one shared queue, or round robin")
     s.add_argument("--rigid-rounds", action="store_true", help="original FasterTransformer scheduling")
-    s.add_argument("--ttft-slo", type=float)
-    s.add_argument("--tpot-slo", type=float)
+    s.add_argument("--ttft-slo", type=number(float, 0, low_open=True), help="seconds (default: no SLO)")
+    s.add_argument("--tpot-slo", type=number(float, 0, low_open=True), help="seconds per output token (default: no SLO)")
     s.add_argument("--out", type=Path, default=Path("results/simulate"), help="output stem for .json/.png")
     s.set_defaults(func=cmd_simulate)
 
     f = sub.add_parser("profile", help="time the real engine and write a profile for ProfiledPerfModel")
-    f.add_argument("--out", type=Path, default=Path("results/profile.json"))
-    f.add_argument("--model", default=None, help="checkpoint path (default: embedded SmolLM2-135M)")
-    f.add_argument("--batches", default="1,2,4,8")
-    f.add_argument("--prompt-lens", default="16,64,128,256")
-    f.add_argument("--contexts", default="32,128,512")
-    f.add_argument("--repeats", type=int, default=3,
+    f.add_argument("--out", type=Path, default=Path("results/profile.json"), help="the profile's JSON file")
+    f.add_argument("--model", type=model_arg, default=None,
+                   help="checkpoint path (default: the embedded SmolLM2-135M)")
+    f.add_argument("--batches", type=int_list, default="1,2,4,8", help="decode batch sizes timed")
+    f.add_argument("--prompt-lens", type=int_list, default="16,64,128,256", help="prompt lengths timed")
+    f.add_argument("--contexts", type=int_list, default="32,128,512", help="decode context lengths timed")
+    f.add_argument("--repeats", type=number(int, 1), default=3,
                    help="passes over the grid, each in a shuffled order (a prefill time is its shape's median over "
                         "the passes; each pass adds 2 decode steps per batch and context)")
-    f.add_argument("--threads", type=int, default=1)
+    f.add_argument("--threads", type=number(int, 1), default=1, help="torch CPU threads")
     f.set_defaults(func=cmd_profile)
 
 
 def _hardware_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="opt-66b", help="model shape name (see kvflow.perf.MODELS)")
     p.add_argument("--machine", default="2xA100-80GB", help="NxDEVICE: A100-80GB, V100-16GB, H100-80GB, CPU")
-    p.add_argument("--link-gbps", type=float, default=100.0)
-    p.add_argument("--cost-per-hour", type=float, default=1.0)
-    p.add_argument("--profile", type=Path, help="use a measured profile (kvflow profile) instead of analytic")
-    p.add_argument("--prompt-len", type=int, default=1000)
-    p.add_argument("--output", default="lmsys", help="'lmsys', 'constant:N' or 'lognormal:MEDIAN:P90'")
-    p.add_argument("--max-output", type=int, default=1024)
-    p.add_argument("--microbatches", default="2,4,8,16,32")
-    p.add_argument("--requests", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--swapping", action="store_true")
+    p.add_argument("--link-gbps", type=number(float, 0, low_open=True), default=100.0,
+                   help="network bandwidth between machines, Gbit/s")
+    p.add_argument("--cost-per-hour", type=number(float, 0), default=1.0, help="price of one machine per hour")
+    p.add_argument("--profile", type=existing_path,
+                   help="use a measured profile (kvflow profile) instead of the analytic model (default: analytic)")
+    p.add_argument("--prompt-len", type=number(int, 1), default=1000, help="prompt tokens per request")
+    p.add_argument("--output", type=length_dist, default="lmsys",
+                   help="output lengths: 'lmsys', 'constant:N' or 'lognormal:MEDIAN:P90'")
+    p.add_argument("--max-output", type=number(int, 1), default=1024, help="cap on output lengths")
+    p.add_argument("--microbatches", type=int_list, default="2,4,8,16,32", help="microbatch sizes considered")
+    p.add_argument("--requests", type=number(int, 1), default=2048, help="requests in the simulated workload")
+    p.add_argument("--seed", type=int, default=0, help="seed of the simulated workload")
+    p.add_argument("--swapping", action="store_true", help="token pipelines swap KV to host memory (DéjàVu)")
 
 
 def _perf(args):
@@ -109,31 +131,43 @@ def _workload_spec(args):
                         time_scale=getattr(args, "time_scale", 1.0))
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+def _counting(fn: Callable, what: str) -> tuple[Callable, "object"]:
+    """`fn` wrapped so that each call (one simulated layout or rate) advances a progress counter on
+    stderr (a live bar on a terminal); returns (wrapped, the bar, to close)."""
+    from tqdm import tqdm
+
+    print(f"[kvflow] {what} (each simulation takes seconds to a minute)", file=sys.stderr, flush=True)
+    bar = tqdm(desc=what, unit=" simulations", file=sys.stderr, disable=None, leave=False)
+
+    def wrapped(*a, **kw):
+        bar.update(1)
+        return fn(*a, **kw)
+
+    return wrapped, bar
 
 
 def cmd_plan(args) -> int:
     if args.goal == "goodput":
         return _plan_goodput(args)
-    from kvflow.planner import SearchSpace, recommend
-    from kvflow.planner.goodput import max_rate
-    from kvflow.slo import SLO
-
     if (args.ttft_slo is None) != (args.tpot_slo is None):  # bad arguments fail before the search
         raise ValueError("give both --ttft-slo and --tpot-slo")
     if args.placement and not args.ray_nodes:
         raise ValueError("--placement needs --ray-nodes (the Ray nodes' IPs, one stage per node)")
-    perf, spec = _perf(args), _workload_spec(args)
-    space = SearchSpace(spec.prompt_len, spec.max_tokens, spec.mean_output, _ints(args.microbatches),
+    perf = _perf(args)  # an unknown --model or --machine fails here, before the simulator is imported
+    from kvflow.planner import SearchSpace, recommend
+    from kvflow.planner.goodput import max_rate
+    from kvflow.slo import SLO
+
+    spec = _workload_spec(args)
+    space = SearchSpace(spec.prompt_len, spec.max_tokens, spec.mean_output, args.microbatches,
                         args.swapping, replicate=True, max_depth=args.max_depth)
     # Enough requests to fill every pipeline slot several times over.
     n_req = max(spec.requests, 128 * args.machines)
     t0 = time.perf_counter()
-    plan = recommend(perf, args.machines, space, lambda b: spec.build(b, requests=n_req))
+    workload_for, bar = _counting(lambda b: spec.build(b, requests=n_req),
+                                  f"simulating the shortlisted layouts ({n_req} requests each)")
+    with bar:
+        plan = recommend(perf, args.machines, space, workload_for)
     elapsed = time.perf_counter() - t0
     print(f"plan: {perf.shape.name} on {args.machines} x {perf.machine.name} "
           f"(prompt {spec.prompt_len}, mean output {spec.mean_output:.0f}, {plan.simulated} layouts simulated, "
@@ -146,6 +180,7 @@ def cmd_plan(args) -> int:
     if args.ttft_slo is not None:
         slo = SLO(args.ttft_slo, args.tpot_slo)
         doc["goodput"] = {}
+        print("[kvflow] searching each kind's highest rate within the SLOs", file=sys.stderr, flush=True)
         for kind, e in sorted(plan.best.items()):
             guess = e.summary.throughput_rps
             g = max_rate(perf, e.layout, lambda r: spec.build(e.layout.prompt.microbatch, rate=r, requests=n_req),
@@ -196,17 +231,20 @@ def _write_placement(args, best: dict) -> dict:
 def _plan_goodput(args) -> int:
     """DistServe's Algorithm 1: prefill and decode instances chosen separately by simulated goodput
     per device, replicated to carry --rate; the best colocated instance alongside."""
+    if args.rate is None or args.ttft_slo is None or args.tpot_slo is None:
+        raise ValueError("--goal goodput needs --rate, --ttft-slo and --tpot-slo")
+    perf = _perf(args)
     from kvflow.planner.placement import GoodputSpace, PlacementSearch
     from kvflow.slo import SLO
 
-    if args.rate is None or args.ttft_slo is None or args.tpot_slo is None:
-        raise ValueError("--goal goodput needs --rate, --ttft-slo and --tpot-slo")
-    perf, spec = _perf(args), _workload_spec(args)
-    space = GoodputSpace(max_depth=args.max_depth, microbatches=_ints(args.microbatches),
-                         decode_microbatches=_ints(args.decode_microbatches) if args.decode_microbatches else None)
-    search = PlacementSearch(perf, lambda r: spec.build(1, rate=r, requests=args.trial_requests),
-                             SLO(args.ttft_slo, args.tpot_slo), args.attainment, space)
-    pl = search.place(args.rate, device_limit=args.machines * perf.machine.devices)
+    spec = _workload_spec(args)
+    space = GoodputSpace(max_depth=args.max_depth, microbatches=args.microbatches,
+                         decode_microbatches=args.decode_microbatches)
+    workload_at, bar = _counting(lambda r: spec.build(1, rate=r, requests=args.trial_requests),
+                                 f"searching goodput per configuration ({args.trial_requests} requests per trial)")
+    search = PlacementSearch(perf, workload_at, SLO(args.ttft_slo, args.tpot_slo), args.attainment, space)
+    with bar:
+        pl = search.place(args.rate, device_limit=args.machines * perf.machine.devices)
     print(f"goodput plan: {perf.shape.name} on up to {args.machines} x {perf.machine.name}, R = {args.rate} req/s, "
           f"TTFT <= {args.ttft_slo} s, TPOT <= {args.tpot_slo} s for {args.attainment:.0%} of requests "
           f"(prompt {spec.prompt_len}, mean output {spec.mean_output:.0f}; {pl.simulations} simulations, "
@@ -313,8 +351,7 @@ def cmd_simulate(args) -> int:
 def cmd_profile(args) -> int:
     from kvflow.perf.calibrate import profile_engine
 
-    prof = profile_engine(args.model, _ints(args.batches), _ints(args.prompt_lens), _ints(args.contexts),
-                          args.repeats, args.threads)
+    prof = profile_engine(args.model, args.batches, args.prompt_lens, args.contexts, args.repeats, args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(args.out)
     from kvflow.perf import ProfiledPerfModel

@@ -4,133 +4,168 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
+import socket
 import sys
 from pathlib import Path
+
+from kvflow.cli.args import existing_path, float_list, length_dist, model_arg, number
 
 DISTRIBUTED_FLAGS = ("prompt_depth", "token_depth", "depth", "prompt_microbatch", "token_microbatch")
 
 
 def register(sub) -> None:
-    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (default 127.0.0.1:8000)")
-    s.add_argument("--model", default=None, help="GGUF file or HF-style checkpoint dir (default: embedded SmolLM2-135M-Instruct)")
-    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (default 127.0.0.1:8000)",
+                       description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health, /metrics; docs/api.md).")
+    m = s.add_argument_group("model")
+    m.add_argument("--model", type=model_arg, default=None,
+                   help="GGUF file or HF-style checkpoint dir (default: the embedded SmolLM2-135M-Instruct)")
+    m.add_argument("--served-model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    s.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step: decodes first, then prompt chunks (default: prefill chunk size + max-num-seqs, 320)")
-    s.add_argument("--prefill-chunk-size", type=int, default=None,
-                   help="most prompt tokens of one request per step (default: SchedulerConfig's, 256)")
-    s.add_argument("--reserve-kv", action=argparse.BooleanOptionalAction, default=True,
-                   help="admit a request only while every running request's prompt + max_tokens fits in the KV cache, "
-                        "so none is ever preempted (default on; --no-reserve-kv: admit greedily, preempt when full)")
-    s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the checkpoint's)")
-    s.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
-    s.add_argument("--block-size", type=int, default=None,
-                   help="tokens per KV block (default: 128 on CPU, where bigger blocks read KV faster; 16 on CUDA)")
-    s.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   dest="enable_prefix_caching",
-                   help="keep full KV blocks after a request and reuse them for prompts that start the same way "
-                        "(default on; --no-prefix-caching turns it off)")
-    s.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
+    m.add_argument("--device", default="cpu", help="torch device the model runs on (the CPU kernels need cpu)")
+    m.add_argument("--threads", type=number(int, 1), default=None,
+                   help="torch CPU threads (default: torch's choice; pipeline modes: per worker, default 1)")
+    m.add_argument("--max-model-len", type=number(int, 1), default=None, help="context length (default: the checkpoint's)")
+    m.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="batch-invariant kernels: a request's tokens do not depend on the other requests in its steps, "
-                        "so greedy and seeded text survives batching and recovery in bf16 too (default off: the "
+                        "so greedy and seeded text survives batching and recovery in bf16 too (off: the "
                         "fastest kernel per batch shape)")
-    s.add_argument("--host-kv-bytes", type=parse_bytes, default=0, metavar="SIZE",
-                   help="prefix cache: keep KV blocks evicted from the device cache in host memory, up to SIZE "
-                        "(bytes, or with a K/M/G/T suffix; all layers counted; default 0: off)")
-    s.add_argument("--disk-kv-bytes", type=parse_bytes, default=0, metavar="SIZE",
-                   help="prefix cache: below the host tier, keep blocks in checksummed chunk files, up to SIZE (needs --host-kv-bytes)")
-    s.add_argument("--disk-kv-path", default=None,
-                   help="directory of the disk tier (default: a fresh temporary directory; files left by an earlier run are deleted)")
-    s.add_argument("--mode", default="engine", choices=["engine", "colocated", "disaggregated"],
+
+    h = s.add_argument_group("HTTP server")
+    h.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    h.add_argument("--port", type=number(int, 0, 65535), default=8000, help="port to listen on (0: one the OS picks)")
+    h.add_argument("--api-key", type=_api_key, default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but --open-paths (default: $KVFLOW_API_KEY; unset: no auth)")
+    h.add_argument("--open-paths", default="/health,/metrics",
+                   help="comma-separated paths answered without the API key ('' = none)")
+    h.add_argument("--drain-timeout", type=number(float, 0), default=30.0,
+                   help="on SIGTERM: seconds in-flight requests may still run before they are cancelled "
+                        "(a second SIGTERM or Ctrl-C cancels them at once)")
+    h.add_argument("--max-body-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                   help="refuse request bodies larger than SIZE with 413, before parsing them (default: 32 bytes per "
+                        "context token, at least 1M)")
+    h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="of the HTTP server's and kvflow's own log lines (stderr)")
+
+    sc = s.add_argument_group("scheduling")
+    sc.add_argument("--max-num-seqs", type=number(int, 1), default=64, help="most requests running at once")
+    sc.add_argument("--max-num-batched-tokens", type=number(int, 1), default=None,
+                    help="token budget of one step: decodes first, then prompt chunks (default: prefill chunk size + "
+                         "max-num-seqs, 320)")
+    sc.add_argument("--prefill-chunk-size", type=number(int, 1), default=None,
+                    help="most prompt tokens of one request per step (default: SchedulerConfig's, 256)")
+    sc.add_argument("--reserve-kv", action=argparse.BooleanOptionalAction, default=True,
+                    help="admit a request only while every running request's prompt + max_tokens fits in the KV cache, "
+                         "so none is ever preempted (--no-reserve-kv: admit greedily, preempt when full)")
+    sc.add_argument("--policy", default="continuous", choices=["continuous", "microbatch"],
+                    help="pipeline modes: continuous batching with chunked prefill, or DejaVu's microbatch baseline")
+
+    kv = s.add_argument_group("KV cache")
+    kv.add_argument("--kv-cache-gb", type=number(float, 0, low_open=True), default=1.0,
+                    help="memory for the KV cache (pipeline modes: per stage), GB")
+    kv.add_argument("--block-size", type=number(int, 1), default=None,
+                    help="tokens per KV block (default: 128 on CPU, where bigger blocks read KV faster; 16 on CUDA)")
+    kv.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    dest="enable_prefix_caching",
+                    help="keep full KV blocks after a request and reuse them for prompts that start the same way "
+                         "(--no-prefix-caching turns it off)")
+    kv.add_argument("--host-kv-bytes", type=parse_bytes, default=0, metavar="SIZE",
+                    help="prefix cache: keep KV blocks evicted from the device cache in host memory, up to SIZE "
+                         "(bytes, or with a K/M/G/T suffix; all layers counted; default 0: off)")
+    kv.add_argument("--disk-kv-bytes", type=parse_bytes, default=0, metavar="SIZE",
+                    help="prefix cache: below the host tier, keep blocks in checksummed chunk files, up to SIZE "
+                         "(needs --host-kv-bytes; default 0: off)")
+    kv.add_argument("--disk-kv-path", default=None,
+                    help="directory of the disk tier (default: a fresh temporary directory; files left by an earlier run are deleted)")
+
+    p = s.add_argument_group("pipeline modes", "worker processes: a colocated pipeline (the DejaVu baseline) or a "
+                                               "prompt pipeline streaming KV into a token pipeline")
+    p.add_argument("--mode", default="engine", choices=["engine", "colocated", "disaggregated"],
                    help="engine: one process; colocated: one pipeline of --depth worker processes doing prompts and "
-                        "tokens (the DejaVu baseline); disaggregated: a prompt pipeline streaming KV into a token pipeline")
-    s.add_argument("--depth", type=int, default=None, help="colocated pipeline depth")
-    s.add_argument("--prompt-depth", type=int, default=None, help="disaggregated: prompt pipeline depth")
-    s.add_argument("--token-depth", type=int, default=None, help="disaggregated: token pipeline depth")
-    s.add_argument("--prompt-microbatch", type=int, default=None, help="disaggregated: prompt microbatch size")
-    s.add_argument("--token-microbatch", type=int, default=None, help="token microbatch size")
-    s.add_argument("--policy", default="continuous", choices=["continuous", "microbatch"],
-                   help="pipeline modes: continuous batching with chunked prefill (default), or DejaVu's microbatch baseline")
-    s.add_argument("--swapping", action="store_true",
+                        "tokens; disaggregated: a prompt pipeline streaming KV into a token pipeline")
+    p.add_argument("--depth", type=number(int, 1), default=None, help="colocated pipeline depth (default 2)")
+    p.add_argument("--prompt-depth", type=number(int, 1), default=None, help="disaggregated: prompt pipeline depth (default 1)")
+    p.add_argument("--token-depth", type=number(int, 1), default=None, help="disaggregated: token pipeline depth (default 1)")
+    p.add_argument("--prompt-microbatch", type=number(int, 1), default=None,
+                   help="disaggregated: prompt microbatch size (default 4)")
+    p.add_argument("--token-microbatch", type=number(int, 1), default=None, help="token microbatch size (default 8)")
+    p.add_argument("--swapping", action="store_true",
                    help="colocated and token pipelines: keep the KV of batches not computing on a stage in host "
                         "memory, swapped in while the previous one computes (DejaVu microbatch swapping); --kv-cache-gb "
                         "is then each stage's device budget, and the pipeline holds depth/min(2, depth) times more KV")
-    s.add_argument("--internal-host", default=None,
-                   help="pipeline modes: interface the controller and workers bind for their internal sockets "
+    p.add_argument("--internal-host", default=None,
+                   help="interface the controller and workers bind for their internal sockets "
                         "(default 127.0.0.1, whatever --host the HTTP server uses)")
-    s.add_argument("--recovery", default="recompute", choices=["recompute", "none"],
-                   help="pipeline modes: on a worker's death or hang, replace it and bring its requests back (default), "
-                        "or fail them (fail-stop)")
-    s.add_argument("--replication", default="ring", choices=["ring", "store", "none"],
-                   help="pipeline modes: colocated and token stages stream the KV each step appends to a replica, so a "
-                        "replaced stage resumes from it instead of recomputing: ring = the next stage of the pipeline "
-                        "(depth 1: the controller's host store), store = the controller's host store (default ring)")
-    s.add_argument("--heartbeat-timeout", type=float, default=3.0,
-                   help="pipeline modes: seconds without a heartbeat after which a worker is fenced and replaced")
-    s.add_argument("--max-restarts", type=int, default=3,
-                   help="pipeline modes: failed replacements in a row after which the server exits with code 1")
-    s.add_argument("--external-workers", action="store_true",
+    p.add_argument("--external-workers", action="store_true",
                    help="do not spawn workers: print the `kvflow worker` commands to start (e.g. on other hosts) and wait")
-    s.add_argument("--launcher", default="subprocess", choices=["subprocess", "ray"],
-                   help="pipeline modes: who starts the workers: child processes of this one (default), or Ray actors "
-                        "placed on a Ray cluster by a placement group (needs `pip install kvflow[ray]`; see docs/deploy.md)")
-    s.add_argument("--ray-address", default=None,
+
+    f = s.add_argument_group("fault tolerance (pipeline modes)")
+    f.add_argument("--recovery", default="recompute", choices=["recompute", "none"],
+                   help="on a worker's death or hang, replace it and bring its requests back (recompute), "
+                        "or fail them (none: fail-stop)")
+    f.add_argument("--replication", default="ring", choices=["ring", "store", "none"],
+                   help="colocated and token stages stream the KV each step appends to a replica, so a "
+                        "replaced stage resumes from it instead of recomputing: ring = the next stage of the pipeline "
+                        "(depth 1: the controller's host store), store = the controller's host store")
+    f.add_argument("--heartbeat-timeout", type=number(float, 0, low_open=True), default=3.0,
+                   help="seconds without a heartbeat after which a worker is fenced and replaced")
+    f.add_argument("--max-restarts", type=number(int, 0), default=3,
+                   help="failed replacements in a row after which the server exits with code 1")
+
+    r = s.add_argument_group("Ray launcher (pipeline modes; docs/deploy.md)")
+    r.add_argument("--launcher", default="subprocess", choices=["subprocess", "ray"],
+                   help="who starts the workers: child processes of this one, or Ray actors placed on a Ray "
+                        "cluster by a placement group (needs `pip install kvflow[ray]`)")
+    r.add_argument("--ray-address", default=None,
                    help="--launcher ray: the cluster to join: auto (one running on this machine) or HOST:PORT "
                         "(default: $RAY_ADDRESS, else a running local cluster, else a new local one)")
-    s.add_argument("--placement-strategy", default=None, choices=["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"],
+    r.add_argument("--placement-strategy", default=None, choices=["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"],
                    help="--launcher ray: how the placement group spreads the stages over nodes (default: the --plan "
                         "file's, else PACK)")
-    s.add_argument("--plan", type=Path, default=None,
+    r.add_argument("--plan", type=Path, default=None,
                    help="--launcher ray: JSON placement, which stage on which Ray node (format: "
-                        "kvflow/controller/ray_launcher.py, docs/deploy.md)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="of the HTTP server's and kvflow's own log lines (stderr)")
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but --open-paths (default: $KVFLOW_API_KEY; unset: no auth)")
-    s.add_argument("--open-paths", default="/health,/metrics",
-                   help="comma-separated paths answered without the API key (default /health,/metrics; '' = none)")
-    s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds in-flight requests may still run before they are cancelled (default 30; "
-                        "a second SIGTERM or Ctrl-C cancels them at once)")
-    s.add_argument("--max-body-bytes", type=parse_bytes, default=None, metavar="SIZE",
-                   help="refuse request bodies larger than SIZE with 413, before parsing them (default: 32 bytes per "
-                        "context token, at least 1M)")
+                        "kvflow/controller/ray_launcher.py, docs/deploy.md; default: none)")
     s.set_defaults(func=run_serve)
 
-    b = sub.add_parser("bench", help="benchmarks against a running server")
+    b = sub.add_parser("bench", help="benchmarks against a running server (start `kvflow serve` first)")
     bsub = b.add_subparsers(dest="bench_command", metavar="BENCH")
-    bs = bsub.add_parser("serve", help="open-loop load generator: Poisson arrivals, rate sweep, TTFT/TPOT/normalized latency")
-    bs.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (127.0.0.1/localhost only)")
+    bs = bsub.add_parser("serve", help="open-loop load generator against a running server: Poisson arrivals, rate sweep, "
+                                       "TTFT/TPOT/normalized latency",
+                         description="Open-loop load generator. Start the server first (kvflow serve, or any "
+                                     "OpenAI-compatible server such as vLLM) and point --url at it.")
+    bs.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the running server (127.0.0.1/localhost only)")
     bs.add_argument("--model", default=None, help="model id (default: the first one /v1/models lists)")
     bs.add_argument("--tokenizer", default=None,
                     help="local checkpoint whose vocabulary the synthetic prompts use when the server's /v1/models "
                          "does not list vocab_size, as vLLM's does not (default: the embedded SmolLM2)")
-    bs.add_argument("--rates", default="1", help="comma-separated request rates in req/s, e.g. 0.5,1,2")
-    bs.add_argument("--num-requests", type=int, default=100, help="requests per rate")
-    bs.add_argument("--max-duration", type=float, default=600.0, help="seconds per rate before the run is cut off")
-    bs.add_argument("--prompt-len", type=int, default=256, help="synthetic prompt length in tokens")
-    bs.add_argument("--output-dist", default=None,
-                    help="lmsys (default for synthetic prompts), constant:N or lognormal:MEDIAN:P90")
-    bs.add_argument("--output-scale", type=float, default=1.0, help="multiply sampled output lengths")
-    bs.add_argument("--max-output-len", type=int, default=None, help="cap output lengths")
-    bs.add_argument("--trace", type=Path, default=None, help="Azure trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
-    bs.add_argument("--length-scale", type=float, default=1.0, help="multiply trace prompt lengths")
+    bs.add_argument("--rates", type=float_list, default="1", help="comma-separated request rates in req/s, e.g. 0.5,1,2")
+    bs.add_argument("--num-requests", type=number(int, 1), default=100, help="requests per rate")
+    bs.add_argument("--max-duration", type=number(float, 0, low_open=True), default=600.0, help="seconds per rate before the run is cut off")
+    bs.add_argument("--prompt-len", type=number(int, 1), default=256, help="synthetic prompt length in tokens")
+    bs.add_argument("--output-dist", type=length_dist, default=None,
+                    help="output lengths: lmsys, constant:N or lognormal:MEDIAN:P90 (default: lmsys for synthetic "
+                         "prompts, the trace's with --trace)")
+    bs.add_argument("--output-scale", type=number(float, 0, low_open=True), default=1.0, help="multiply sampled output lengths")
+    bs.add_argument("--max-output-len", type=number(int, 1), default=None, help="cap output lengths (default: no cap)")
+    bs.add_argument("--trace", type=existing_path, default=None,
+                    help="Azure trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens) instead of synthetic prompts (default: none)")
+    bs.add_argument("--length-scale", type=number(float, 0, low_open=True), default=1.0, help="multiply trace prompt lengths")
     bs.add_argument("--trace-arrivals", action="store_true", help="replay the trace's timing, stretched to each rate")
-    bs.add_argument("--seed", type=int, default=0)
-    bs.add_argument("--ttft-slo", type=float, default=None, help="seconds; goodput counts requests meeting it")
-    bs.add_argument("--tpot-slo", type=float, default=None, help="seconds per output token")
-    bs.add_argument("--latency-bound", type=float, default=None, help="s/token: report the highest rate whose median stays below")
+    bs.add_argument("--seed", type=int, default=0, help="seed of the arrivals and lengths")
+    bs.add_argument("--ttft-slo", type=number(float, 0, low_open=True), default=None,
+                    help="seconds; goodput counts requests meeting it (default: no SLO)")
+    bs.add_argument("--tpot-slo", type=number(float, 0, low_open=True), default=None,
+                    help="seconds per output token (default: no SLO)")
+    bs.add_argument("--latency-bound", type=number(float, 0, low_open=True), default=None,
+                    help="s/token: report the highest rate whose median normalized latency stays below (default: not reported)")
     bs.add_argument("--label", default="kvflow", help="name of this configuration in the JSON and plot")
     bs.add_argument("--out", type=Path, default=Path("results/bench_serve"), help="output path prefix (.json and .png)")
-    bs.add_argument("--compare", type=Path, action="append", default=[], help="earlier JSON output to draw on the same plot")
-    bs.add_argument("--no-progress", action="store_true")
+    bs.add_argument("--compare", type=existing_path, action="append", default=[],
+                    help="earlier JSON output to draw on the same plot (repeatable; default: none)")
+    bs.add_argument("--no-progress", action="store_true", help="no progress bar per rate")
     bs.set_defaults(func=run_bench_serve)
     b.set_defaults(func=lambda args: (b.print_help(), 2)[1])
 
@@ -151,12 +186,12 @@ def _check_mode(args) -> None:
         raise ValueError("--launcher ray needs --mode colocated or disaggregated")
     if args.launcher == "ray" and args.external_workers:
         raise ValueError("--launcher ray and --external-workers exclude each other")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.plan is not None and not args.plan.is_file():
+        raise ValueError(f"--plan {str(args.plan)!r}: no such file")
 
 
 def _scheduler_config(args):
-    from kvflow.sched.scheduler import SchedulerConfig
+    from kvflow.sched.config import SchedulerConfig
 
     given = {k: getattr(args, k) for k in ("max_num_batched_tokens", "prefill_chunk_size") if getattr(args, k) is not None}
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, reserve_kv=args.reserve_kv, **given)
@@ -225,6 +260,13 @@ def _controller(args):
     return ctrl
 
 
+def _api_key(text: str) -> str:
+    """An argparse type: a non-empty API key without surrounding whitespace."""
+    if not text or text != text.strip():
+        raise argparse.ArgumentTypeError("the API key must be non-empty, without surrounding whitespace")
+    return text
+
+
 def _api_config(args):
     from kvflow.api.server import APIConfig
 
@@ -247,8 +289,26 @@ def _log_to_stderr(level: str) -> None:
     root.addHandler(handler)
 
 
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything slow happens: a port in use fails in a fraction
+    of a second instead of after the model loaded. It listens only once the server has started, so
+    until then a client's connection is refused rather than left waiting."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait out TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = " (another server is listening there; pick another --port)" if e.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    return sock
+
+
 def run_serve(args) -> int:
     _check_mode(args)
+    if args.mode == "engine" and args.swapping:
+        raise ValueError("--swapping is for pipeline modes (--mode colocated or disaggregated)")
+    sock = _listen_socket(args.host, args.port)  # before any heavy import or model load
     _log_to_stderr(args.log_level)
     from kvflow.api.server import serve
 
@@ -257,9 +317,6 @@ def run_serve(args) -> int:
 
     args.dtype, why = resolve_dtype(args.dtype, args.device)  # once, here: every worker gets the same
     print(f"[kvflow] dtype {args.dtype} ({why})", file=sys.stderr)
-
-    if args.mode == "engine" and args.swapping:
-        raise SystemExit("--swapping is for pipeline modes (--mode colocated or disaggregated)")
     if args.mode == "engine":
         from kvflow.serving.backend import EngineBackend
 
@@ -267,11 +324,17 @@ def run_serve(args) -> int:
         backend = EngineBackend.from_config(config, args.served_model_name)  # the engine built on its own thread
     else:
         backend = _controller(args)
-    print(f"[kvflow] serving {backend.model_name!r} ({args.mode}, context {backend.max_model_len}) on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    port = sock.getsockname()[1]
+    url = f"http://[{args.host}]:{port}/v1" if ":" in args.host else f"http://{args.host}:{port}/v1"
+
+    def listening() -> None:  # the model is loaded (workers started) and the socket accepts connections
+        print(f"[kvflow] serving {backend.model_name!r} ({args.mode}, context {backend.max_model_len}) on {url}",
+              file=sys.stderr, flush=True)
+
     try:
-        return serve(backend, args.host, args.port, args.log_level, api_config)
+        return serve(backend, args.host, port, args.log_level, api_config, sock=sock, on_listening=listening)
     finally:
+        sock.close()
         if args.mode != "engine":
             backend.workers.launcher.close()  # after the workers stopped (the Ray launcher's placement group)
 
@@ -300,10 +363,7 @@ def run_bench_serve(args) -> int:
     from kvflow.slo import SLO
     from kvflow.bench.runner import BenchConfig, run_sweep
 
-    try:
-        rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
-    except ValueError as e:
-        raise ValueError(f"--rates must be comma-separated numbers, got {args.rates!r}") from e
+    rates = args.rates  # parsed by `float_list`
     dataset = DatasetSpec(num_requests=args.num_requests, prompt_len=args.prompt_len, output=_length_dist(args.output_dist),
                           output_scale=args.output_scale, max_output_len=args.max_output_len, trace=args.trace,
                           length_scale=args.length_scale, trace_arrivals=args.trace_arrivals, seed=args.seed)

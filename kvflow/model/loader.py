@@ -16,10 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvflow.model.config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported by whoever reads tensors; resolving a model argument needs none
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 from api_helpers import MODEL, client, tiny_backend
 
@@ -103,6 +104,25 @@ def test_models_health_and_metrics(server):
                  "kvflow_api_requests_in_flight"):
         assert name in values
     assert values['kvflow_http_requests_total{code="200",endpoint="/v1/completions"}'] >= 1
+
+
+def test_model_retrieve_and_unknown_model(server):
+    # the `openai` client's models.retrieve: GET /v1/models/{id}, the same card /v1/models lists
+    card = client(server).models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    listed = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    got = httpx.get(f"{server.url}/v1/models/{MODEL}").json()
+    assert {k: v for k, v in got.items() if k not in ("created", "permission")} == \
+        {k: v for k, v in listed.items() if k not in ("created", "permission")}
+    for unknown in ("nope", "org/nope"):  # ids with a '/' reach the route too
+        r = httpx.get(f"{server.url}/v1/models/{unknown}")
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
+        assert f"'{unknown}'" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client(server).models.retrieve("nope")
+    m = httpx.get(f"{server.url}/metrics").text
+    assert 'endpoint="/v1/models/{model_id:path}"' in m  # counted under the route template, not the raw path
 
 
 def _samples(text: str) -> dict[str, float]:
