@@ -82,7 +82,9 @@ class EngineConfig:
     tokens do not depend on what else shares its steps, in every dtype, so greedy and seeded outputs
     are the same alone, batched, chunked, preempted and recovered. Off by default: it cost more than
     5% of throughput on prefill-heavy and long-context work where measured (docs/results.md,
-    2026-11-26 determinism); off takes the fastest kernel per batch shape."""
+    2026-11-26 determinism); off takes the fastest kernel per batch shape.
+    `enforce_eager`: on CUDA, run decode steps op by op instead of replaying a CUDA graph captured per
+    batch-size bucket (`kvflow.engine.cuda_graphs`; vLLM's flag of the same name). No effect on CPU."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -97,6 +99,7 @@ class EngineConfig:
     disk_kv_bytes: int = 0
     disk_kv_path: str | None = None
     deterministic: bool = False
+    enforce_eager: bool = False
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ import torch
 
 
 from kvflow.sched.request import Request, RequestOutput
+from kvflow.engine.cuda_graphs import DecodeGraphs
 from kvflow.engine.runner import ModelRunner
 from kvflow.sched.sampling import SamplingParams
 from kvflow.config import EngineConfig
@@ -60,7 +61,10 @@ class LLMEngine:
         store = None
         if host is not None:
             store = TierStore(self.kv_cache, host.num_slots, disk.num_slots if disk else 0, config.disk_kv_path)
-        self.runner = ModelRunner(model, self.kv_cache, hook, store)
+        graphs = None
+        if self.kv_cache.device.type == "cuda" and not config.enforce_eager and hook is None:
+            graphs = DecodeGraphs(model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(model, self.kv_cache, hook, store, graphs)
         eos = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

@@ -8,6 +8,7 @@ from kvflow.sched.sampling import sample_requests
 from kvflow.sched.scheduler import SchedulerOutput
 from kvflow.kv.cache import KVCache
 from kvflow.streaming.tier_store import TierStore
+from kvflow.engine.cuda_graphs import DecodeGraphs
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LayerHook, LlamaModel
 
@@ -21,7 +22,8 @@ class ModelRunner:
     token} for the requests whose KV now covers all their tokens.
     """
 
-    def __init__(self, model: LlamaModel, cache: KVCache, hook: LayerHook | None = None, tiers: TierStore | None = None) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, hook: LayerHook | None = None, tiers: TierStore | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
         if not (model.is_first and model.is_last):
             raise ValueError("ModelRunner needs a model holding all layers")
         self.model = model
@@ -29,6 +31,7 @@ class ModelRunner:
         self.hook = hook
         self.tiers = tiers
         self.device = cache.device
+        self.graphs = graphs  # decode-only steps of up to graphs.max_batch requests replay a CUDA graph
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
         batch = ForwardBatch.of([(s.num_new_tokens, s.end, s.request.block_ids) for s in out.seqs],
@@ -42,10 +45,18 @@ class ModelRunner:
             out.tiers.failed = self.tiers.apply(out.tiers)
         if out.is_empty:
             return {}
-        token_ids, batch = self.prepare(out)
-        logits = self.model.forward(token_ids, batch, self.cache, self.hook)
+        if self._graphed(out):
+            logits = self.graphs.run(out.token_ids, [(s.end, s.request.block_ids) for s in out.seqs])
+        else:
+            token_ids, batch = self.prepare(out)
+            logits = self.model.forward(token_ids, batch, self.cache, self.hook)
         rows = [i for i, s in enumerate(out.seqs) if s.completes_prompt]
         if not rows:
             return {}
         reqs = [out.seqs[i].request for i in rows]
         return {r.request_id: t for r, t in zip(reqs, sample_requests(logits[rows].cpu(), reqs))}
+
+    def _graphed(self, out: SchedulerOutput) -> bool:
+        """Whether `out` replays a decode graph: graphs built, no layer hook, one new token per request."""
+        return (self.graphs is not None and self.hook is None and len(out.seqs) <= self.graphs.max_batch
+                and all(s.num_new_tokens == 1 for s in out.seqs))

@@ -129,6 +129,13 @@ class LlamaModel:
             inv = cfg.rope_scaling.inv_freq(cfg.head_dim, cfg.rope_theta)
             self.inv_freq = torch.tensor(inv, dtype=torch.float32, device=device)
         self._cos = self._sin = torch.empty(0, cfg.head_dim, dtype=layers[0].input_norm.dtype, device=device)
+        self.rope_positions = cfg.max_position_embeddings  # once the table holds this many, it is not grown or checked
+
+    def reserve_rope(self, num_positions: int) -> None:
+        """Build the RoPE table for positions [0, num_positions) now; the caller promises no position
+        beyond (a step that must not synchronise with the host, such as a CUDA graph's, relies on it)."""
+        self.rope_positions = min(self.rope_positions, num_positions)
+        self._rope(torch.tensor([num_positions - 1], device=self.inv_freq.device))
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -274,6 +281,8 @@ class LlamaModel:
         same shape, so a position's values never depend on the step it is in (computed per step,
         ATen's vectorised cos/sin left a tail of a step's elements to its scalar loop: values that
         differed in the last bit by batch size)."""
+        if self._cos.shape[0] >= self.rope_positions:  # (no host sync: a captured CUDA graph allows none)
+            return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
         need = int(positions.max()) + 1 if positions.numel() else 0
         while self._cos.shape[0] < need:
             pos = torch.arange(self._cos.shape[0], self._cos.shape[0] + ROPE_BLOCK, device=self.inv_freq.device)

@@ -1,0 +1,143 @@
+"""Decode steps replayed from CUDA graphs: one graph per batch-size bucket, captured at start-up.
+
+A decode step of a small model on a GPU is bound by the host: a few hundred kernel launches and a
+dozen small host-to-device copies per step take far longer than the kernels themselves. A CUDA graph
+replays the whole forward with one launch. Its inputs must sit at fixed addresses, so every input of
+a decode step (token ids, positions, KV slots, block table, context lengths) lives in one
+preallocated device buffer, filled from one pinned host buffer with one copy per step; the graph of
+the smallest bucket that holds the step's rows replays; its logits rows for the real requests are
+read back.
+
+A bucket's spare rows repeat the step's last real row (same token, position, slot and context): they
+write the same K/V into the same slot and their logits are ignored, so padding changes nothing.
+
+Without CUDA (`capture=False`) the same buffers feed the same forward eagerly: the bookkeeping
+(packing, padding, the batch built over the buffers) is what the CPU tests check against the
+ordinary forward.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+
+from kvflow.kv.cache import KVCache
+from kvflow.model.batch import ForwardBatch, SeqSlice
+from kvflow.model.llama import LlamaModel
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class DecodeGraphs:
+    """Decode-only steps of a whole model over `cache`, for up to `max_batch` requests of at most
+    `max_model_len` tokens. `run(tokens, contexts)` -> logits [len(tokens), vocab] (float32)."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, max_batch: int, max_model_len: int,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, capture: bool | None = None) -> None:
+        if not (model.is_first and model.is_last):
+            raise ValueError("decode graphs need a model holding all layers")
+        self.model, self.cache = model, cache
+        self.device = cache.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.block_size = cache.layout.block_size
+        self.width = -(-max_model_len // self.block_size)  # block-table columns: any request fits
+        self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
+        n = self.buckets[-1]
+        # one int64 buffer: tokens, positions, slots, context lengths [n each], then the block table [n, width]
+        self._cols = 4 + self.width
+        self._host = torch.zeros(n * self._cols, dtype=torch.long, pin_memory=self.capture)
+        self._dev = torch.zeros(n * self._cols, dtype=torch.long, device=self.device)
+        tokens, positions, slots, ctx = self._dev[: 4 * n].view(4, n)
+        table = self._dev[4 * n:].view(n, self.width)
+        self._tokens, self._ctx = tokens, ctx
+        rows = torch.arange(n, device=self.device)
+        ones = torch.ones(n, dtype=torch.long, device=self.device)
+        # padded keys for the PyTorch attention fallback (the kernels read the context lengths instead)
+        self._span = torch.arange(self.width * self.block_size, device=self.device)
+        self._mask = torch.zeros(n, 1, 1, self.width * self.block_size, dtype=torch.bool, device=self.device)
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._batches = {
+            b: ForwardBatch(
+                seqs=[], block_size=self.block_size, positions=positions[:b], slot_mapping=slots[:b],
+                logits_idx=rows[:b], decode_rows=rows[:b], decode_block_table=table[:b], decode_key_mask=self._mask[:b],
+                decode_context_lens=ctx[:b], decode_query_len=ones[:b], prefill=[],
+                prefill_block_table=empty.view(0, 0), prefill_query_start=empty, prefill_query_len=empty,
+                prefill_context_lens=empty,
+            )
+            for b in self.buckets
+        }
+        model.reserve_rope(max_model_len)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        if self.capture:
+            self._capture_all()
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        if not 1 <= n <= self.max_batch:
+            raise ValueError(f"a decode graph step takes 1..{self.max_batch} requests, got {n}")
+        return self.buckets[bisect.bisect_left(self.buckets, n)]
+
+    @torch.inference_mode()
+    def run(self, tokens: Sequence[int], contexts: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
+        """One decode step: request i feeds `tokens[i]` at position context_len - 1, where `contexts[i]`
+        is (context_len after the step, its block ids in order)."""
+        n = len(tokens)
+        if n != len(contexts):
+            raise ValueError("one context per token")
+        b = self.bucket(n)
+        self._pack(tokens, contexts, b)
+        batch = self._batches[b]
+        if not self.capture:
+            torch.lt(self._span, self._ctx[:b, None], out=self._mask[:b, 0, 0])
+            return self.model.forward(self._tokens[:b], batch, self.cache)[:n]
+        self._graphs[b].replay()
+        return self._logits[b][:n]
+
+    def _pack(self, tokens: Sequence[int], contexts: Sequence[tuple[int, Sequence[int]]], b: int) -> None:
+        """Fill the first `b` rows of every field (rows n..b-1 repeat row n-1) and copy them over at once."""
+        n, full, bs, w = len(tokens), self.max_batch, self.block_size, self.width
+        host = self._host.numpy()
+        fields = host[: 4 * full].reshape(4, full)
+        table = host[4 * full:].reshape(full, w)
+        for i, (tok, (ctx, blocks)) in enumerate(zip(tokens, contexts)):
+            used = -(-ctx // bs)
+            if ctx < 1 or len(blocks) < used or used > w:
+                raise ValueError(f"request {i}: {len(blocks)} blocks for a context of {ctx} tokens (at most {w} blocks)")
+            pos = ctx - 1
+            fields[:, i] = (tok, pos, blocks[pos // bs] * bs + pos % bs, ctx)
+            table[i, :used] = blocks[:used]
+            table[i, used:] = blocks[0]
+        fields[:, n:b] = fields[:, n - 1: n]
+        table[n:b] = table[n - 1]
+        # (asynchronous: the caller reads the step's logits before packing the next step)
+        self._dev[: 4 * full].copy_(self._host[: 4 * full], non_blocking=True)
+        self._dev[4 * full: 4 * full + b * w].copy_(self._host[4 * full: 4 * full + b * w], non_blocking=True)
+
+    def _capture_all(self) -> None:
+        """Capture every bucket, largest first, sharing one memory pool (as vLLM does: the largest
+        graph's allocations are reused by the smaller ones). Each is warmed up eagerly first (Triton
+        compiles, cuBLAS picks its kernels), on a side stream as capture requires."""
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        dummy = [(1, [0])] * self.max_batch
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                self._pack([0] * b, dummy[:b], b)  # token 0 at position 0 of block 0: a slot any pool has
+                batch = self._batches[b]
+                for _ in range(2):
+                    self.model.forward(self._tokens[:b], batch, self.cache)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._logits[b] = self.model.forward(self._tokens[:b], batch, self.cache)
+                pool = graph.pool()
+                self._graphs[b] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
