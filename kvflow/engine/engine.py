@@ -63,7 +63,10 @@ class LLMEngine:
             store = TierStore(self.kv_cache, host.num_slots, disk.num_slots if disk else 0, config.disk_kv_path)
         graphs = None
         if self.kv_cache.device.type == "cuda" and not config.enforce_eager and hook is None:
-            graphs = DecodeGraphs(model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len)
+            try:
+                graphs = DecodeGraphs(model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len)
+            except RuntimeError as e:  # e.g. an op that cannot be captured: slower, still correct
+                log.warning("capturing CUDA graphs failed (%s); decode steps run eagerly", e)
         self.runner = ModelRunner(model, self.kv_cache, hook, store, graphs)
         eos = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
