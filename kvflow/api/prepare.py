@@ -110,9 +110,6 @@ def _reject_unsupported(req: SamplingFields) -> None:
         raise bad_request(f"n must be 1 (only one choice per request is supported), got {req.n}", "n")
     if req.best_of not in (None, 1):
         raise bad_request("best_of is not supported", "best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported", name)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if req.stream_options is not None and not req.stream:
@@ -163,6 +160,10 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, prompt: list[in
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+        frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         seed=req.seed,
         stop=req.stop or (),
         stop_token_ids=tuple(req.stop_token_ids or ()),

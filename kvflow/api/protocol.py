@@ -4,7 +4,7 @@ Requests are validated strictly: no type coercion (`true`, `"5"` or `5.0` where 
 required is an error naming the field; a number where a bool is required too), no NaN/Infinity,
 and every string must be valid Unicode (a lone surrogate such as `"\\ud800"` is an error). Unknown
 fields are ignored, as OpenAI-compatible servers do. Fields we cannot honour with a non-default
-value (n > 1, logprobs, penalties, logit_bias, echo, suffix, tools) are rejected with a 400 by
+value (n > 1, logprobs, logit_bias, echo, suffix, tools) are rejected with a 400 by
 `kvflow.api.prepare`, never silently dropped.
 """
 
@@ -64,13 +64,15 @@ class StreamOptions(_Body):
 
 
 class SamplingFields(_Body):
-    """Fields shared by both endpoints. `top_k`, `ignore_eos`, `min_tokens`, `stop_token_ids` are extensions (as vLLM)."""
+    """Fields shared by both endpoints. `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
+    `stop_token_ids` are extensions (as vLLM)."""
 
     model: Text
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None  # checked by `_stop` (one clear error instead of one per union member)
     stop_token_ids: list[int] | None = None
@@ -81,6 +83,7 @@ class SamplingFields(_Body):
     min_tokens: int = 0
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[Text, float] | None = None
     best_of: int | None = None
     user: Text | None = None

@@ -87,6 +87,11 @@ BAD = [
     ("top_k float", C, comp(top_k=1.5), 400, "top_k"),
     ("top_k bool", C, comp(top_k=True), 400, "top_k"),
     ("top_k negative", C, comp(top_k=-5), 400, "top_k"),
+    ("min_p above 1", C, comp(min_p=1.5), 400, "min_p"),
+    ("min_p string", C, comp(min_p="0.1"), 400, "min_p"),
+    ("presence_penalty above 2", C, comp(presence_penalty=2.5), 400, "presence_penalty"),
+    ("frequency_penalty below -2", C, comp(frequency_penalty=-3), 400, "frequency_penalty"),
+    ("repetition_penalty zero", C, comp(repetition_penalty=0), 400, "repetition_penalty"),
     ("seed negative", C, comp(seed=-1), 400, "seed"),
     ("seed 2**64", C, comp(seed=BIG), 400, "seed"),
     ("seed string", C, comp(seed="7"), 400, "seed"),
@@ -145,7 +150,7 @@ BAD = [
     ("chat logprobs", CH, chat(logprobs=True), 400, "logprobs"),
     ("chat tools", CH, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("chat json response_format", CH, chat(response_format={"type": "json_object"}), 400, "response_format"),
-    ("chat penalty", CH, chat(presence_penalty=1.0), 400, "presence_penalty"),
+    ("chat penalty out of range", CH, chat(presence_penalty=2.5), 400, "presence_penalty"),
     ("chat seed 2**64", CH, chat(seed=BIG), 400, "seed"),
     ("chat ignore_eos string", CH, chat(ignore_eos="yes"), 400, "ignore_eos"),
     ("chat temperature bool", CH, chat(temperature=False), 400, "temperature"),
@@ -212,6 +217,8 @@ def test_well_typed_values_at_the_edges_are_accepted(server):
                   max_completion_tokens=2)),
         (CH, chat(messages=[*USER, {"role": "assistant", "content": None}, *USER], max_tokens=2, max_completion_tokens=2)),
         (C, comp(prompt="w5 \u00e9\U0001f600", max_tokens=2)),  # valid non-ASCII (a real surrogate pair on the wire)
+        (C, comp(max_tokens=2, min_p=0.05, presence_penalty=-2, frequency_penalty=1.5, repetition_penalty=1.2)),
+        (CH, chat(max_tokens=2, min_p=0, presence_penalty=0.5, repetition_penalty=1)),
     ]
     for path, body in ok:
         r = send(server, path, body)
