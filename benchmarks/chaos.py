@@ -21,7 +21,6 @@ make their tokens the same.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -32,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -151,12 +152,13 @@ def default_dtypes() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=100, help="trials per dtype, spread over the layouts")
     ap.add_argument("--dtypes", default=None, help="comma-separated (default: bfloat16,float32 where the CPU has bf16, else float32)")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    ap.add_argument("--replication", default="ring", choices=["ring", "none"])
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated cluster layouts the trials are spread over")
+    ap.add_argument("--replication", default="ring", choices=["ring", "none"],
+                    help="ring: a replaced worker resumes from its replica's KV; none: its requests are recomputed")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the victims, kill moments and sampled requests")
     args = ap.parse_args()
     args.dtypes = args.dtypes or default_dtypes()
     t0 = time.time()
@@ -183,10 +185,9 @@ def main() -> None:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
+    from kvflow.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / len(summary)

@@ -14,7 +14,6 @@ Writes a table, `disaggregation.json` and `disaggregation.png` under --out.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 from kvflow.controller.controller import Controller
 from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.sched.sampling import SamplingParams
@@ -117,19 +117,19 @@ async def main_async(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0])
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=200)
-    ap.add_argument("--length-scale", type=float, default=4.0)
-    ap.add_argument("--max-output", type=int, default=256)
-    ap.add_argument("--microbatch", type=int, default=8)
-    ap.add_argument("--prompt-microbatch", type=int, default=2)
-    ap.add_argument("--kv-blocks", type=int, default=1024)
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="Poisson request rates (req/s)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per rate and layout")
+    ap.add_argument("--prompt-len", type=int, default=200, help="prompt tokens (random ids)")
+    ap.add_argument("--length-scale", type=float, default=4.0, help="divide the LMSys-like output lengths (median 141, p90 491) by this")
+    ap.add_argument("--max-output", type=int, default=256, help="cap on output lengths")
+    ap.add_argument("--microbatch", type=int, default=8, help="token microbatch size")
+    ap.add_argument("--prompt-microbatch", type=int, default=2, help="prompt microbatch size")
+    ap.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks per worker")
     ap.add_argument("--bound", type=float, default=0.5, help="normalized-latency bound (s/token) for 'sustained'")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/disaggregation")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the arrivals, prompts and lengths")
+    ap.add_argument("--out", default="results/disaggregation", help="output directory (JSON, PNG)")
     args = ap.parse_args()
     res = asyncio.run(main_async(args))
     sustained = {}
@@ -144,10 +144,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "disaggregation.json").write_text(json.dumps(res, indent=2, default=str))
-    import matplotlib
+    from kvflow.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in LAYOUTS:

@@ -12,7 +12,6 @@ Writes a table to stdout, `engine.json` and `engine.png` to --out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -21,6 +20,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -184,15 +185,17 @@ def decode_vs_context(eng, contexts: list[int], read_gbps: float, repeats: int, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--prefill-len", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="results/engine")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads, the same for every variant")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per timed run")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16], help="decode batch sizes")
+    ap.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill measurement")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per variant (medians)")
+    ap.add_argument("--out", default="results/engine", help="output directory (engine.json, engine.png)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 where the CPU has native bf16, else float32")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048],
+                    help="context lengths of the batch-16 decode-step sweep")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out)
@@ -274,10 +277,9 @@ def main() -> None:
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
+    from kvflow.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = res["decode"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))

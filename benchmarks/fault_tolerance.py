@@ -23,7 +23,6 @@ Writes results/fault_tolerance.json and results/fault_tolerance.png.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -32,6 +31,8 @@ import signal
 import statistics
 import time
 from pathlib import Path
+
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 POLICIES = {"resume": "ring", "recompute": "none"}
@@ -177,14 +178,14 @@ async def run(args) -> dict:
 def main() -> None:
     from kvflow.model.loader import default_model_path
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--depth", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", help="model dtype")
+    ap.add_argument("--depth", type=int, default=2, help="colocated pipeline depth (the last stage is killed)")
+    ap.add_argument("--batch", type=int, default=8, help="requests per batch (and microbatch size)")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    ap.add_argument("--new", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per measurement (medians)")
     ap.add_argument("--rate", type=float, default=2.0,
                     help="Fig. 11 arrivals per second (default: above what the cluster serves, so it is never idle)")
     ap.add_argument("--duration", type=float, default=30.0, help="Fig. 11 seconds of arrivals")
@@ -262,10 +263,9 @@ def predict_fig11(res: dict, args) -> dict:
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
+    from kvflow.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4))
     names = list(POLICIES)

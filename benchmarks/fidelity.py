@@ -8,7 +8,7 @@
    compute time of the same steps: a pass's cost, its cost per sequence, and per further stage) and the slowdown of a prefill and a decode step beside another busy engine process
    (`calibrate.co_run_slowdown`).
 2. Replay one open-loop Poisson workload (prompt and output lengths from the Azure conversation
-   trace in ../shared/traces, scaled to a 135M model on a shared 2-core CPU: prompts / 16 clipped
+   trace, its first requests (benchmarks/traces/), scaled to a 135M model on a shared 2-core CPU: prompts / 16 clipped
    to [8, 160] tokens, outputs / 8 clipped to [4, 40]; Poisson arrivals at --rate) through the real
    server: engine mode (`EngineBackend`, in-process), colocated depth 2 and disaggregated (1, 1)
    (`Controller` with real worker processes, one torch thread each). Greedy, `ignore_eos`, so every
@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 from kvflow.perf import ProfiledPerfModel
 from kvflow.perf.calibrate import (GRID_BATCHES, GRID_CONTEXTS, GRID_PROMPTS, calibrate, calibrate_engine, calibrated_profile,
                                    merge_profiles)
@@ -56,7 +57,7 @@ from kvflow.simulator import Layout, PipelineGroup, SimConfig, Workload, simulat
 from kvflow.simulator.workload import azure_trace, poisson_arrivals
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE = ROOT / "benchmarks" / "traces" / "AzureLLMInferenceTrace_conv_first1000.csv"  # its first 1,000 requests
 LAYOUTS = ("engine", "colocated-2", "disaggregated-1-1")
 
 
@@ -165,17 +166,17 @@ def metrics(arrival, first, finish, out_len) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--profile", type=Path, default=ROOT / "results" / "profile.json",
                     help="profile to use; written by `kvflow profile` on the calibration grid if missing")
     ap.add_argument("--reprofile", action=argparse.BooleanOptionalAction, default=True,
                     help="calibrate afresh, the engine before every replay and the worker terms once per round "
                          "(default): this machine's speed moves by 15-20%% between windows of ~30 s, so a profile "
                          "from an earlier run prices every step off by that much; --no-reprofile reuses the file")
-    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=48, help="requests per replay (the trace sample's first, at most 1000)")
     ap.add_argument("--rate", type=float, default=0.8, help="Poisson requests/s")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the trace sample")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated worker layouts replayed")
     ap.add_argument("--repeats", type=int, default=1,
                     help="replays per layout (interleaved); the error is against their median, their spread is printed")
     ap.add_argument("--passes", type=int, default=1, help="passes over the grid in each engine calibration window")
@@ -284,10 +285,9 @@ def main() -> None:
 
 
 def plot(rows: dict, path: Path) -> None:
-    import matplotlib
+    from kvflow.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     keys = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s")

@@ -23,7 +23,6 @@ median of those); writes results/invariance.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import random
@@ -32,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -115,11 +116,11 @@ def measure(llm, kind: str, prompts, arg, new_tokens: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per workload (medians)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per request")
     ap.add_argument("--only", default=None, help="comma-separated workload names (default: all)")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="cpu: the thread's CPU time (needs --threads 1)")
     args = ap.parse_args()

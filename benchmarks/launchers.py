@@ -16,7 +16,6 @@ Prints medians and the Ray / subprocess ratios; writes results/launchers.json an
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -28,6 +27,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -91,13 +92,13 @@ def run_once(layout: str, launcher: str, ray_address: str, prompts, max_tokens: 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    ap.add_argument("--out", type=Path, default=RESULTS / "launchers")
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per layout and launcher, alternating (medians)")
+    ap.add_argument("--requests", type=int, default=8, help="concurrent requests of the throughput burst")
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated serve layouts")
+    ap.add_argument("--out", type=Path, default=RESULTS / "launchers", help="output stem (.json, .png)")
     args = ap.parse_args()
     import ray
     from ray.cluster_utils import Cluster
@@ -151,10 +152,9 @@ def main() -> int:
     meta = {"ray_version": ray.__version__, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
             "ray_cluster_startup_s": ray_start, **{k: v for k, v in vars(args).items() if k != "out"}}
     args.out.with_suffix(".json").write_text(json.dumps({"config": meta, "summary": summary, "runs": runs}, indent=1))
-    import matplotlib
+    from kvflow.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     xs = range(len(summary))

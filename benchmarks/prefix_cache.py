@@ -4,7 +4,7 @@ host, device + host + disk.
 The real default model (SmolLM2-135M, dtype auto) in the single-process engine that `kvflow serve`
 runs (`LLMEngine`, stepped here directly so no HTTP time blurs the comparison). Workload (seed 0):
 `--systems` system prompts whose lengths are drawn from the Azure conversation trace's prompt lengths
-(`../shared/traces/AzureLLMInferenceTrace_conv.csv`, clipped to [--min-system, --max-system]); each of
+(its 1,000-request sample in `benchmarks/traces/`, clipped to [--min-system, --max-system]); each of
 `--requests` requests is one of them (round robin, shuffled) + a user message of 8-24 random token ids,
 with `--max-tokens` greedy output tokens (ignore_eos). Requests arrive in waves of `--wave` (each
 wave once the previous one finished, TTFT from the wave's start; `--wave 0`: all at once). The
@@ -25,7 +25,6 @@ Writes results/prefix_cache.json and results/prefix_cache.png.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import statistics
@@ -34,9 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
-TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE = ROOT / "benchmarks" / "traces" / "AzureLLMInferenceTrace_conv_first1000.csv"
 
 
 def workload(args, vocab: int) -> list[list[int]]:
@@ -95,22 +96,23 @@ def run_once(model, tokenizer, prompts, args, variant: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--systems", type=int, default=6)
-    ap.add_argument("--min-system", type=int, default=64)
-    ap.add_argument("--max-system", type=int, default=192)
-    ap.add_argument("--max-tokens", type=int, default=4)
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=24, help="requests per variant and repetition")
+    ap.add_argument("--systems", type=int, default=6, help="distinct system prompts the requests share")
+    ap.add_argument("--min-system", type=int, default=64, help="shortest system prompt (tokens)")
+    ap.add_argument("--max-system", type=int, default=192, help="longest system prompt (tokens)")
+    ap.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
     ap.add_argument("--wave", type=int, default=4, help="requests per wave (0: all at once)")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians)")
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto: bfloat16 where the CPU has native bf16)")
     ap.add_argument("--device-blocks", type=int, default=48, help="device KV cache, blocks of 16 tokens")
     ap.add_argument("--host-blocks", type=int, default=96, help="host tier of the device+host variant")
     ap.add_argument("--disk-host-blocks", type=int, default=16, help="host tier of the device+host+disk variant")
     ap.add_argument("--disk-blocks", type=int, default=96, help="disk tier of the device+host+disk variant")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--out", type=Path, default=RESULTS / "prefix_cache")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--trace", type=Path, default=TRACE,
+                    help="Azure trace CSV whose prompt lengths size the system prompts (default: the sample in benchmarks/traces/)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "prefix_cache", help="output stem (.json, .png)")
     args = ap.parse_args()
 
     import torch
@@ -169,10 +171,9 @@ def main() -> None:
     jpath = args.out.with_suffix(".json")
     jpath.write_text(json.dumps(doc, indent=2))
 
-    import matplotlib
+    from kvflow.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     colors = {"off": "tab:gray", "device": "tab:green", "device+host": "tab:blue", "device+host+disk": "tab:purple"}

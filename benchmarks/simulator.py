@@ -20,13 +20,13 @@ Prints tables; writes results/simulator_*.json and .png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 from kvflow.perf import AnalyticPerfModel, machine, model_shape
 from kvflow.planner.report import matches, mean_ratio, save, sweep, table
 from kvflow.simulator import LengthDist, Layout, PipelineGroup, SimConfig, simulate, synthetic
@@ -306,8 +306,9 @@ def failures_fig11(pipeline_restart_s: float | None, replace_s: float | None, de
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("part", nargs="?", default="all", choices=["scale", "appendix", "distserve", "swapping", "failures", "all"])
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("part", nargs="?", default="all", choices=["scale", "appendix", "distserve", "swapping", "failures", "all"],
+                    help="which part to run (default: all)")
     ap.add_argument("--pipeline-restart-s", type=float, default=None,
                     help="failures: restart every worker (default: what the paper's Fig. 10 implies)")
     ap.add_argument("--replace-s", type=float, default=None,

@@ -33,6 +33,8 @@ import statistics
 import time
 from pathlib import Path
 
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
+
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 VARIANTS = ["off", "naive", "buffered", "overlap"]
 
@@ -153,12 +155,12 @@ async def run(args) -> dict:
 def main() -> None:
     from kvflow.model.loader import default_model_path
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="model dtype")
     ap.add_argument("--batch", type=int, default=4, help="prompts per batch")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds per variant, interleaved (medians)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="prompt workers on CPU 0, the rest on the other CPUs (default on; --no-pin: the OS places them)")
@@ -180,10 +182,9 @@ def main() -> None:
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
+    from kvflow.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     names = VARIANTS

@@ -30,7 +30,6 @@ Writes results/swapping.json and results/swapping.png.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -39,6 +38,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 VARIANTS = ("no swapping", "swapping")
@@ -115,17 +116,17 @@ async def run(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--depth", type=int, default=4)
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto: bfloat16 where the CPU has native bf16)")
+    ap.add_argument("--depth", type=int, default=4, help="colocated pipeline depth")
     ap.add_argument("--device-blocks", type=int, default=48, help="each stage's device KV budget, blocks of 16 tokens")
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=RESULTS / "swapping")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    ap.add_argument("--requests", type=int, default=32, help="requests per round")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant (medians)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--out", type=Path, default=RESULTS / "swapping", help="output stem (.json, .png)")
     args = ap.parse_args()
 
     from kvflow.config import EngineConfig
@@ -185,10 +186,9 @@ def main() -> None:
     jpath = args.out.with_suffix(".json")
     jpath.write_text(json.dumps(doc, indent=2))
 
-    import matplotlib
+    from kvflow.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     for x, v in enumerate(VARIANTS):

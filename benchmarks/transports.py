@@ -37,7 +37,6 @@ Writes results/transports.json and results/transports.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -55,6 +54,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 from kvflow.streaming.chunk import ChunkDesc, Segment, tensor_bytes
 from kvflow.streaming.primitives import InStream, OutStream, fetch, flush
 
@@ -404,10 +404,9 @@ def _size(text: str) -> int:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    from kvflow.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [_kb(r["chunk_bytes"]) for r in rows]
     fig, ax = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -436,12 +435,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--mbytes", type=int, default=128, help="bytes moved per variant, chunk size and round (MB)")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per variant, after one warm-up round")
     ap.add_argument("--sizes", type=lambda t: [_size(x) for x in t.split(",")], default=SIZES, help="chunk sizes, e.g. 64K,1M (default: 64K,1M,4M,16M)")
     ap.add_argument("--tmp", default=None, help="directory for the file variants (default: the system temp dir)")
-    ap.add_argument("--out", default=str(RESULTS / "transports.json"))
+    ap.add_argument("--out", default=str(RESULTS / "transports.json"), help="JSON output")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rounds = measure(args)

@@ -92,10 +92,9 @@ def save(summaries: list[dict], config: dict, out: Path, bound: float | None, co
 
 def plot(series: dict[str, list[dict]], path: Path, bound: float | None) -> None:
     """Median (solid) and p90 (dashed) normalized latency vs request rate, one colour per configuration."""
-    import matplotlib
+    from kvflow.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for i, (label, summaries) in enumerate(series.items()):

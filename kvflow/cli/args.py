@@ -47,7 +47,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def explain_defaults(parser: argparse.ArgumentParser) -> list[str]:
     """The options of `parser` and its sub-commands that have no help text, or whose help shows no
-    default though they take a value (tests/test_cli.py checks every command and benchmark)."""
+    default though they take a value (tests/test_cli_usability.py checks every command)."""
     missing = []
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -138,3 +138,7 @@ def model_arg(text: str) -> str:
     except (FileNotFoundError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+class RawDescriptionHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """`HelpFormatter` keeping the description's own line breaks (a benchmark's module docstring)."""

@@ -9,6 +9,7 @@ import sys
 
 from kvflow import __version__
 from kvflow.cli.args import ArgumentParser
+from kvflow.plotting import MissingExtra
 
 # Each module listed here defines `register(subparsers)`, which adds its sub-commands and sets
 # `func` on them (a callable taking the parsed args and returning an exit code).
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"kvflow {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except MissingExtra as e:  # e.g. a plot without matplotlib (the `plot` extra)
+        print(f"kvflow {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -79,14 +79,12 @@ def matches(rows: list[SweepRow], paper: dict, kind: str) -> tuple[int, int]:
 
 def save(rows: list[SweepRow], out: Path, title: str, extra: dict | None = None) -> tuple[Path, Path]:
     """Write `out`.json and `out`.png (makespan and machine-hours vs machines for each kind)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from kvflow.plotting import pyplot
 
     out.parent.mkdir(parents=True, exist_ok=True)
     js, png = out.with_suffix(".json"), out.with_suffix(".png")
     js.write_text(json.dumps({"title": title, "rows": [r.to_dict() for r in rows], **(extra or {})}, indent=1))
+    plt = pyplot()  # after the JSON: without matplotlib the numbers are still written
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     for k in KINDS:
         pts = [(r.machines, r.best[k].summary) for r in rows if k in r.best]

@@ -17,7 +17,7 @@ from kvflow.cli.main import main
 from kvflow.simulator.workload import LengthDist
 from kvflow.slo import SLO
 
-TRACE = Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")
+TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "AzureLLMInferenceTrace_conv_first1000.csv"
 
 
 def test_synthetic_requests_are_seeded_and_fit_the_context():
@@ -38,7 +38,6 @@ def test_synthetic_requests_are_seeded_and_fit_the_context():
         build_requests(DatasetSpec(prompt_len=300), 1.0, 96, 256)
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason="Azure trace not present")
 def test_azure_trace_is_scaled():
     spec = DatasetSpec(num_requests=20, trace=TRACE, length_scale=0.1, output_scale=0.5, max_output_len=50, trace_arrivals=True)
     reqs = build_requests(spec, 2.0, 49152, 2048)
