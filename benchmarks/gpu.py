@@ -1,0 +1,270 @@
+"""GPU benchmark: kvflow on one CUDA device against `transformers` and against the memory floor.
+
+    python benchmarks/gpu.py [--shapes 135m 1b] [--batches 1 16 64] [--out results/gpu]
+
+Models are random-weight Llama checkpoints that `transformers` writes here (no hub, no network): the
+SmolLM2-135M shape and a Llama-3.2-1B-like shape, bf16, vocab 49,152. For each shape, in one process:
+
+- correctness: float32 greedy tokens (TF32 off) of kvflow and `transformers.generate` for prompts of
+  5/37/130/300 random ids, and the bf16 last-token logits of kvflow against transformers' float32;
+- the decode step (`LLMEngine.step`, host work and sampling included) at each batch size, with CUDA
+  graphs and eager, beside the floor: weight bytes + the KV bytes a step reads, over the device's
+  measured copy bandwidth (bytes read + written by a device-to-device copy, per second);
+- offline output tok/s (`LLM.generate`, 256 in / 128 out, `--offline-batch` requests) against
+  `transformers.generate` eager with the same prompts (with `--compile`, also its static cache +
+  `torch.compile`).
+
+Writes a table to stdout and `gpu.json` (+ `gpu.png` with matplotlib) to --out. On a machine
+without CUDA, `--device cpu --shapes tiny` runs the same code on a small model (a check of the
+script, not a measurement to report).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter, int_list
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads
+    "135m": (576, 1536, 30, 9, 3),
+    "1b": (2048, 8192, 16, 32, 8),
+    "tiny": (64, 128, 2, 4, 2),
+}
+VOCAB = 49152
+PROMPT_LENS = (5, 37, 130, 300)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def write_checkpoint(shape: str, directory: Path) -> Path:
+    """A random-weight Llama checkpoint of `shape` in bf16 safetensors, as transformers writes it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, inter, layers, heads, kv_heads = SHAPES[shape]
+    cfg = LlamaConfig(vocab_size=VOCAB if shape != "tiny" else 512, hidden_size=hidden, intermediate_size=inter,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=2048, rope_theta=1e5, tie_word_embeddings=True,
+                      initializer_range=0.04, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    path = directory / shape
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second a device-to-device copy moves (read + written), median of 10."""
+    n = (1 << 30) if device == "cuda" else (1 << 26)
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(10):
+        sync(device)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n / statistics.median(times)
+
+
+def prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def correctness(ckpt: Path, device: str, vocab: int) -> dict:
+    from transformers import LlamaForCausalLM
+
+    from kvflow.engine.llm import LLM
+    from kvflow.model.batch import ForwardBatch
+    from kvflow.sched.sampling import SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ps = prompts(PROMPT_LENS, vocab)
+    new = 32
+    ref = LlamaForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).to(device).eval()
+    want, ref_logits = [], []
+    with torch.inference_mode():
+        for p in ps:
+            ids = torch.tensor([p], device=device)
+            out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                               min_new_tokens=new, pad_token_id=0)
+            want.append(out[0, len(p):].tolist())
+            ref_logits.append(ref(ids).logits[0, -1].float().cpu())
+    del ref
+    llm = LLM(str(ckpt), dtype="float32", device=device)
+    got = [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True), use_tqdm=False)]
+    identical = sum(g == w for g, w in zip(got, want))
+    del llm
+    bf = LLM(str(ckpt), dtype="bfloat16", device=device)
+    eng, bs = bf.engine, bf.engine.kv_cache.layout.block_size
+    worst = 0.0
+    with torch.inference_mode():
+        for p, r in zip(ps, ref_logits):
+            batch = ForwardBatch.of([(len(p), len(p), list(range(-(-len(p) // bs))))], bs, device)
+            logits = eng.model.forward(torch.tensor(p, device=device), batch, eng.kv_cache)[0].float().cpu()
+            worst = max(worst, float((logits - r).abs().max() / r.abs().max()))
+    del bf
+    return {"fp32_identical_prompts": identical, "prompts": len(ps), "new_tokens": new,
+            "bf16_logits_max_abs_err_over_max_abs": worst}
+
+
+def decode_steps(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, steps: int) -> dict:
+    """Median wall time of an engine step once `batch` requests (256-token prompts) all decode."""
+    from kvflow.engine.llm import LLM
+    from kvflow.sched.sampling import SamplingParams
+
+    llm = LLM(str(ckpt), dtype="bfloat16", device=device, enforce_eager=not graphs, max_num_seqs=max(batch, 1))
+    eng = llm.engine
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for p in prompts([256] * batch, vocab, seed=batch):
+        eng.add_request(p, params)
+    while any(not r.output_token_ids for r in eng.requests.values()):  # every prompt done
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        eng.step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    layout = eng.kv_cache.layout
+    ctx = 256 + 3 + steps // 2
+    kv_bytes = batch * ctx * layout.bytes_per_block // layout.block_size
+    result = {"batch": batch, "graphs": graphs and eng.runner.graphs is not None, "step_ms": 1e3 * statistics.median(times),
+              "weight_bytes": eng.model.weight_bytes, "kv_bytes": kv_bytes}
+    del llm, eng
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: bool) -> dict:
+    from transformers import LlamaForCausalLM
+
+    from kvflow.engine.llm import LLM
+    from kvflow.sched.sampling import SamplingParams
+
+    ps = prompts([256] * n, vocab, seed=7)
+    out = {"requests": n, "prompt": 256, "new_tokens": new}
+    llm = LLM(str(ckpt), dtype="bfloat16", device=device, max_num_seqs=n)
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    llm.generate(ps[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    res = llm.generate(ps, params, use_tqdm=False)
+    sync(device)
+    out["kvflow_tok_s"] = sum(len(r.token_ids) for r in res) / (time.perf_counter() - t0)
+    del llm, res
+    hf = LlamaForCausalLM.from_pretrained(ckpt, torch_dtype=torch.bfloat16).to(device).eval()
+    ids = torch.tensor(ps, device=device)
+    mask = torch.ones_like(ids)
+
+    def hf_run(**kw) -> float:
+        with torch.inference_mode():
+            hf.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, **kw)
+            sync(device)
+            t0 = time.perf_counter()
+            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, **kw)
+            sync(device)
+        return n * new / (time.perf_counter() - t0)
+
+    out["transformers_eager_tok_s"] = hf_run()
+    if compile_hf:
+        try:
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            out["transformers_compiled_tok_s"] = hf_run(cache_implementation="static")
+        except Exception as e:  # (a transformers/torch pairing where it does not work: say so)
+            out["transformers_compiled_error"] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
+def main() -> None:
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="where to run (cpu: a check of the script only)")
+    ap.add_argument("--shapes", nargs="+", default=["135m", "1b"], choices=sorted(SHAPES), help="model shapes to measure")
+    ap.add_argument("--batches", type=int_list, default=(1, 16, 64), help="decode batch sizes, comma-separated")
+    ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
+    ap.add_argument("--offline-batch", type=int, default=64, help="requests in the offline run (256 in each)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request in the offline run")
+    ap.add_argument("--compile", action="store_true", help="also time transformers with a static cache and torch.compile")
+    ap.add_argument("--out", type=Path, default=Path("results/gpu"), help="directory for gpu.json and gpu.png")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device here (use --device cpu --shapes tiny to check the script)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+              "torch": torch.__version__, "cuda": torch.version.cuda, "shapes": {}}
+    bw = copy_bandwidth(args.device)
+    report["copy_bytes_per_s"] = bw
+    print(f"device {report['device']}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes:
+            t0 = time.perf_counter()
+            ckpt = write_checkpoint(shape, Path(tmp))
+            vocab = VOCAB if shape != "tiny" else 512
+            r: dict = {"correctness": correctness(ckpt, args.device, vocab)}
+            print(f"[{shape}] correctness {r['correctness']}", flush=True)
+            r["decode"] = []
+            for b in args.batches:
+                for graphs in (True, False):
+                    d = decode_steps(ckpt, args.device, b, graphs, vocab, args.steps)
+                    d["floor_ms"] = 1e3 * (d["weight_bytes"] + d["kv_bytes"]) / bw
+                    r["decode"].append(d)
+                    print(f"[{shape}] decode batch {b:3d} {'graphs' if d['graphs'] else 'eager ':6s} "
+                          f"{d['step_ms']:8.3f} ms  floor {d['floor_ms']:.3f} ms  x{d['step_ms'] / d['floor_ms']:.1f}", flush=True)
+            r["offline"] = offline(ckpt, args.device, args.offline_batch, args.new_tokens, vocab, args.compile)
+            print(f"[{shape}] offline {r['offline']}", flush=True)
+            r["seconds"] = time.perf_counter() - t0
+            report["shapes"][shape] = r
+            (args.out / "gpu.json").write_text(json.dumps(report, indent=2))  # after each shape: a timeout keeps what ran
+    plot(report, args.out / "gpu.png")
+    print(f"wrote {args.out / 'gpu.json'}")
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'kvflow[plot]')")
+        return
+    shapes = list(report["shapes"])
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        rows = report["shapes"][shape]["decode"]
+        batches = sorted({d["batch"] for d in rows})
+        for graphs, style in ((True, "o-"), (False, "s--")):
+            ms = [next(d["step_ms"] for d in rows if d["batch"] == b and d["graphs"] == graphs) for b in batches
+                  if any(d["batch"] == b and d["graphs"] == graphs for d in rows)]
+            if len(ms) == len(batches):
+                ax.plot(batches, ms, style, label="CUDA graphs" if graphs else "eager")
+        floor = [next(d["floor_ms"] for d in rows if d["batch"] == b) for b in batches]
+        ax.plot(batches, floor, "k:", label="memory floor")
+        ax.set(title=f"{shape}: decode step", xlabel="batch", ylabel="ms", xscale="log", yscale="log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()

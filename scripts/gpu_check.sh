@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One prepared run on a GPU machine: the CUDA tests, then benchmarks/gpu.py, everything under $OUT.
+#
+# The lent GPU machine has PyTorch (CUDA), Triton, transformers, numpy, msgpack, xxhash and httpx, no
+# network, and no pytest. Before the run, on a machine with network, put the wheels the tests need in
+# an ignored folder of the checkout and carry it (the device entry's `carry` argument):
+#   pip download --dest .gpu-wheels --only-binary=:all: --python-version 3.12 pytest pytest-timeout
+# Then, on the device:  OUT=$OUT bash scripts/gpu_check.sh   (about 6 minutes on one H100)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+unset TRITON_INTERPRET
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+if ! "$PY" -c "import pytest" 2>/dev/null; then
+  if [ -d .gpu-wheels ]; then
+    "$PY" -m pip install -q --no-index --find-links .gpu-wheels pytest pytest-timeout
+  else
+    echo "no pytest and no .gpu-wheels folder: CUDA tests skipped (see this script's header)" | tee "$OUT/cuda-tests.txt"
+  fi
+fi
+if "$PY" -c "import pytest" 2>/dev/null; then
+  timeout 240 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_attention.py \
+    --junitxml "$OUT/cuda-tests.xml" 2>&1 | tee "$OUT/cuda-tests.txt"
+fi
+timeout 420 "$PY" benchmarks/gpu.py --out "$OUT" 2>&1 | tee "$OUT/gpu.txt"

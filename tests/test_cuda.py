@@ -1,0 +1,85 @@
+"""kvflow on a CUDA device: the model against `transformers`, the engine eager and with CUDA graphs,
+the same tokens as on the CPU. Every test here needs a GPU (`pytest -m cuda` on a GPU machine);
+without one they skip, and their CPU halves (the Triton kernel interpreted, the graph buffers run
+eagerly) are tested in tests/test_triton_attention.py and tests/test_cuda_graphs.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config, tiny_state_dict
+
+from kvflow.config import EngineConfig
+from kvflow.engine.cuda_graphs import DecodeGraphs
+from kvflow.engine.engine import LLMEngine
+from kvflow.kv.cache import KVCache, KVLayout
+from kvflow.model.batch import ForwardBatch
+from kvflow.model.llama import LlamaModel
+from kvflow.sched.sampling import SamplingParams
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PROMPTS = [[5, 17, 3, 40] * 3, [8, 1, 2], list(range(10, 47))]
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def engine(device: str, eager: bool = True, dtype: str = "float32") -> LLMEngine:
+    cfg = tiny_config()
+    model = LlamaModel.from_state_dict(cfg, tiny_state_dict(cfg), dtype=getattr(torch, dtype), device=device)
+    return LLMEngine(model, None, EngineConfig(device=device, dtype=dtype, block_size=16, num_kv_blocks=64, enforce_eager=eager))
+
+
+def greedy(eng: LLMEngine, n: int = 12) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    ids = [eng.add_request(p, params).request_id for p in PROMPTS]
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[r] for r in ids]
+
+
+def test_the_model_on_cuda_matches_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = tiny_config()
+    ref = LlamaForCausalLM(LlamaConfig(**cfg.to_hf())).eval()
+    ref.load_state_dict(tiny_state_dict(cfg), strict=False)
+    ref = ref.cuda()
+    model = LlamaModel.from_state_dict(cfg, tiny_state_dict(cfg), dtype=torch.float32, device="cuda")
+    assert model.triton_attention
+    cache = KVCache(KVLayout.for_model(cfg, 16, 16), "cuda")
+    p = PROMPTS[2]
+    with torch.inference_mode():
+        want = ref(torch.tensor([p], device="cuda")).logits[0, -1].float()
+        got = model.forward(torch.tensor(p, device="cuda"), ForwardBatch.of([(len(p), len(p), [3, 9, 1])], 16, "cuda"), cache)
+    assert (got[0] - want).abs().max().item() < 1e-4
+
+
+def test_greedy_tokens_on_cuda_equal_the_cpus_in_float32():
+    assert greedy(engine("cuda")) == greedy(engine("cpu"))
+
+
+def test_cuda_graphs_give_the_eager_tokens():
+    graphed = engine("cuda", eager=False)
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.capture
+    assert greedy(graphed) == greedy(engine("cuda"))
+
+
+def test_a_replayed_graph_gives_the_eager_logits():
+    eng = engine("cuda")
+    greedy(eng, 2)  # some KV in the cache
+    graphs = DecodeGraphs(eng.model, eng.kv_cache, max_batch=8, max_model_len=128, buckets=(2, 8))
+    contexts = [(20, [1, 2]), (7, [5])]
+    got = graphs.run([4, 9], contexts).clone()
+    want = eng.model.forward(torch.tensor([4, 9], device="cuda"), ForwardBatch.of([(1, c, b) for c, b in contexts], 16, "cuda"),
+                             eng.kv_cache)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
