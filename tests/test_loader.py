@@ -90,6 +90,55 @@ def test_gguf_f32_round_trip_is_exact_and_second_load_uses_cache(tmp_path, cache
     assert torch.equal(warm.state_dict["model.layers.1.self_attn.q_proj.weight"], sd["model.layers.1.self_attn.q_proj.weight"])
 
 
+def test_conversions_are_keyed_by_content_and_shared_by_copies(tmp_path, cache_dir):
+    # another checkout or environment holds its own copy of the model file (another path, another
+    # mtime): it reuses the first conversion; a file whose bytes differ gets its own
+    import os
+    import shutil
+
+    import gguf
+
+    cfg = tiny_config(num_layers=1, hidden_size=64, intermediate_size=128)
+    first = tmp_path / "a" / "tiny.gguf"
+    first.parent.mkdir()
+    write_tiny_gguf(first, cfg, tiny_state_dict(cfg, seed=5), lambda name, arr: gguf.GGMLQuantizationType.F32)
+    copy = tmp_path / "b" / "renamed.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(first, copy)
+    os.utime(copy, ns=(1, 1))
+    a, b = load_checkpoint(first), load_checkpoint(copy)
+    assert a.converted and not b.converted and a.directory == b.directory
+    assert sorted(p.name for p in (cache_dir / "converted").iterdir()) == [a.directory.name, a.directory.name + ".lock"]
+    other = tmp_path / "c" / "tiny.gguf"
+    other.parent.mkdir()
+    write_tiny_gguf(other, cfg, tiny_state_dict(cfg, seed=6), lambda name, arr: gguf.GGMLQuantizationType.F32)
+    c = load_checkpoint(other)
+    assert c.converted and c.directory != a.directory
+
+
+def test_concurrent_loads_convert_once(tmp_path, cache_dir):
+    # two processes loading one new model at once: one converts, the other waits for it (or finds
+    # it done); neither sees a half-written conversion, and nothing temporary is left behind
+    import subprocess
+    import sys
+
+    import gguf
+
+    cfg = tiny_config(num_layers=2)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, cfg, tiny_state_dict(cfg, seed=7), lambda name, arr: gguf.GGMLQuantizationType.Q8_0)
+    code = ("import sys\nfrom kvflow.model.loader import load_checkpoint\n"
+            "ck = load_checkpoint(sys.argv[1])\nprint(ck.directory, len(ck.state_dict))\n")
+    env = {**__import__("os").environ, "KVFLOW_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[0][0] == outs[1][0]  # the same directory, every tensor
+    assert sum(err.count("[kvflow] converting tiny.gguf") for _, err in outs) == 1, outs
+    assert not list((cache_dir / "converted").glob("*.tmp-*"))
+
+
 @pytest.mark.parametrize("qname, tol", [("F16", 2e-3), ("Q8_0", 2e-2), ("Q4_1", 0.12)])
 def test_gguf_quantized_tensors_dequantize_close(tmp_path, cache_dir, qname, tol):
     import gguf

@@ -310,18 +310,38 @@ def test_small_row_paths_are_measured_or_overridden(monkeypatch):
         linear.choose_small_paths(lins)
 
 
-def test_kernel_build_survives_a_lock_left_by_a_killed_builder():
-    # torch's build lock file, left behind by a process killed while building, made every later
-    # worker wait for it forever; the kernel's own OS lock clears it
+def test_kernel_build_is_shared_by_checkouts_and_survives_a_killed_builder(tmp_path):
+    # the build is keyed by content (sources, compiler, torch, CPU), not by the checkout: a second
+    # checkout (a copy of the package on another path) loads the same build without compiling; what a
+    # builder killed mid-way leaves behind (its own directory, torch's lock file in it) blocks no one
+    import os
+    import shutil
     import subprocess
     import sys
+    from pathlib import Path
 
     from kvflow.model import cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip("the CPU kernels cannot be built here (no compiler)")
-    probe = "from kvflow.model import cpu_kernels as p; import sys; sys.exit(0 if p.available() else 3)"
-    stale = cpu_kernels.build_directory() / "lock"
-    stale.touch()
-    assert subprocess.run([sys.executable, "-c", probe], timeout=120).returncode == 0
+    final = cpu_kernels.build_directory()
+    sources = cpu_kernels._read_sources()
+    assert cpu_kernels.build_directory(dict(sources)) == final
+    assert cpu_kernels.build_directory({**sources, "ops.h": sources["ops.h"] + b"\n"}) != final
+    built = final / f"{final.name}.so"
+    mtime = built.stat().st_mtime_ns
+    stale = final.with_name(final.name + ".tmp-4194305")
+    stale.mkdir()
+    (stale / "lock").touch()
+    checkout = tmp_path / "checkout"
+    shutil.copytree(Path(cpu_kernels.__file__).parents[1], checkout / "kvflow",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    probe = ("import sys\nfrom kvflow.model import cpu_kernels as p\n"
+             f"assert p.__file__.startswith({str(checkout)!r}), p.__file__\n"
+             f"assert str(p.build_directory()) == {str(final)!r}\n"
+             "sys.exit(0 if p.available() else 3)\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(checkout)}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "compiling" not in r.stderr and built.stat().st_mtime_ns == mtime  # loaded, not rebuilt
     assert not stale.exists()

@@ -75,6 +75,8 @@ def _load(args):
 
     dtype, why = resolve_dtype(args.dtype, args.device)
     print(f"[kvflow] dtype {dtype} ({why})", file=sys.stderr)
+    print(f"[kvflow] loading {args.model or 'the default model'} (weights, kernels, timing the projection paths)",
+          file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=dtype, device=args.device, num_threads=args.threads,
               enable_prefix_caching=args.enable_prefix_caching, deterministic=args.deterministic)

@@ -54,9 +54,9 @@ def register(sub) -> None:
     sc.add_argument("--max-num-seqs", type=number(int, 1), default=64, help="most requests running at once")
     sc.add_argument("--max-num-batched-tokens", type=number(int, 1), default=None,
                     help="token budget of one step: decodes first, then prompt chunks (default: prefill chunk size + "
-                         "max-num-seqs, 320)")
+                         "max-num-seqs, 2112)")
     sc.add_argument("--prefill-chunk-size", type=number(int, 1), default=None,
-                    help="most prompt tokens of one request per step (default: SchedulerConfig's, 256)")
+                    help="most prompt tokens of one request per step (default: SchedulerConfig's, 2048)")
     sc.add_argument("--reserve-kv", action=argparse.BooleanOptionalAction, default=True,
                     help="admit a request only while every running request's prompt + max_tokens fits in the KV cache, "
                          "so none is ever preempted (--no-reserve-kv: admit greedily, preempt when full)")
@@ -317,6 +317,9 @@ def run_serve(args) -> int:
 
     args.dtype, why = resolve_dtype(args.dtype, args.device)  # once, here: every worker gets the same
     print(f"[kvflow] dtype {args.dtype} ({why})", file=sys.stderr)
+    what = "the engine" if args.mode == "engine" else "the controller and its worker processes"
+    print(f"[kvflow] loading {args.model or 'the default model'} and starting {what}; the address follows once "
+          f"the server listens", file=sys.stderr, flush=True)
     if args.mode == "engine":
         from kvflow.serving.backend import EngineBackend
 

@@ -37,8 +37,9 @@ Why kernels: the eager decode attention spent most of its time gathering KV into
 decode step ran ~20 small ATen ops per layer, each its own OpenMP parallel region (measurements:
 docs/results.md). The elementwise kernels split rows over threads only above `GRAIN` elements, so a small decode
 batch runs on the calling thread. The extension is built with the C++ compiler torch.compile would
-need anyway (`torch.utils.cpp_extension`, cached under `$TORCH_EXTENSIONS_DIR`, keyed by the
-sources' contents); where it cannot be built, on a non-CPU device, or with `KVFLOW_CPU_KERNELS=0`,
+need anyway (`torch.utils.cpp_extension`), once per machine: cached under `$KVFLOW_CACHE_DIR/kernels`,
+keyed by the sources' contents, the compiler, torch and the CPU (`build_directory`), and shared by
+every checkout and environment; where it cannot be built, on a non-CPU device, or with `KVFLOW_CPU_KERNELS=0`,
 `available()` is False and the model keeps its pure-PyTorch path, so results never depend on having
 a compiler.
 """
@@ -63,18 +64,42 @@ _op = None
 _failed = False
 
 
+# -ffp-contract=off: no multiply and add fused unless the source says so (GCC's default for C++ fuses
+# where it sees fit, so two kernels written with the same arithmetic could round differently; the
+# batch-invariant paths rely on writing the same arithmetic twice)
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+_LDFLAGS = ("-fopenmp",)
+
+
 def build_directory(sources: dict[str, bytes] | None = None) -> Path:
-    """Where the kernel is built and cached (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions),
-    named by a hash of the sources (`_read_sources()`: a changed, added or removed file is a new build).
-    -march=native: the build is tied to this CPU, so the CPU's capability is part of its name; so is
-    the interpreter's environment (its torch headers are in the build file: two venvs sharing one
-    build directory would rebuild it in turn)."""
+    """Where the built kernel lives: `$KVFLOW_CACHE_DIR/kernels/` (default `~/.cache/kvflow`), named by a
+    hash of everything the binary depends on and nothing else: the sources (`_read_sources()`: a
+    changed, added or removed file is a new build), the compiler and its flags, the torch version
+    (its headers and ABI), the Python ABI and the CPU (-march=native ties the build to the CPU's
+    features). Not the checkout or the interpreter's path: a second checkout or virtual environment
+    with the same sources and torch loads the same build instead of compiling its own."""
+    from kvflow.model.loader import cache_root
+
     key = hashlib.sha256()
     for name, text in sorted((sources or _read_sources()).items()):
         key.update(f"csrc/{name}".encode() + b"\0" + text + b"\0")
-    key.update((torch.__version__ + str(torch.backends.cpu.get_cpu_capability()) + _cpu_flags() + sys.prefix).encode())
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    return root / f"kvflow_cpu_kernels_{key.hexdigest()[:12]}"
+    for part in (*_CFLAGS, *_capability_defines(), "|", *_LDFLAGS, "|", _compiler_version(), torch.__version__,
+                 sys.implementation.cache_tag, str(torch.backends.cpu.get_cpu_capability()), _cpu_flags()):
+        key.update(part.encode() + b"\0")
+    return cache_root() / "kernels" / f"kvflow_cpu_kernels_{key.hexdigest()[:16]}"
+
+
+def _compiler_version() -> str:
+    """The first line of `c++ --version` of the compiler torch builds with ($CXX, else c++)."""
+    import subprocess
+
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    try:
+        out = subprocess.run([get_cxx_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "no compiler"
+    return out.splitlines()[0] if out else "unknown compiler"
 
 
 def _read_sources() -> dict[str, bytes]:
@@ -83,38 +108,83 @@ def _read_sources() -> dict[str, bytes]:
 
 
 def _build():
+    """The kernel module: loaded from the cache when built before (by any checkout or environment),
+    else compiled once. Builders take an OS file lock per build (released when its holder dies, so a
+    builder killed mid-way blocks no one), compile in a directory of their own and rename it into
+    place when done: a reader never sees a half-written build, and whoever waited on the lock loads
+    the finished one."""
     import fcntl
-
-    from torch.utils.cpp_extension import load
+    import importlib.util
+    import shutil
+    import time
 
     sources = _read_sources()
-    build_dir = build_directory(sources)
-    build_dir.mkdir(parents=True, exist_ok=True)
-    # torch serialises builds with a lock file that a process killed while building leaves behind,
-    # and every later build then waits for it forever. An OS lock is released when its holder dies:
-    # whoever holds it is the only builder, so a lock file found then is stale.
-    with open(build_dir / "kvflow.flock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        # The sources are compiled from a copy in the build directory (as load_inline compiles its
-        # string): the build file names the paths it compiles, so two checkouts with the same sources
-        # compiling their own paths would each rewrite it and rebuild in turn.
-        src = build_dir / "csrc"
-        src.mkdir(exist_ok=True)
-        for name, text in sources.items():
-            if not (src / name).exists() or (src / name).read_bytes() != text:  # unchanged: ninja sees no newer file
-                (src / name).write_bytes(text)
-        return load(
-            name=build_dir.name,
-            sources=[str(src / name) for name in sorted(sources) if name.endswith(".cpp")],
-            # -ffp-contract=off: no multiply and add fused unless the source says so (GCC's default for
-            # C++ fuses where it sees fit, so two kernels written with the same arithmetic could round
-            # differently; the batch-invariant paths rely on writing the same arithmetic twice)
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *_capability_defines()],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+    final = build_directory(sources)
+    name = final.name
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.with_name(name + ".lock"), "w") as guard:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("[kvflow] waiting for another process building the CPU kernels", file=sys.stderr, flush=True)
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        for stale in final.parent.glob(name + ".tmp-*"):  # left by a builder that died: we hold its lock now
+            shutil.rmtree(stale, ignore_errors=True)
+        built = final / f"{name}.so"
+        if built.is_file():
+            spec = importlib.util.spec_from_file_location(name, built)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        tmp = final.with_name(f"{name}.tmp-{os.getpid()}")
+        src = tmp / "csrc"
+        src.mkdir(parents=True)
+        for file, text in sources.items():
+            (src / file).write_bytes(text)
+        t0 = time.perf_counter()
+        try:
+            with _ticking(f"[kvflow] compiling the CPU kernels (once per machine, torch and kernel sources; "
+                          f"about a minute) into {final}"):
+                module = _compile(name, src, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        tmp.rename(final)
+        print(f"[kvflow] CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        return module
+
+
+def _compile(name: str, src: Path, build_dir: Path):
+    from torch.utils.cpp_extension import load
+
+    cpp = [str(src / f) for f in sorted(os.listdir(src)) if f.endswith(".cpp")]
+    return load(name=name, sources=cpp, extra_cflags=[*_CFLAGS, *_capability_defines()], extra_ldflags=list(_LDFLAGS),
+                build_directory=str(build_dir), verbose=False)
+
+
+class _ticking:
+    """Prints `what` to stderr, then (on a terminal) the seconds elapsed, once a second, until the block ends."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.done = what, threading.Event()
+
+    def __enter__(self) -> None:
+        from tqdm import tqdm
+
+        print(self.what, file=sys.stderr, flush=True)
+        self.bar = tqdm(desc="[kvflow] compiling", bar_format="{desc}: {elapsed}", file=sys.stderr, disable=None,
+                        leave=False)
+        self.thread = threading.Thread(target=self._tick, daemon=True, name="kvflow-build-ticker")
+        self.thread.start()
+
+    def _tick(self) -> None:
+        while not self.done.wait(1.0):
+            self.bar.refresh()
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+        self.bar.close()
 
 
 def _capability_defines() -> list[str]:

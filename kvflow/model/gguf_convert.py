@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -100,10 +101,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name: str) -> ModelConfig:
     import gguf
     from safetensors.torch import save_file
 
+    from tqdm import tqdm
+
     reader = gguf.GGUFReader(str(gguf_path))
     cfg = config_from_gguf(reader, name)
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    # dequantizing is most of a conversion's seconds: a bar over the tensors (on a terminal only)
+    for t in tqdm(reader.tensors, desc="[kvflow] dequantizing", unit=" tensors", file=sys.stderr, disable=None,
+                  leave=False):
         if t.name in _GLOBAL_NAMES:
             hf = _GLOBAL_NAMES[t.name]
         else:

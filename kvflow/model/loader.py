@@ -1,17 +1,18 @@
 """Find and load a checkpoint: the embedded default GGUF, any local GGUF file, or a HF-style directory.
 
 A GGUF file is converted once into a HF-style directory under the cache
-(`$KVFLOW_CACHE_DIR`, default `~/.cache/kvflow`); later loads read the cached safetensors.
+(`$KVFLOW_CACHE_DIR/converted`, default `~/.cache/kvflow`), keyed by the file's contents: later loads,
+from any checkout or environment, read the cached safetensors.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,10 +61,21 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
 
 
+CONVERTER_VERSION = "2"  # bump when `convert_gguf`'s output changes: every cached conversion is redone
+
+
 def _cache_dir_for(gguf_path: Path) -> Path:
-    st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:16]
-    return cache_root() / "converted" / f"{gguf_path.stem}-{key}"
+    """The converted checkpoint of a GGUF file: named by a hash of the file's bytes (xxh3-128, about
+    a tenth of a second for the default model), so every copy of one model — another checkout,
+    another virtual environment's wheel, a renamed file — shares one conversion, and a file changed
+    in place gets a new one."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return cache_root() / "converted" / f"{h.hexdigest()[:24]}-v{CONVERTER_VERSION}"
 
 
 def resolve(model: str | os.PathLike | None) -> tuple[Path, str]:
@@ -109,17 +121,36 @@ def load_checkpoint(model: str | os.PathLike | None = None, want: Callable[[str]
 
 
 def _convert_atomically(gguf_path: Path, directory: Path, name: str) -> None:
+    """Convert into a directory of our own, renamed into place when complete, under an OS file lock
+    per conversion: a second process wanting the same model waits and then uses the first one's
+    result instead of converting again; a converter that died leaves only its own directory (removed
+    by the next one) and releases the lock."""
+    import fcntl
+
     from kvflow.model.gguf_convert import convert_gguf
 
-    log.info("converting %s into %s (first load only)", gguf_path, directory)
-    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    convert_gguf(gguf_path, tmp, name)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with open(directory.with_name(directory.name + ".lock"), "w") as guard:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[kvflow] waiting for another process converting {gguf_path.name}", file=sys.stderr, flush=True)
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        if (directory / "model.safetensors").is_file():  # the process we waited for converted it
+            return
+        for stale in directory.parent.glob(directory.name + ".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+        print(f"[kvflow] converting {gguf_path.name} into {directory} (first load of this model only)",
+              file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            convert_gguf(gguf_path, tmp, name)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         tmp.rename(directory)
-    except OSError:  # another process finished first; theirs is equivalent
-        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"[kvflow] converted in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def read_config(directory: Path, name: str | None = None) -> ModelConfig:
