@@ -309,7 +309,7 @@ def test_serve_flags_reach_the_scheduler_config():
     assert _scheduler_config(args) == SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=64,
                                                       reserve_kv=False)
     defaults = _scheduler_config(build_parser().parse_args(["serve"]))
-    assert (defaults.max_num_batched_tokens, defaults.prefill_chunk_size, defaults.reserve_kv) == (256 + 64, 256, True)
+    assert (defaults.max_num_batched_tokens, defaults.prefill_chunk_size, defaults.reserve_kv) == (2048 + 64, 2048, True)
     # the default budget follows the chunk and the concurrency: a whole chunk beside every decode
     assert _scheduler_config(build_parser().parse_args(["serve", "--prefill-chunk-size", "100", "--max-num-seqs", "10"])
                              ).max_num_batched_tokens == 110

@@ -12,18 +12,13 @@ from kvflow.config import EngineConfig, default_block_size, resolve_dtype
 from kvflow.engine.engine import LLMEngine
 from kvflow.sched.request import RequestOutput
 from kvflow.sched.sampling import SamplingParams
+from kvflow.sched.config import OFFLINE_TOKEN_BUDGET  # offline nobody waits on a token: a larger budget than the server's
 from kvflow.sched.scheduler import SchedulerConfig
 from kvflow.model.tokenizer import Message
 
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-
-# The offline token budget (max_num_batched_tokens = prefill_chunk_size) unless one is given. Offline
-# nobody waits on a token, so the budget only trades prefill throughput (docs/results.md, 2026-11-24
-# kernels). The server keeps SchedulerConfig's default budget, chosen for TPOT under load; vLLM
-# likewise gives its offline LLM class a larger budget than its server.
-OFFLINE_TOKEN_BUDGET = 1024
 
 
 class LLM:

@@ -8,6 +8,14 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 POLICIES = ("continuous", "microbatch")
+# The prompt tokens one step may carry, server and engine (`SchedulerConfig.prefill_chunk_size`), and the
+# offline `LLM`'s budget: vLLM's CPU backend's defaults (2,048 for its server, 4,096 for its LLM class).
+# A burst of prompts starts in ceil(total / budget) steps, so a small budget pays TTFT at saturation
+# once per 256 tokens queued (64 prompts of 256: 64 steps at the old 256, 8 at 2,048); a step of a
+# whole budget of prompt tokens delays the running decodes by its prefill time (docs/results.md,
+# 2026-11-26 batched sampling and batch filling).
+DEFAULT_PREFILL_CHUNK = 2048
+OFFLINE_TOKEN_BUDGET = 4096
 ROLES = ("both", "prompt", "token")
 
 
@@ -34,10 +42,10 @@ class SchedulerConfig:
     tokens first, then prompt chunks up to the token budget, so a prompt never stalls the decodes
     for longer than `max_num_batched_tokens` tokens of compute. The budget trades TTFT (a prompt
     needs ceil(len / budget) steps) against TPOT (every step carries up to a budget of prompt
-    tokens). Its default is `prefill_chunk_size + max_num_seqs` (256 + 64): room for a whole prompt
-    chunk beside every running request's decode token, so the decodes never split a prompt that
-    fits one chunk into a long step and a short tail step (a 256-token prompt took two steps
-    beside any decode at a budget of 256; docs/serving.md, "Token budget").
+    tokens). Its default is `prefill_chunk_size + max_num_seqs` (`DEFAULT_PREFILL_CHUNK` + 64): room
+    for a whole prompt chunk beside every running request's decode token, so the decodes never split
+    a prompt that fits one chunk into a long step and a short tail step (a 256-token prompt took two
+    steps beside any decode at a budget of 256; docs/serving.md, "Token budget").
     `reserve_kv` (continuous, role "both"): a concurrency cap derived from the KV budget — a waiting
     request is admitted only while the blocks every running request may still need (prompt +
     max_tokens, capped at the context) plus its own fit in the pool, so a running request never
@@ -47,7 +55,7 @@ class SchedulerConfig:
     policy: str = "continuous"
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: prefill_chunk_size + max_num_seqs
-    prefill_chunk_size: int = 256
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
     microbatch_size: int | None = None
     max_in_flight: int = 1
     swap_regions: int = 0
