@@ -1,8 +1,8 @@
 """The reference docs name only code that exists.
 
 Every page of docs/ but the results log (docs/results.md, a dated record that may name code since
-removed) and README.md are read as text; nothing is imported, the source is parsed with `ast`, so
-this runs in well under a second. A page fails when it names:
+removed) and README.md are read as text; the source is parsed with `ast` (only the `kvflow` command's
+parser is imported, which imports no torch), so this runs in about a second. A page fails when it names:
 
 - a path under kvflow/, benchmarks/, scripts/, tests/ or scenarios/ that is not there, or a file
   `x.py` / `pkg/x.py` in backticks that no such folder holds;
@@ -13,7 +13,10 @@ this runs in well under a second. A page fails when it names:
 - a backticked identifier that looks like code (`snake_case` or `CamelCase`) and occurs nowhere in
   the code base's source text: how a primitive that was removed (`stream_in`) stays in a page;
 - a link to a page of docs/ that is not there, or to a heading (`results.md#2026-11-25-fidelity`)
-  the page does not have.
+  the page does not have;
+- a `--flag` that no kvflow command, benchmark or script defines, or a `kvflow_*` metric the code
+  does not expose; and the reverse: every `kvflow serve` option is on some page of docs/, every
+  metric of the API server in docs/api.md.
 
 Inline code only: fenced blocks (commands, pseudo-code) are checked for paths alone.
 """
@@ -276,3 +279,128 @@ def test_the_check_catches_a_removed_name(tmp_path):
         "link nowhere.md: no page nowhere.md",
         "link page.md#no-such-heading: no heading #no-such-heading in page.md",
     ]
+
+
+# ---------------------------------------------------------------------------------------- flags and metrics
+# The docs and the code agree on the command line and /metrics: every `--flag` a page names is an option
+# of some kvflow command, benchmark or script (or another tool's, listed here), every `kvflow_*` metric a
+# page names is exposed by the code, and the reverse: every option of `kvflow serve` and every metric of
+# the API server is documented. The commands' options come from the `kvflow` parser itself (importing
+# kvflow.cli.main imports no torch); the benchmarks' and other modules' from their source (`ast`).
+
+FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+METRIC = re.compile(r"(?<![\w])(kvflow_[a-z0-9_]+)")
+METRIC_SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
+# Other programs' options that pages show on purpose: `ray start`'s (docs/deploy.md), `pip wheel`'s.
+EXTERNAL_FLAGS = frozenset({"--head", "--address", "--node-ip-address", "--num-cpus", "--resources", "--labels",
+                            "--include-dashboard", "--wheel-dir"})
+
+
+def _documented_text(pages: list[Path]) -> str:
+    return "\n".join(p.read_text() for p in pages)
+
+
+@cache
+def command_flags() -> dict[str, set[str]]:
+    """`kvflow` sub-command (e.g. "serve", "bench serve") -> its option strings."""
+    import argparse
+
+    from kvflow.cli.main import build_parser
+
+    out: dict[str, set[str]] = {}
+
+    def walk(parser: argparse.ArgumentParser, prefix: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{prefix} {name}".strip())
+            else:
+                out.setdefault(prefix, set()).update(action.option_strings)
+
+    walk(build_parser(), "")
+    return out
+
+
+@cache
+def source_flags() -> frozenset[str]:
+    """Option strings of every `add_argument` call in kvflow/, benchmarks/ and scripts/ (with the --no-
+    forms of BooleanOptionalAction), and every `--flag` a shell script passes on."""
+    flags: set[str] = set()
+    for path in sources():
+        if path.suffix == ".sh":
+            flags.update(FLAG.findall(path.read_text()))
+            continue
+        if path.suffix != ".py" or path.parts[len(ROOT.parts)] not in ("kvflow", "benchmarks", "scripts"):
+            continue
+        for node in ast.walk(parsed(path)):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+                names = [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")]
+                flags.update(names)
+                if any(k.arg == "action" and "BooleanOptional" in ast.unparse(k.value) for k in node.keywords):
+                    flags.update("--no-" + n[2:] for n in names)
+    return frozenset(flags)
+
+
+@cache
+def metric_names() -> frozenset[str]:
+    """Every `kvflow_*` string constant of kvflow/ (the names of the /metrics families), suffixes stripped."""
+    out = set()
+    for path in (ROOT / "kvflow").rglob("*.py"):
+        for node in ast.walk(parsed(path)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and METRIC.fullmatch(node.value):
+                out.add(_metric_base(node.value))
+    return frozenset(out)
+
+
+def _metric_base(name: str) -> str:
+    for suffix in METRIC_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def api_metric_names() -> set[str]:
+    """The families the API server exposes (kvflow/api/metrics.py)."""
+    tree = parsed(ROOT / "kvflow" / "api" / "metrics.py")
+    return {_metric_base(n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and METRIC.fullmatch(n.value)}
+
+
+def flag_problems(pages: list[Path]) -> list[str]:
+    known = source_flags() | {f for flags in command_flags().values() for f in flags} | EXTERNAL_FLAGS
+    out = []
+    for page in pages:
+        for flag in sorted(set(FLAG.findall(page.read_text())) - known):
+            out.append(f"{page.name}: {flag} is no option of kvflow, a benchmark or a script")
+    return out
+
+
+def metric_problems(pages: list[Path]) -> list[str]:
+    out = []
+    for page in pages:
+        for name in sorted(set(METRIC.findall(page.read_text()))):
+            if _metric_base(name) not in metric_names() and not name.startswith("kvflow_cpu_kernels"):
+                out.append(f"{page.name}: metric {name} is not exposed by the code")
+    return out
+
+
+def test_pages_name_only_existing_flags_and_metrics():
+    assert flag_problems(PAGES) + metric_problems(PAGES) == []
+
+
+def test_every_serve_flag_and_metric_is_documented():
+    docs = _documented_text([p for p in PAGES if p.name != "README.md"])
+    undocumented = sorted(f for f in command_flags()["serve"] if f.startswith("--") and f != "--help"
+                          and not f.startswith("--no-") and not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", docs))
+    assert undocumented == [], "kvflow serve options no page of docs/ mentions"
+    api = (ROOT / "docs" / "api.md").read_text()
+    missing = sorted(m for m in api_metric_names() if not re.search(rf"\b{m}", api))
+    assert missing == [], "metrics of the API server that docs/api.md does not list"
+
+
+def test_the_flag_and_metric_checks_catch_strays(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("`kvflow serve --max-num-seqs 8 --max-num-seq 8`, `kvflow_num_requests_running`, "
+                    "`kvflow_no_such_metric_total`, `kvflow_time_to_first_token_seconds_bucket`\n")
+    assert flag_problems([page]) == ["page.md: --max-num-seq is no option of kvflow, a benchmark or a script"]
+    assert metric_problems([page]) == ["page.md: metric kvflow_no_such_metric_total is not exposed by the code"]
