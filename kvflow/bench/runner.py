@@ -33,11 +33,14 @@ class BenchConfig:
     # Where the vocabulary size comes from when /v1/models has none (a vLLM server): a local
     # checkpoint (GGUF file or HF-style directory; None = the embedded default model).
     tokenizer: str | None = None
+    temperature: float = 0.0  # sent with every request (0: greedy; vLLM's client sends none, i.e. 1.0)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", check_local(self.url))
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError(f"rates must be positive, got {self.rates}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0 < self.max_duration <= MAX_DURATION_S:
             raise ValueError(f"max_duration must be in (0, {MAX_DURATION_S:g}] seconds, got {self.max_duration}")
 
@@ -68,7 +71,7 @@ async def run_rate(client: httpx.AsyncClient, cfg: BenchConfig, model: str, rate
     results: list[RequestResult] = []
 
     async def one(req: BenchRequest) -> None:
-        res = await send(client, cfg.url, model, req)
+        res = await send(client, cfg.url, model, req, cfg.temperature)
         results.append(res)
         bar.update(1)
 
