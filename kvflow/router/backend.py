@@ -7,14 +7,16 @@ with the token ids the instance streams: its stop checks, detokenizer and held-b
 client sees what one instance would have sent. If the instance fails (connection refused or reset, an error event,
 its `down` event), the request is re-sent to another instance with its generated prefix — prompt + tokens so far,
 `max_tokens` and `min_tokens` reduced by what was generated — and its stream goes on from the next token: no token
-is lost or sent twice. A greedy request then continues exactly as it would have (a seeded sampled one does not:
-the new instance's generator starts afresh). A stop string that spans the move is still found (by the router's
-`Request`; the stream on the instance is then closed, which aborts it).
+is lost or sent twice. A greedy request then continues exactly as it would have on batch-invariant instances (a
+seeded sampled one does not: the new instance's generator starts afresh; presence and frequency penalties count only
+the tokens after the move). A stop string that spans the move is still found (by the router's `Request`; the stream
+on the instance is then closed, which aborts it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Iterable
@@ -55,12 +57,17 @@ class Chunk:
     finish_reason: str | None
 
 
+ROUTER_ONLY = ("skip_special_tokens",)  # the router detokenizes; instances need not
+
+
 def request_body(model: str, prompt: list[int], params: SamplingParams, generated: int) -> dict:
-    """The `/v1/completions` body that continues a request after `generated` tokens (0: the whole request)."""
-    return {"model": model, "prompt": prompt, "stream": True, "return_token_ids": True,
-            "max_tokens": params.max_tokens - generated, "min_tokens": max(params.min_tokens - generated, 0),
-            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
-            "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos}
+    """The `/v1/completions` body that continues a request after `generated` tokens (0: the whole request): every
+    sampling field under its own name (the API's fields are `SamplingParams`'), max/min tokens less `generated`."""
+    body = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name not in ROUTER_ONLY}
+    body = {k: list(v) if isinstance(v, tuple) else v for k, v in body.items()}
+    body.update(model=model, prompt=prompt, stream=True, return_token_ids=True, max_tokens=params.max_tokens - generated,
+                min_tokens=max(params.min_tokens - generated, 0))
+    return body
 
 
 async def _stream(client: httpx.AsyncClient, inst: Instance, body: dict) -> AsyncIterator[Chunk]:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from kvflow.api.protocol import CompletionRequest
+
 from kvflow.kv.prefix_hash import extend_hashes
+from kvflow.router.backend import ROUTER_ONLY, request_body
 from kvflow.router.config import RouterConfig
 from kvflow.router.length import DATA, LengthModel, bucket
 from kvflow.router.policies import (InstanceState, PolicyConfig, RouteRequest, least_load, length_aware,
                                     prefix_aware, round_robin)
+from kvflow.sched.sampling import SamplingParams
 
 CFG = PolicyConfig(cache_threshold=0.5, balance_abs=4, balance_rel=1.5)
 
@@ -110,3 +115,17 @@ def test_router_config(tmp_path):
     f.write_text("instances: [http://a:1]\npolcy: x\n")
     with pytest.raises(ValueError, match="unknown router setting"):
         RouterConfig.from_file(f)
+
+
+def test_request_body_forwards_every_sampling_field():
+    """Every `SamplingParams` field reaches the instance (a field added to sampling and the API is forwarded with no
+    change here), and a continuation asks only for what is left."""
+    params = SamplingParams(max_tokens=50, temperature=0.7, top_k=5, top_p=0.9, seed=3, stop=("x",),
+                            stop_token_ids=(9,), min_tokens=10, ignore_eos=True)
+    body = request_body("m", [1, 2, 3, 4], params, generated=4)
+    sent = {f.name for f in dataclasses.fields(SamplingParams)} - set(ROUTER_ONLY)
+    assert sent <= set(body) and sent <= set(CompletionRequest.model_fields)
+    assert body["max_tokens"] == 46 and body["min_tokens"] == 6 and body["prompt"] == [1, 2, 3, 4]
+    assert body["stop"] == ["x"] and body["stop_token_ids"] == [9] and body["seed"] == 3 and body["top_k"] == 5
+    CompletionRequest.model_validate(body)  # what the instance parses (strict): accepted as is
+    assert request_body("m", [1], params, generated=12)["min_tokens"] == 0
