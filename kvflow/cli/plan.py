@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--scenario", type=existing_path, help="YAML scenario: sweeps its machine counts (default: none; "
                                                           "then --layout)")
     _hardware_args(s)
-    s.add_argument("--layout", help="'8p16b' (baseline), '4x2p16b' (DP) or '3p16b,5p16b' (prompt,token; "
+    s.add_argument("--layout", type=layout_spec, help="'8p16b' (baseline), '4x2p16b' (DP) or '3p16b,5p16b' (prompt,token; "
                                     "replicas as '2x3p16b,4x5p16b'; default: none, then --scenario)")
     s.add_argument("--rate", type=number(float, 0, low_open=True),
                    help="Poisson requests/s (default: all arrive at t=0)")
@@ -279,6 +279,17 @@ def _plan_goodput(args) -> int:
 _LAYOUT = re.compile(r"^(?:(\d+)x)?(\d+)p(\d+)b$")
 
 
+def layout_spec(text: str) -> str:
+    """An argparse type: a layout as `parse_layout` reads it, checked without importing the simulator."""
+    parts = text.split(",")
+    bad = [p for p in parts if not _LAYOUT.match(p.strip())]
+    if bad:
+        raise argparse.ArgumentTypeError(f"layout part {bad[0]!r}: expected [COUNTx]DEPTHpBATCHb, e.g. 4x2p16b")
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError("a layout has one colocated group or a prompt,token pair")
+    return text
+
+
 def parse_layout(text: str):
     from kvflow.simulator import Layout, PipelineGroup
 
@@ -306,6 +317,8 @@ def _recovery(args):
 
 
 def cmd_simulate(args) -> int:
+    if not args.scenario and not args.layout:  # before the simulator's (slow) import
+        raise ValueError("give --scenario FILE or --layout")
     from kvflow.planner.report import mean_ratio, save, sweep, table
     from kvflow.simulator import Failure, SimConfig, simulate
     from kvflow.slo import SLO
@@ -325,8 +338,6 @@ def cmd_simulate(args) -> int:
                        sc.name, {"ratios": ratios})
         print(f"wrote {js} and {png}")
         return 0
-    if not args.layout:
-        raise ValueError("give --scenario FILE or --layout")
     perf, spec, layout = _perf(args), _workload_spec(args), parse_layout(args.layout)
     failures = []
     for f in args.fail:
