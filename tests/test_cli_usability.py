@@ -54,7 +54,10 @@ def test_version(capsys):
     (["plan", "--machines", "4", "--ttft-slo", "1"], "give both --ttft-slo and --tpot-slo"),
     (["simulate", "--microbatches", "a,b"], "argument --microbatches: expected comma-separated integers"),
     (["profile", "--batches", "0"], "argument --batches: expected positive integers"),
+    (["simulate"], "give --scenario FILE or --layout"),
+    (["simulate", "--layout", "3x"], "argument --layout: layout part '3x'"),
     (["bench", "serve", "--rates", "1,x"], "argument --rates: expected comma-separated numbers"),
+    (["bench", "serve", "--url", "http://10.1.2.3:8000"], "only targets 127.0.0.1/localhost, not '10.1.2.3'"),
     (["worker", "--name", "w"], "the following arguments are required: --controller"),
 ])
 def test_argument_errors_are_one_line_and_import_nothing_heavy(argv, says):

@@ -136,7 +136,8 @@ def register(sub) -> None:
                                        "TTFT/TPOT/normalized latency",
                          description="Open-loop load generator. Start the server first (kvflow serve, or any "
                                      "OpenAI-compatible server such as vLLM) and point --url at it.")
-    bs.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the running server (127.0.0.1/localhost only)")
+    bs.add_argument("--url", type=_local_url, default="http://127.0.0.1:8000",
+                    help="base URL of the running server (127.0.0.1/localhost only)")
     bs.add_argument("--model", default=None, help="model id (default: the first one /v1/models lists)")
     bs.add_argument("--tokenizer", default=None,
                     help="local checkpoint whose vocabulary the synthetic prompts use when the server's /v1/models "
@@ -258,6 +259,20 @@ def _controller(args):
         print(f"[kvflow] controller at {ctrl.address}; start these workers (same model file on each host; they "
               f"receive every other setting from the controller):", file=sys.stderr)
     return ctrl
+
+
+def _local_url(text: str) -> str:
+    """An argparse type: a URL on this machine (`kvflow.bench.client.check_local`'s rule, checked here
+    too because importing the load generator takes seconds)."""
+    from urllib.parse import urlsplit
+
+    try:
+        host = urlsplit(text).hostname
+    except ValueError:
+        host = None
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise argparse.ArgumentTypeError(f"kvflow bench serve only targets 127.0.0.1/localhost, not {host or text!r}")
+    return text
 
 
 def _api_key(text: str) -> str:
