@@ -304,14 +304,17 @@ def _config(app: FastAPI, host: str, port: int, log_level: str, config: APIConfi
 
 def serve(backend: Backend, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           config: APIConfig = APIConfig(), sock: socket.socket | None = None,
-          on_listening: Callable[[], None] | None = None) -> int:
+          on_listening: Callable[[], None] | None = None, build: Callable[[Backend, APIConfig], FastAPI] = build_app,
+          exit_on_backend_failure: bool = True) -> int:
     """Serve until SIGTERM / Ctrl-C, then drain and shut down (see the module docstring). Returns the
     process exit code: 0 after a shutdown, 1 when the backend failed for good (see `_Server.on_tick`),
     128 + the signal's number when a second signal cut the drain short. `sock`: a socket already bound
     to host:port (`kvflow serve` binds it before loading the model, so a busy port fails at once); it
-    starts listening once the backend has started, and then `on_listening()` is called."""
-    app = build_app(backend, config)
-    server = _Server(_config(app, host, port, log_level, config), app, exit_on_backend_failure=True,
+    starts listening once the backend has started, and then `on_listening()` is called. `build` makes the
+    app (`kvflow router` adds its routes); `exit_on_backend_failure=False` answers 503s instead of exiting
+    (the router, whose instances may come back)."""
+    app = build(backend, config)
+    server = _Server(_config(app, host, port, log_level, config), app, exit_on_backend_failure=exit_on_backend_failure,
                      on_listening=on_listening)
     server.run(sockets=None if sock is None else [sock])
     if server.backend_failed:

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from kvflow.api.errors import APIError, bad_request
-from kvflow.api.server import APIConfig, _config, _Server, build_app  # (kvflow serve's uvicorn with its drain)
+from kvflow.api.server import APIConfig, build_app, serve
 from kvflow.router.backend import RouterBackend
 
 
@@ -57,7 +57,4 @@ def serve_router(backend: RouterBackend, host: str, port: int, log_level: str = 
                  config: APIConfig = APIConfig()) -> int:
     """Serve until SIGTERM / Ctrl-C with `kvflow serve`'s drain and exit codes — except that the router keeps
     running (answering 503) while no instance is healthy, since instances may come back or join."""
-    app = build_router_app(backend, config)
-    server = _Server(_config(app, host, port, log_level, config), app, exit_on_backend_failure=False)
-    server.run()
-    return 128 + server.stopped_by if server.stopped_by is not None else 0
+    return serve(backend, host, port, log_level, config, build=build_router_app, exit_on_backend_failure=False)
