@@ -15,6 +15,7 @@ from kvflow.engine.engine import LLMEngine
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LlamaModel
+from kvflow.sched.config import SchedulerConfig
 from kvflow.sched.sampling import SamplingParams
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -30,10 +31,12 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def engine(device: str, eager: bool = True, dtype: str = "float32") -> LLMEngine:
+def engine(device: str, eager: bool = True, dtype: str = "float32", deterministic: bool = False, **sched) -> LLMEngine:
     cfg = tiny_config()
-    model = LlamaModel.from_state_dict(cfg, tiny_state_dict(cfg), dtype=getattr(torch, dtype), device=device)
-    return LLMEngine(model, None, EngineConfig(device=device, dtype=dtype, block_size=16, num_kv_blocks=64, enforce_eager=eager))
+    model = LlamaModel.from_state_dict(cfg, tiny_state_dict(cfg), dtype=getattr(torch, dtype), device=device,
+                                       deterministic=deterministic)
+    return LLMEngine(model, None, EngineConfig(device=device, dtype=dtype, block_size=16, num_kv_blocks=64, enforce_eager=eager,
+                                               deterministic=deterministic, scheduler=SchedulerConfig(**sched)))
 
 
 def greedy(eng: LLMEngine, n: int = 12) -> list[list[int]]:
@@ -83,3 +86,21 @@ def test_a_replayed_graph_gives_the_eager_logits():
     want = eng.model.forward(torch.tensor([4, 9], device="cuda"), ForwardBatch.of([(1, c, b) for c, b in contexts], 16, "cuda"),
                              eng.kv_cache)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_deterministic_bf16_tokens_do_not_depend_on_the_batch(eager):
+    """On the Triton kernels (attention, projections, RMS norm) a request's greedy bf16 tokens are the
+    same alone and beside others, with chunked prompts, eager and through the CUDA graphs."""
+    eng = engine("cuda", eager=eager, dtype="bfloat16", deterministic=True, max_num_batched_tokens=24, prefill_chunk_size=16)
+    assert eng.model.kernel_variant.startswith("batch-invariant bfloat16 triton")
+    together = greedy(eng, 16)
+    alone = []
+    for p in PROMPTS:
+        solo = engine("cuda", eager=eager, dtype="bfloat16", deterministic=True, max_num_batched_tokens=24, prefill_chunk_size=16)
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        r = solo.add_request(p, params)
+        while solo.has_unfinished():
+            solo.step()
+        alone.append(r.output_token_ids)
+    assert together == alone

@@ -159,3 +159,31 @@ def test_the_model_on_the_kernel_gives_the_tokens_of_its_cpu_path(monkeypatch):
 
     assert tokens(True) == tokens(False)
     assert calls["prefill"] > 0 and calls["decode"] > 0  # both kinds of rows went through the kernel
+
+
+def test_the_deterministic_model_on_the_triton_kernels_gives_the_tokens_of_its_cpu_path(monkeypatch):
+    """Every kernel a deterministic model runs on CUDA (attention, projections, RMS norm), interpreted:
+    float32 greedy tokens equal the CPU path's."""
+    from conftest import run_to_completion, tiny_engine
+
+    from kvflow.model import triton_invariant
+    from kvflow.sched.sampling import SamplingParams
+
+    def tokens(triton_path: bool):
+        eng = tiny_engine(max_num_batched_tokens=12, prefill_chunk_size=8)
+        if triton_path:
+            m = eng.model
+            m.triton_attention, m.triton_norm, m.paged_kernel, m.native_decode, m.cpu_kernels = True, True, False, False, False
+            for lin in [lin for w in m.layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [m._lm_head]:
+                lin.invariant, lin.packed, lin.triton = None, None, True
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        ids = [eng.add_request([5 + i, 17, 3, 40 + i] * (2 + i), params).request_id for i in range(2)]
+        done = run_to_completion(eng)
+        return [done[r].token_ids for r in ids]
+
+    calls = []
+    for name in ("linear", "rms_norm"):
+        real = getattr(triton_invariant, name)
+        monkeypatch.setattr(triton_invariant, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    assert tokens(True) == tokens(False)
+    assert {"linear", "rms_norm"} <= set(calls)

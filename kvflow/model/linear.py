@@ -16,14 +16,21 @@ PADDED_ROWS = 4
 SMALL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts measured at load; 5 uses 4's choice, and so on
 
 
+def _triton_invariant():
+    """The Triton projection's module, imported on first use (only CUDA uses it; Triton's import is slow)."""
+    from kvflow.model import triton_invariant
+
+    return triton_invariant
+
+
 class Linear:
     """`y = x @ weight.T` with the weight ([out, in], Hugging Face layout) prepared once at load.
 
     `deterministic=True` (a batch-invariant model's projections): on CPU with the kernels built, every
     call, whatever its row count, is `cpu_kernels.invariant_linear` on the weight packed by
     `pack_invariant` (`invariant`), so a row's result never depends on the rows beside it; no other
-    path is prepared. Without the kernels (or off the CPU) it is `F.linear`, whose GEMM may block by
-    row count (not batch-invariant).
+    path is prepared. On CUDA with Triton it is `triton_invariant.linear` (fixed tiles, no split-K: also
+    batch-invariant). Elsewhere it is `F.linear`, whose GEMM may block by row count (not batch-invariant).
 
     Otherwise, on CPU with oneDNN (fp32, bf16) the weight is also reordered into oneDNN's blocked layout and
     applied with its prepacked linear (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's
@@ -41,6 +48,7 @@ class Linear:
         self.weight = weight.contiguous()
         cpu = weight.device.type == "cpu"
         self.invariant = pack_invariant(self.weight) if deterministic and cpu and cpu_kernels.available("cpu") else None
+        self.triton = deterministic and weight.device.type == "cuda" and _triton_invariant().available(weight.device)
         usable = cpu and not deterministic and _prepack_ok(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16) if usable else None
         self.small = {1: "plain", 2: "plain", 3: "prepacked"}
@@ -48,6 +56,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant is not None:
             return cpu_kernels.invariant_linear(x.contiguous(), self.invariant, self.weight.shape[0])
+        if self.triton:
+            return _triton_invariant().linear(x, self.weight)
         return getattr(self, self.path(x.shape[0]))(x)
 
     def path(self, rows: int) -> str:

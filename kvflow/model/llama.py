@@ -56,6 +56,12 @@ def _triton_kernels():
     return triton_attention
 
 
+def _triton_invariant():
+    from kvflow.model import triton_invariant
+
+    return triton_invariant
+
+
 class LlamaModel:
     """Layers [layer_start, layer_end) of a Llama model; the first stage embeds, the last computes logits.
 
@@ -68,8 +74,9 @@ class LlamaModel:
     `EngineConfig.deterministic`, off by default) makes the forward batch-invariant where the CPU kernels run (`batch_invariant`): a token's hidden states, K/V and logits are bitwise the same whatever else
     shares its step, wherever it sits, and whether it is decoded, computed in a prompt chunk of any
     length or recomputed (projections by `cpu_kernels.invariant_linear` for every row count, decode
-    rows attended by the prefill kernel, RoPE from a per-position table, per-row norms). False takes
-    the fastest path per row count instead (`choose_small_paths`, oneDNN, the decode kernel).
+    rows attended by the prefill kernel, RoPE from a per-position table, per-row norms); on CUDA, where
+    the Triton kernels run (`triton_attention`, and `triton_invariant`'s projection and RMS norm). False
+    takes the fastest path per row count instead (`choose_small_paths`, oneDNN, the decode kernel; cuBLAS).
     """
 
     def __init__(
@@ -107,6 +114,7 @@ class LlamaModel:
         # On CUDA with Triton, attention reads K/V in place too (`triton_attention`, batch-invariant by
         # construction); the projections there are cuBLAS's, which are not.
         self.triton_attention = device.type == "cuda" and _triton_kernels().available(device)
+        self.triton_norm = deterministic and self.triton_attention  # per-row RMS norm (PyTorch's splits rows by shape)
         # A step of decode rows only runs its layers in one native call (`cpu_kernels.decode_layers`:
         # the same kernels and projections, bitwise the same result, no Python call per op); False
         # runs them op by op from Python (for comparison; hooks and prompt chunks always do).
@@ -114,7 +122,8 @@ class LlamaModel:
         projections = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
         # Batch-invariant: every projection on the invariant kernel and attention on the paged kernels
         # (decode rows through the prefill kernel); else the fast paths.
-        self.batch_invariant = self.paged_kernel and all(lin.invariant is not None for lin in projections)
+        self.batch_invariant = (self.paged_kernel and all(lin.invariant is not None for lin in projections)) or (
+            self.triton_norm and all(lin.triton for lin in projections))  # (on CUDA: the Triton kernels)
         prepared = [lin.invariant if self.batch_invariant else lin.packed for lin in projections]
         self._decode_weights = (
             [w.input_norm for w in layers],
@@ -210,13 +219,16 @@ class LlamaModel:
     def kernel_variant(self) -> str:
         """What decides the bits of a row's result, the same string on every process that computes
         them alike: "batch-invariant <dtype> linear=<invariant_linear_isa> vec=<vector width>
-        cpu=<torch's CPU capability>" when `batch_invariant` (two such processes give a request the
+        cpu=<torch's CPU capability>" (on CUDA: "batch-invariant <dtype> triton cuda=<device name>") when
+        `batch_invariant` (two such processes give a request the
         same tokens whichever of them runs which of its steps), else "per-shape <dtype>" (paths
         chosen per row count, measured in each process: no bitwise promise across processes).
         Pipeline stages report it at start-up; the controller refuses stages that disagree."""
         dtype = str(self.layers[0].input_norm.dtype).removeprefix("torch.")
         if not self.batch_invariant:
             return f"per-shape {dtype}"
+        if self.triton_attention:
+            return f"batch-invariant {dtype} triton cuda={torch.cuda.get_device_name(self.inv_freq.device)}"
         isa = cpu_kernels.invariant_linear_isa(self.layers[0].input_norm.dtype)
         return (f"batch-invariant {dtype} linear={isa} vec={cpu_kernels.vec_size()} "
                 f"cpu={torch.backends.cpu.get_cpu_capability()}")
@@ -299,6 +311,8 @@ class LlamaModel:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._fused(x, weight):
             return cpu_kernels.rms_norm(x, weight, self.cfg.rms_norm_eps)
+        if self.triton_norm:
+            return _triton_invariant().rms_norm(x, weight, self.cfg.rms_norm_eps)
         return rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,6 +322,8 @@ class LlamaModel:
         if self._fused(delta, x, weight):
             return delta, cpu_kernels.add_rms_norm(delta, x, weight, self.cfg.rms_norm_eps)
         x = x + delta
+        if self.triton_norm:
+            return x, _triton_invariant().rms_norm(x, weight, self.cfg.rms_norm_eps)
         return x, rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def _layer(self, layer, lw: LayerWeights, x, delta, batch: ForwardBatch, kv: KVCache, cos, sin, hook):
