@@ -328,8 +328,14 @@ def cmd_simulate(args) -> int:
         sc = load_scenario(args.scenario)
         from kvflow.perf import AnalyticPerfModel
 
+        from tqdm import tqdm
+
         t0 = time.perf_counter()
-        rows = sweep(sc, AnalyticPerfModel(sc.shape, sc.machine))
+        print(f"[kvflow] simulating {sc.name}: the best layout of each kind for {len(sc.machines)} cluster sizes",
+              file=sys.stderr, flush=True)
+        with tqdm(total=len(sc.machines), desc="[kvflow] cluster sizes", file=sys.stderr, disable=None,
+                  leave=False) as bar:
+            rows = sweep(sc, AnalyticPerfModel(sc.shape, sc.machine), progress=lambda row, s: bar.update(1))
         print(table(rows, sc.paper))
         ratios = {k: mean_ratio(rows, k) for k in ("baseline", "baseline-dp")}
         print(f"mean makespan ratio vs disaggregated: baseline {ratios['baseline']:.2f}x, "
@@ -362,6 +368,9 @@ def cmd_simulate(args) -> int:
 def cmd_profile(args) -> int:
     from kvflow.perf.calibrate import profile_engine
 
+    shapes = len(args.batches) * (len(args.prompt_lens) + len(args.contexts))
+    print(f"[kvflow] profiling the engine: {shapes} shapes x {args.repeats} passes (minutes; the model loads first)",
+          file=sys.stderr, flush=True)
     prof = profile_engine(args.model, args.batches, args.prompt_lens, args.contexts, args.repeats, args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(args.out)
