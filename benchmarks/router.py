@@ -30,7 +30,6 @@ Writes results/router.json and results/router.png. The machine is shared: compar
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -46,6 +45,7 @@ from pathlib import Path
 import httpx
 
 from kvflow.bench.client import send
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter, number
 from kvflow.bench.dataset import BenchRequest
 from kvflow.model.loader import DEFAULT_MODEL_NAME
 from kvflow.router.length import read_trace
@@ -286,27 +286,28 @@ def plot(policies: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--instances", type=int, default=4)
-    ap.add_argument("--kv-cache-gb", type=float, default=0.5)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--prefixes", type=int, default=6)
-    ap.add_argument("--uses", type=int, default=4)
-    ap.add_argument("--prefix-len", type=int, default=384)
-    ap.add_argument("--suffix-len", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--overhead-requests", type=int, default=60)
-    ap.add_argument("--overhead-prompt", type=int, default=8)
-    ap.add_argument("--imbalance-requests", type=int, default=32)
-    ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--max-prompt", type=int, default=768)
-    ap.add_argument("--output-scale", type=float, default=4.0)
-    ap.add_argument("--kill-requests", type=int, default=8)
-    ap.add_argument("--kill-tokens", type=int, default=64)
-    ap.add_argument("--kill-after", type=int, default=40)
-    ap.add_argument("--parts", default="policies,overhead,imbalance,kill")
-    ap.add_argument("--out", type=Path, default=RESULTS / "router.json")
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--instances", type=number(int, 2), default=4, help="kvflow serve instances (SmolLM2-135M)")
+    ap.add_argument("--kv-cache-gb", type=number(float, 0, low_open=True), default=0.5, help="each instance's KV cache")
+    ap.add_argument("--reps", type=number(int, 1), default=2, help="repetitions of the policy and imbalance parts")
+    ap.add_argument("--prefixes", type=number(int, 1), default=6, help="policies: distinct shared prefixes per run")
+    ap.add_argument("--uses", type=number(int, 1), default=4, help="policies: requests per prefix")
+    ap.add_argument("--prefix-len", type=number(int, 1), default=384, help="policies: tokens of each shared prefix")
+    ap.add_argument("--suffix-len", type=number(int, 1), default=16, help="policies: each request's own tokens")
+    ap.add_argument("--max-tokens", type=number(int, 1), default=4, help="policies: greedy tokens per request")
+    ap.add_argument("--concurrency", type=number(int, 1), default=4, help="policies: requests in flight")
+    ap.add_argument("--overhead-requests", type=number(int, 1), default=60, help="overhead: request pairs")
+    ap.add_argument("--overhead-prompt", type=number(int, 1), default=8, help="overhead: prompt tokens")
+    ap.add_argument("--imbalance-requests", type=number(int, 1), default=32, help="imbalance: trace rows per run")
+    ap.add_argument("--trace", type=Path, default=TRACE, help="imbalance: Azure trace CSV")
+    ap.add_argument("--max-prompt", type=number(int, 1), default=768, help="imbalance: longer trace prompts are clipped")
+    ap.add_argument("--output-scale", type=number(float, 0, low_open=True), default=4.0,
+                    help="imbalance: trace output lengths are divided by this")
+    ap.add_argument("--kill-requests", type=number(int, 1), default=8, help="kill: requests at once")
+    ap.add_argument("--kill-tokens", type=number(int, 1), default=64, help="kill: greedy tokens per request")
+    ap.add_argument("--kill-after", type=number(int, 1), default=40, help="kill: tokens streamed in all before the kill")
+    ap.add_argument("--parts", default="policies,overhead,imbalance,kill", help="which parts to run, comma-separated")
+    ap.add_argument("--out", type=Path, default=RESULTS / "router.json", help="JSON results (the plot beside it)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     insts = [instance(args) for _ in range(max(args.instances, 2))]

@@ -7,30 +7,43 @@ import asyncio
 import logging
 import os
 import sys
-from pathlib import Path
 
 
 def register(sub) -> None:
+    from kvflow.cli.args import existing_path, model_arg, number
+    from kvflow.router.config import instance_url
     from kvflow.router.policies import POLICIES
 
-    r = sub.add_parser("router", help="route requests over several kvflow serve instances (one OpenAI endpoint)")
-    r.add_argument("--instance", action="append", default=[], metavar="URL",
-                   help="base URL of a kvflow serve instance, e.g. http://127.0.0.1:8001 (repeat for each)")
-    r.add_argument("--config", type=Path, default=None,
-                   help="YAML or JSON file of router settings (instances, policy, placement, health checks); "
-                        "flags given here override it, --instance adds to its instances (default: none)")
-    r.add_argument("--policy", default=None, choices=sorted(POLICIES), help="placement policy (default prefix_aware)")
-    r.add_argument("--model", default=None,
+    def url(text: str) -> str:
+        try:
+            return instance_url(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    r = sub.add_parser("router", help="route requests over several kvflow serve instances (one OpenAI endpoint)",
+                       description="One OpenAI-compatible endpoint over several kvflow serve instances: placement "
+                                   "by policy, health checks, failed instances' requests moved without losing a token.")
+    r.add_argument("--instance", action="append", type=url, default=[], metavar="URL",
+                   help="base URL of a kvflow serve instance, e.g. http://127.0.0.1:8001; repeat for each "
+                        "(default: none besides --config's)")
+    r.add_argument("--config", type=existing_path, default=None,
+                   help="YAML or JSON file of router settings (instances, policy, placement, health checks); flags "
+                        "given here override it, --instance adds to its instances (default: none)")
+    r.add_argument("--policy", default=None, choices=sorted(POLICIES),
+                   help="placement policy (default: --config's, else prefix_aware)")
+    r.add_argument("--model", type=model_arg, default=None,
                    help="the checkpoint the instances serve, for its tokenizer (default: the embedded SmolLM2-135M-Instruct)")
-    r.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    r.add_argument("--port", type=int, default=8000, help="port to listen on")
-    r.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a first instance to answer")
+    r.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    r.add_argument("--port", type=number(int, 0, 65535), default=8000, help="port to listen on")
+    r.add_argument("--wait", type=number(float, 0), default=120.0, help="seconds to wait for a first instance to answer")
     r.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but --open-paths (default: $KVFLOW_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but --open-paths (default: $KVFLOW_API_KEY; "
+                        "unset: no auth)")
     r.add_argument("--open-paths", default="/health,/metrics", help="comma-separated paths answered without the key")
-    r.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may run on shutdown")
+    r.add_argument("--drain-timeout", type=number(float, 0), default=30.0,
+                   help="seconds in-flight requests may still run on shutdown")
     r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="of the HTTP server's and kvflow's own log lines (stderr)")
+                   help="log level")
     r.set_defaults(func=run_router)
 
 
