@@ -17,6 +17,7 @@ DISTRIBUTED_FLAGS = ("prompt_depth", "token_depth", "depth", "prompt_microbatch"
 
 def register(sub) -> None:
     s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (default 127.0.0.1:8000)",
+                       usage="%(prog)s [options]  (grouped below)",
                        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
                                    "/v1/chat/completions, /v1/models, /health, /metrics; docs/api.md).")
     m = s.add_argument_group("model")
