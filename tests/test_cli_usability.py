@@ -4,6 +4,7 @@ before the model loads, and the address printed only once the server listens."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import os
 import socket
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 import kvflow
-from kvflow.cli.args import explain_defaults
+from kvflow.cli.args import _NO_DEFAULT_SHOWN, _SAYS_DEFAULT, HelpFormatter
 from kvflow.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +75,26 @@ def test_abbreviated_flags_are_rejected(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments" in err and len(err.strip().splitlines()) == 1
+
+
+def explain_defaults(parser: argparse.ArgumentParser) -> list[str]:
+    """The options of `parser` and its sub-commands that have no help text, or whose help shows no
+    default though they take a value."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                missing += explain_defaults(sub)
+            continue
+        if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        name = f"{parser.prog} {'/'.join(action.option_strings)}"
+        text = HelpFormatter(parser.prog)._get_help_string(action) if action.help else ""
+        if not action.help:
+            missing.append(f"{name}: no help")
+        elif not (_SAYS_DEFAULT.search(text) or isinstance(action, _NO_DEFAULT_SHOWN) or action.required):
+            missing.append(f"{name}: help does not say the default")
+    return missing
 
 
 def test_every_command_option_has_help_with_its_default():

@@ -45,26 +45,6 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def explain_defaults(parser: argparse.ArgumentParser) -> list[str]:
-    """The options of `parser` and its sub-commands that have no help text, or whose help shows no
-    default though they take a value (tests/test_cli_usability.py checks every command)."""
-    missing = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                missing += explain_defaults(sub)
-            continue
-        if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
-            continue
-        name = f"{parser.prog} {'/'.join(action.option_strings)}"
-        text = HelpFormatter(parser.prog)._get_help_string(action) if action.help else ""
-        if not action.help:
-            missing.append(f"{name}: no help")
-        elif not (_SAYS_DEFAULT.search(text) or isinstance(action, _NO_DEFAULT_SHOWN) or action.required):
-            missing.append(f"{name}: help does not say the default")
-    return missing
-
-
 def number(kind: Callable[[str], float | int], low: float | None = None, high: float | None = None,
            low_open: bool = False) -> Callable[[str], float | int]:
     """An argparse type: `kind(text)` within [low, high] (`low_open`: (low, high])."""
