@@ -14,7 +14,7 @@ so a simulator can run the very code the router runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
 
@@ -27,7 +27,8 @@ class InstanceState:
     waiting: int = 0  # queued on the instance, as its last /metrics scrape said
     running: int = 0
     in_flight: int = 0  # requests the router has open there now
-    cached_blocks: frozenset[bytes] = frozenset()  # prefix-hash chain entries of prompts sent there (likely cached)
+    cached_blocks: Set[bytes] = frozenset()  # prefix-hash chain entries of prompts sent there (likely cached): a set,
+    # or a live view of the router's record (read during one decision, never copied: it holds up to 64k entries)
     predicted_decode_tokens: float = 0.0  # predicted output tokens its in-flight requests have left
     predicted_kv_tokens: float = 0.0  # predicted KV (prompt + output) of its in-flight requests
 

@@ -59,7 +59,7 @@ class Instance:
 
     def state(self) -> InstanceState:
         return InstanceState(
-            self.url, self.waiting, self.running, len(self.flights), frozenset(self.cached),
+            self.url, self.waiting, self.running, len(self.flights), self.cached.keys(),
             sum(max(f.predicted - f.generated, 0.0) for f in self.flights),
             sum(f.prompt_len + max(f.predicted, f.generated) for f in self.flights))
 
