@@ -250,11 +250,14 @@ class LlamaModel:
         return F.embedding(token_ids, self.embed_tokens)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, batch: ForwardBatch, as_float: bool = True) -> torch.Tensor:
+        """Each sequence's last-token logits, in float32 or (`as_float=False`) the model's dtype, which
+        holds the same values: the LM head computes in it (a worker sends half the bytes)."""
         if self.lm_head is None or self.norm is None:
             raise RuntimeError("this stage does not hold the LM head (it is not the last stage)")
         h = self._norm(hidden.index_select(0, batch.logits_idx), self.norm)
-        return self._lm_head(h).float()
+        out = self._lm_head(h)
+        return out.float() if as_float else out
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:

@@ -364,7 +364,9 @@ class Worker:
     def _forward(self, msg: Step, batch: ForwardBatch | None, hidden: torch.Tensor, t0: float) -> None:
         """The step's output: to the next stage, or (last stage) its logits to the controller."""
         if self.model.is_last:
-            logits = self.model.logits(hidden, batch).float() if batch is not None else torch.empty(0)
+            # in the model's dtype (the sampler takes any): a bf16 model's logits are bf16 values, and
+            # sending them as float32 doubled what every step copied, authenticated and sent
+            logits = self.model.logits(hidden, batch, as_float=False) if batch is not None else torch.empty(0)
             dt = time.perf_counter() - t0
             res = StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], msg.busy_s + dt, msg.tier_failed)
             self.out.send_multipart(encode(res, self.secret, logits))
