@@ -4,7 +4,8 @@
 # The lent GPU machine has PyTorch (CUDA), Triton, transformers, numpy, msgpack, xxhash and httpx, no
 # network, and no pytest. Before the run, on a machine with network, put the wheels the tests need in
 # an ignored folder of the checkout and carry it (the device entry's `carry` argument):
-#   pip download --dest .gpu-wheels --only-binary=:all: --python-version 3.12 pytest pytest-timeout
+#   pip download --dest .gpu-wheels --only-binary=:all: --python-version 3.12 pytest pytest-timeout pyzmq
+# (pyzmq: the pipeline layouts' tests start worker processes; without it they skip).
 # Then, on the device:  OUT=$OUT bash scripts/gpu_check.sh   (about 6 minutes on one H100)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 if ! "$PY" -c "import pytest" 2>/dev/null; then
   if [ -d .gpu-wheels ]; then
-    "$PY" -m pip install -q --no-index --find-links .gpu-wheels pytest pytest-timeout
+    "$PY" -m pip install -q --no-index --find-links .gpu-wheels pytest pytest-timeout pyzmq
   else
     echo "no pytest and no .gpu-wheels folder: CUDA tests skipped (see this script's header)" | tee "$OUT/cuda-tests.txt"
   fi

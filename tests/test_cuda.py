@@ -104,3 +104,21 @@ def test_deterministic_bf16_tokens_do_not_depend_on_the_batch(eager):
             solo.step()
         alone.append(r.output_token_ids)
     assert together == alone
+
+
+@pytest.mark.parametrize("kw", [dict(mode="colocated", depth=2), dict(mode="disaggregated", prompt_depth=1, token_depth=1),
+                                dict(mode="colocated", depth=2, swapping=True)],
+                         ids=["colocated-2", "disagg-1-1", "colocated-2-swapping"])
+def test_every_layout_on_cuda_gives_the_cpu_engines_tokens(tiny_ckpt_dir, kw):
+    """Worker processes on the GPU (KV streamed between them, swapped through pinned host memory)
+    give the float32 tokens of the CPU engine."""
+    pytest.importorskip("zmq")  # (the lent GPU machine needs it carried in: scripts/gpu_check.sh)
+    from dataclasses import replace
+
+    from test_controller import LENGTHS, PROMPTS, _cfg, reference, serve
+
+    cfg = _cfg(tiny_ckpt_dir, **kw)
+    cfg = replace(cfg, engine=replace(cfg.engine, device="cuda"))
+    results, stats, free = serve(cfg, PROMPTS, LENGTHS)
+    assert [toks for toks, _ in results] == reference(PROMPTS, LENGTHS)
+    assert free == [128] * len(free), "KV blocks leaked"
