@@ -302,3 +302,154 @@ def test_deterministic_switch_reaches_the_model(tiny_ckpt_dir):
     assert EngineConfig().deterministic is False  # off by default: what it costs is in docs/results.md
     with pytest.raises(ValueError, match="deterministic"):
         EngineConfig(deterministic="yes")
+
+
+# ----------------------------------------------------------------------------- layouts and failures, bf16
+# The same requests through the engine and through every pipeline layout (worker processes), in bf16
+# with deterministic=True: the same tokens, greedy and seeded, whatever the batching, chunking,
+# preemption, prefix hits, host-tier round trips, swapping or a SIGKILLed worker did to the steps.
+def _bf16_engine_config(ckpt, **kw) -> EngineConfig:
+    return EngineConfig(model=str(ckpt), dtype="bfloat16", deterministic=True, block_size=4, **kw)
+
+
+def _engine_tokens(ckpt, prompts, params) -> list[list[int]]:
+    """Each request's tokens from the bf16 engine: whole prompts in one step, room for every request."""
+    engine = LLMEngine.from_config(_bf16_engine_config(ckpt, num_kv_blocks=512))
+    assert engine.model.kernel_variant.startswith("batch-invariant bfloat16")
+    return _generate(engine, prompts, params)
+
+
+def _cluster(ckpt, kw: dict):
+    from kvflow.config import ClusterConfig
+
+    kw = dict(kw)
+    engine = _bf16_engine_config(ckpt, num_kv_blocks=kw.pop("num_kv_blocks", 128), host_kv_bytes=kw.pop("host_kv_bytes", 0),
+                                 scheduler=kw.pop("scheduler", SchedulerConfig()))
+    return ClusterConfig(engine=engine, microbatch_size=4, prompt_microbatch_size=2, heartbeat_timeout_s=30.0, **kw)
+
+
+def _serve(cfg, prompts, params, waves):
+    """The requests streamed through a controller, each wave's (lists of request indices) at once, one
+    wave after the other -> (tokens per request, each stage's kernel variant, the controller's stats,
+    its preemptions)."""
+    import asyncio
+
+    from kvflow.controller.controller import Controller
+
+    async def main():
+        ctrl = Controller(cfg)
+        await ctrl.start()
+
+        async def one(i):
+            toks = []
+            async for out in ctrl.generate(prompts[i], params[i], f"r{i}"):
+                toks += out.new_token_ids
+            return toks
+
+        try:
+            got = {}
+            for wave in waves:
+                got.update(zip(wave, await asyncio.gather(*map(one, wave))))
+            return [got[i] for i in range(len(prompts))], dict(ctrl.workers.kernel_variants), ctrl.stats(), ctrl.preemptions
+        finally:
+            await ctrl.shutdown()
+
+    return asyncio.run(main())
+
+
+def _layout_requests():
+    """Prompts of 2-40 tokens, five of them sharing a 20-token prefix (prefix hits); every third
+    request samples at temperature 0.8 with its own seed. In three waves: two of the shared-prefix
+    requests, the nine others (their blocks push the prefix out of a small KV pool), the other three
+    shared-prefix requests (the prefix comes back from a host tier, or is recomputed)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(2, 40))] for _ in range(9)]
+    shared = [rng.randrange(3, TINY_VOCAB) for _ in range(20)]
+    prompts += [shared + [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(5)]
+    params = [SamplingParams(max_tokens=rng.randint(8, 30), ignore_eos=True,
+                             **(dict(temperature=0.8, seed=100 + i) if i % 3 == 1 else dict(temperature=0)))
+              for i in range(len(prompts))]
+    return prompts, params, [[9, 10], list(range(9)), [11, 12, 13]]
+
+
+TIGHT = dict(num_kv_blocks=24, scheduler=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8, reserve_kv=False))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mode="colocated", depth=1, **TIGHT),
+    dict(mode="colocated", depth=2, **TIGHT),
+    dict(mode="colocated", depth=3, **TIGHT),
+    dict(mode="disaggregated", prompt_depth=1, token_depth=1, **TIGHT),
+    dict(mode="disaggregated", prompt_depth=1, token_depth=2, **TIGHT),
+    dict(mode="disaggregated", prompt_depth=2, token_depth=1, **TIGHT),
+    dict(mode="disaggregated", prompt_depth=2, token_depth=2, **TIGHT),
+    dict(mode="colocated", depth=2, swapping=True),
+    dict(mode="colocated", depth=2, num_kv_blocks=24, host_kv_bytes=128),  # blocks, turned into bytes below
+], ids=["colocated-1", "colocated-2", "colocated-3", "disagg-1-1", "disagg-1-2", "disagg-2-1", "disagg-2-2",
+        "colocated-2:swapping", "colocated-2:host-tier"])
+def test_bf16_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, tiny4_ckpt_dir, kw):
+    """TIGHT: prompts chunked 8 tokens at a time beside other requests' decodes, and a KV pool too small
+    for all of them (preempted requests are recomputed), none of which the engine's run has."""
+    ckpt = tiny4_ckpt_dir if kw.get("depth", 0) > 2 else tiny_ckpt_dir
+    prompts, params, waves = _layout_requests()
+    expected = _engine_tokens(ckpt, prompts, params)
+    if "host_kv_bytes" in kw:
+        kw = dict(kw, host_kv_bytes=kw["host_kv_bytes"] * KVLayout.for_model(tiny_config(), 1, 4, dtype=torch.bfloat16).bytes_per_block)
+    cfg = _cluster(ckpt, kw)
+    got, variants, stats, preemptions = _serve(cfg, prompts, params, waves)
+    assert got == expected
+    if "scheduler" in kw:
+        assert preemptions > 0, "the small KV pool was meant to force preemption"
+    if "host_kv_bytes" in kw:
+        assert stats.prefix_cache[(cfg.pipelines()[0].name, "host")].hits > 0, "prefix blocks were meant to come back from host"
+    engine_variant = LLMEngine.from_config(_bf16_engine_config(ckpt, num_kv_blocks=8)).model.kernel_variant
+    assert set(variants.values()) == {engine_variant}, variants
+
+
+@pytest.mark.parametrize("kw, victim", [
+    (dict(mode="colocated", depth=2, replication="none"), "colocated-1"),
+    (dict(mode="colocated", depth=3), "colocated-1"),
+    (dict(mode="disaggregated", prompt_depth=1, token_depth=1), "token-0"),
+    (dict(mode="disaggregated", prompt_depth=1, token_depth=2), "prompt-0"),
+    (dict(mode="disaggregated", prompt_depth=2, token_depth=2), None),
+    (dict(mode="colocated", depth=2, swapping=True), "colocated-1"),
+], ids=["colocated-2:recompute", "colocated-3:replica", "disagg-1-1:token", "disagg-1-2:prompt", "disagg-2-2:random",
+        "colocated-2:swapping"])
+def test_bf16_a_killed_worker_changes_no_token(tiny_ckpt_dir, tiny4_ckpt_dir, kw, victim):
+    """tests/test_recovery.py's requests and failures (SIGKILL after 20 tokens, of a named or a random
+    worker; resumed from a replica, or recomputed) in bf16: every stream is the bf16 engine's."""
+    from test_recovery import PROMPTS, params, run_with_failure
+
+    ckpt = tiny4_ckpt_dir if kw.get("depth", 0) > 2 else tiny_ckpt_dir
+    expected = _engine_tokens(ckpt, PROMPTS, [params(i) for i in range(len(PROMPTS))])
+    replicated = kw.get("replication") != "none" and kw["mode"] == "colocated"
+    streamed, finals, (failures, recoveries, healthy) = run_with_failure(_cluster(ckpt, kw), victim, "kill", 20, replicated)
+    assert failures == 1 and recoveries == 1 and healthy
+    assert streamed == expected and [f.token_ids for f in finals] == expected
+
+
+def test_stages_computing_with_different_kernels_fail_the_start(tiny_ckpt_dir, monkeypatch):
+    """A token worker started with the CPU kernels off (as on a host without a compiler) is not
+    batch-invariant while the prompt worker is: a request's prompt pass and decode steps would be
+    computed differently, so the controller refuses to start, naming both."""
+    import asyncio
+
+    from kvflow.controller.controller import Controller
+    from kvflow.controller.launcher import SubprocessLauncher
+
+    class TokenWorkerWithoutKernels(SubprocessLauncher):
+        def start(self, name, controller_addr, host, secret):
+            with monkeypatch.context() as env:  # a worker gets the environment of the moment it starts
+                if name == "token-0":
+                    env.setenv("KVFLOW_CPU_KERNELS", "0")
+                return super().start(name, controller_addr, host, secret)
+
+    cfg = _cluster(tiny_ckpt_dir, dict(mode="disaggregated", prompt_depth=1, token_depth=1))
+    ctrl = Controller(cfg, launcher=TokenWorkerWithoutKernels())
+    try:
+        with pytest.raises(RuntimeError, match=r"computes with kernels '(per-shape|batch-invariant) bfloat16.*' but "
+                                               r"(prompt|token)-0 with .*would change its tokens") as err:
+            asyncio.run(ctrl.start())
+    finally:
+        asyncio.run(ctrl.shutdown())  # its sockets: a ZeroMQ context collected with sockets open blocks the exit
+    assert "'per-shape bfloat16'" in str(err.value) and "'batch-invariant bfloat16" in str(err.value)
