@@ -122,3 +122,23 @@ def test_every_layout_on_cuda_gives_the_cpu_engines_tokens(tiny_ckpt_dir, kw):
     results, stats, free = serve(cfg, PROMPTS, LENGTHS)
     assert [toks for toks, _ in results] == reference(PROMPTS, LENGTHS)
     assert free == [128] * len(free), "KV blocks leaked"
+
+
+@pytest.mark.parametrize("kw, victim", [(dict(mode="colocated", depth=2), "colocated-1"),
+                                        (dict(mode="disaggregated", prompt_depth=1, token_depth=1), "token-0")],
+                         ids=["colocated-2:replica", "disagg-1-1:token"])
+def test_a_killed_gpu_worker_is_replaced_and_no_token_changes(tiny_ckpt_dir, kw, victim):
+    """Recovery on CUDA: a SIGKILLed worker's replacement (a new CUDA context) restores or recomputes,
+    and every stream ends with the tokens of a run without the failure."""
+    pytest.importorskip("zmq")
+    from dataclasses import replace
+
+    from test_recovery import _cfg, reference, run_with_failure
+
+    cfg = _cfg(tiny_ckpt_dir, **kw)
+    cfg = replace(cfg, engine=replace(cfg.engine, device="cuda"))
+    expected = reference()
+    streamed, finals, (failures, recoveries, healthy) = run_with_failure(cfg, victim, "kill", 20,
+                                                                        replicated=kw["mode"] == "colocated")
+    assert failures == 1 and recoveries == 1 and healthy
+    assert streamed == expected and [f.token_ids for f in finals] == expected
