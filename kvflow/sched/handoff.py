@@ -46,6 +46,7 @@ class Handoff:
         self.cached: dict[str, int] = {}  # of those, tokens [0, n) a token-side prefix-cache hit holds
         self.pending: dict[str, set[Hashable]] = {}  # request -> parts of its KV still on their way
         self.parked: dict[str, Request] = {}  # sampled (or finished) while its KV is on its way
+        self.joined: dict[str, TokenSide] = {}  # microbatch policy: where a request joined a ready queue (maybe left it)
         self._target: tuple[TokenSide | None, int] = (None, 0)
 
     # --- prompt side --------------------------------------------------------------------------
@@ -62,8 +63,8 @@ class Handoff:
         if entry is None:
             tp, count = self._target
             if tp is None or count >= tp.microbatch or not tp.kv_manager.can_ensure([], self._tokens(tp, req)):
-                i = max(range(len(self.token)), key=lambda i: (self.token[i].kv_manager.num_free_blocks, -i))
-                tp, count = self.token[i], 0
+                free = [t.kv_manager.num_free_blocks for t in self.token]
+                tp, count = self.token[free.index(max(free))], 0  # (the first of the freest)
             self._target = (tp, count + 1)
             entry = self.tables[rid] = (tp, [])
         tp, table = entry
@@ -130,6 +131,7 @@ class Handoff:
         req.block_ids = table
         if tp.sched.config.policy == "microbatch":
             tp.ready.append(req)
+            self.joined[req.request_id] = tp
         else:
             tp.sched.add_running(req)
         return tp
@@ -151,11 +153,11 @@ class Handoff:
             self.parked[rid] = req
             return None
         self.parked.pop(rid, None)
-        for tp in self.token:
-            if req in tp.ready:  # joined, waiting for a microbatch: it holds its blocks itself
-                tp.ready.remove(req)
-                tp.kv_manager.release(req.block_ids)
-                return tp
+        tp = self.joined.pop(rid, None)
+        if tp is not None and req in tp.ready:  # joined, waiting for a microbatch: it holds its blocks itself
+            tp.ready.remove(req)
+            tp.kv_manager.release(req.block_ids)
+            return tp
         entry = self.tables.pop(rid, None)
         self.cached.pop(rid, None)
         if entry is None or not entry[1]:
@@ -179,6 +181,7 @@ class Handoff:
         again = [r for r in list(self.parked.values()) + [r for tp in self.token for r in tp.ready] if not r.is_finished]
         self.parked.clear()
         self.pending.clear()
+        self.joined.clear()
         for tp in self.token:
             for r in tp.ready:
                 tp.kv_manager.release(r.block_ids)
