@@ -7,6 +7,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
 
+ANONYMOUS = 0  # the id every block of an anonymous pool has (tables of such a pool only count blocks)
+
+
 class OutOfBlocks(RuntimeError):
     """Raised by `allocate` when fewer blocks are available than asked for; nothing is taken then."""
 
@@ -28,16 +31,23 @@ class BlockPool:
     block computed keeps it) or the block has one. `lookup(hashes)` is the longest prefix of `hashes`
     that is registered, as block ids (no side effect). `clear()` forgets every hash (the KV behind
     them was lost): cached blocks become free, referenced ones stay referenced, unfindable.
+
+    `anonymous=True`: blocks are counted, not named, for an executor that never addresses KV and
+    caches no prefix (the simulator): `allocate(n)` hands out n copies of `ANONYMOUS` and `free`
+    counts what it gets back, so a table costs what its length changes, not one step per block.
+    Nothing can be registered, taken or looked up in such a pool.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, anonymous: bool = False) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         self.num_blocks = num_blocks
+        self.anonymous = anonymous
+        self._num_free = num_blocks  # anonymous pools: the count is all there is
         self.ref = [0] * num_blocks
         self.hash_of: dict[int, bytes] = {}  # block -> its content hash (registered blocks only)
         self.by_hash: dict[bytes, int] = {}  # hash -> block
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque() if anonymous else deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, LRU first
         self.evictions = 0
         # called with (block, hash) as a cached block is evicted, before anyone can write it (lower tiers)
@@ -46,6 +56,8 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks `allocate` can hand out now: free ones plus evictable cached ones."""
+        if self.anonymous:
+            return self._num_free
         return len(self._free) + len(self._cached)
 
     @property
@@ -68,6 +80,9 @@ class BlockPool:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > self.num_free:
             raise OutOfBlocks(f"asked for {n} KV blocks, {self.num_free} of {self.num_blocks} free")
+        if self.anonymous:
+            self._num_free -= n
+            return [ANONYMOUS] * n
         ids = []
         for _ in range(n):
             if self._free:
@@ -85,6 +100,8 @@ class BlockPool:
 
     def take(self, ids: Sequence[int]) -> None:
         """One more reference to each of `ids` (registered blocks from `lookup`)."""
+        if self.anonymous and ids:
+            raise ValueError("an anonymous pool holds no cached prefix")
         for b in ids:
             if b not in self.hash_of:
                 raise ValueError(f"block {b} holds no cached prefix")
@@ -97,6 +114,11 @@ class BlockPool:
         """Drop one reference to each of `ids`. Pass a request's table last block first, so that the
         end of a prefix is evicted before its beginning (a later block is useless without the earlier)."""
         ids = list(ids)
+        if self.anonymous:
+            if len(ids) > self.num_blocks - self._num_free:
+                raise ValueError(f"freeing {len(ids)} blocks, {self.num_blocks - self._num_free} are allocated")
+            self._num_free += len(ids)
+            return
         counts: dict[int, int] = {}
         for b in ids:
             counts[b] = counts.get(b, 0) + 1
@@ -122,6 +144,8 @@ class BlockPool:
 
     def insert(self, block: int, h: bytes) -> bool:
         """Register referenced `block` as holding the content `h`; False if `h` or `block` already is."""
+        if self.anonymous:
+            raise ValueError("an anonymous pool registers no prefix")
         if self.ref[block] <= 0:
             raise ValueError(f"block {block} is not allocated")
         if h in self.by_hash or block in self.hash_of:
@@ -138,6 +162,9 @@ class BlockPool:
 
     def check(self) -> None:
         """Internal invariants: the three states partition the ids and the hash maps agree."""
+        if self.anonymous:
+            assert 0 <= self._num_free <= self.num_blocks, "free count out of range"
+            return
         free, cached = set(self._free), set(self._cached)
         assert len(free) == len(self._free), "duplicate id in the free list"
         assert not (free & cached), "id both free and cached"

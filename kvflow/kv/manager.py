@@ -62,17 +62,22 @@ class KVCacheManager:
     disk pool); `match` continues the hash chain in the host pool, and `ensure` promotes those blocks
     into new device blocks; `prefetch` loads a waiting request's blocks found on disk into the host
     pool (True while such a load is pending: admit it once it has returned, `loads_done`).
+
+    `block_ids=False` (no prefix caching): tables only count their blocks (`BlockPool`'s anonymous
+    mode), for an executor that never addresses KV (the simulator).
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
-                 host: TierPool | None = None, disk: TierPool | None = None) -> None:
+                 host: TierPool | None = None, disk: TierPool | None = None, block_ids: bool = True) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if disk is not None and host is None:
             raise ValueError("a disk tier needs a host tier above it")
+        if not block_ids and prefix_caching:
+            raise ValueError("prefix caching names its blocks: block_ids=False needs prefix_caching=False")
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, anonymous=not block_ids)
         self.host = host if prefix_caching else None
         self.disk = disk if prefix_caching else None
         self.plan = TierPlan()
@@ -223,7 +228,9 @@ class KVCacheManager:
 
     def can_ensure(self, table: list[int], num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         new = max(0, blocks_for(num_tokens, self.block_size) - len(table) - len(hit.blocks))
-        return new + self.pool.num_unreferenced(hit.blocks) <= self.pool.num_free
+        if hit.blocks:
+            new += self.pool.num_unreferenced(hit.blocks)
+        return new <= self.pool.num_free
 
     def ensure(self, table: list[int], num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         if (hit.blocks or hit.promote) and table:

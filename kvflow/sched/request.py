@@ -116,6 +116,26 @@ class Request:
             return "length"
         return None
 
+    def steps_to_length(self, token_id: int, max_model_len: int) -> int | None:
+        """If every next token is `token_id`: after how many more `append_token` calls the request
+        finishes ("length"); None when it might stop before that (`token_id` is a stop or EOS id,
+        or stop strings are checked on text)."""
+        p = self.params
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
+            return None
+        if self.detokenizer is not None:
+            return None
+        return max(1, min(p.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens))
+
+    def append_tokens(self, token_id: int, count: int) -> None:
+        """`count` calls of `append_token(token_id)` none of which finishes the request
+        (`steps_to_length` said so)."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        more = [token_id] * count
+        self.output_token_ids += more
+        self.token_ids += more
+
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason

@@ -318,6 +318,37 @@ class Scheduler:
         self._full_table.discard(req.request_id)
         return ScheduledSeq(req, req.num_pending_tokens, req.num_computed_tokens, tuple(req.block_ids) if full else (), full)
 
+    def steady_steps(self, group: list[Request], token: int) -> int | None:
+        """Microbatch policy: how many one-token passes of `group` (the microbatch now in flight
+        counted as the first) return before one that finishes a request, if each samples `token`;
+        None when a pass of it may do anything else (a prompt chunk, a stop check on text)."""
+        steps = None
+        for r in group:
+            if r.num_pending_tokens != 1 or not r.output_token_ids or r.is_finished:
+                return None
+            left = r.steps_to_length(token, self.max_model_len)
+            if left is None:
+                return None
+            steps = left if steps is None else min(steps, left)
+        return None if steps is None else steps - 1
+
+    def run_ahead(self, group: list[Request], steps: int, token: int) -> SchedulerOutput:
+        """Microbatch policy: apply `steps` returned passes of microbatch `group` at once (each a
+        one-token step of all of it sampling `token`, none finishing one: at most `steady_steps`)
+        with the `schedule()` that re-sent it after each. Returns the batch now in flight for it,
+        as the last of those calls formed it (batch ids are consumed as by `steps` calls)."""
+        assert self.config.policy == "microbatch" and steps > 0
+        for r in group:
+            start = r.num_computed_tokens
+            r.append_tokens(token, steps)
+            r.num_computed_tokens = start + steps
+            self.kv_manager.cache_blocks(r.block_ids, r.token_ids, r.block_hashes, start, start + steps)
+        self.groups.remove(group)
+        self.groups.append(group)
+        batch_id = next(self._ids) + steps - 1
+        self._ids = itertools.count(batch_id + 1)
+        return SchedulerOutput(batch_id, [self._whole(r) for r in group])
+
     def add_microbatch(self, requests: list[Request]) -> None:
         """Token role with the microbatch policy: requests whose KV is in place run as one microbatch."""
         for r in requests:

@@ -1,17 +1,25 @@
 """Simulator events. Each `handle(sim)` applies the event to the simulator state and returns the
-events it causes (Vidur-style); the loop in `Simulator.run` only pops and pushes."""
+events it causes (Vidur-style); the loop in `Simulator.run` only pops and pushes.
+
+Events at the same instant are handled by `rank` (failures, arrivals, then each pipeline's in
+pipeline order, then arriving KV), and in the order they were caused within a rank: an order that
+does not depend on when an event was pushed, so a pipeline that runs ahead (`steady`) keeps it."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvflow.simulator.pipeline import SimPipeline
+    from kvflow.simulator.pipeline import Pass, SimPipeline
     from kvflow.simulator.simulator import Simulator
 
 
+FAILURE, ARRIVAL, PIPELINE = -1, 0, 1  # ranks; a pipeline's events rank PIPELINE + its number
+KV = 1 << 30  # after every pipeline's
+
+
 class Event:
-    __slots__ = ("time",)
+    __slots__ = ("time", "rank")
 
     def handle(self, sim: "Simulator") -> list["Event"]:
         raise NotImplementedError
@@ -23,22 +31,24 @@ class Arrival(Event):
     __slots__ = ("first",)
 
     def __init__(self, time: float, first: int) -> None:
-        self.time, self.first = time, first
+        self.time, self.first, self.rank = time, first, ARRIVAL
 
     def handle(self, sim: "Simulator") -> list[Event]:
         return sim.on_arrival(self.time, self.first)
 
 
 class PassDone(Event):
-    """Batch `wire_id` left the last stage of `pipeline` (void if the pipeline failed since)."""
+    """Batch `wire_id` (its clock data `pas`) left the last stage of `pipeline` (void if the
+    pipeline failed since, or the batch was run ahead: then another `Pass` stands for it)."""
 
-    __slots__ = ("pipeline", "wire_id", "epoch")
+    __slots__ = ("pipeline", "wire_id", "pas")
 
-    def __init__(self, time: float, pipeline: "SimPipeline", wire_id: int) -> None:
-        self.time, self.pipeline, self.wire_id, self.epoch = time, pipeline, wire_id, pipeline.epoch
+    def __init__(self, time: float, pipeline: "SimPipeline", wire_id: int, pas: "Pass") -> None:
+        self.time, self.pipeline, self.wire_id, self.pas = time, pipeline, wire_id, pas
+        self.rank = PIPELINE + pipeline.number
 
     def handle(self, sim: "Simulator") -> list[Event]:
-        if self.epoch != self.pipeline.epoch:
+        if self.pipeline.passes.get(self.wire_id) is not self.pas:
             return []
         return sim.on_pass_done(self.time, self.pipeline, self.wire_id)
 
@@ -50,7 +60,7 @@ class KVReady(Event):
     __slots__ = ("rid", "part")
 
     def __init__(self, time: float, rid: str, part) -> None:
-        self.time, self.rid, self.part = time, rid, part
+        self.time, self.rid, self.part, self.rank = time, rid, part, KV
 
     def handle(self, sim: "Simulator") -> list[Event]:
         return sim.on_kv_ready(self.time, self.rid, self.part)
@@ -60,7 +70,7 @@ class WorkerFailure(Event):
     __slots__ = ("pipeline",)
 
     def __init__(self, time: float, pipeline: "SimPipeline") -> None:
-        self.time, self.pipeline = time, pipeline
+        self.time, self.pipeline, self.rank = time, pipeline, FAILURE
 
     def handle(self, sim: "Simulator") -> list[Event]:
         return sim.on_failure(self.time, self.pipeline)
@@ -73,6 +83,7 @@ class Recovered(Event):
 
     def __init__(self, time: float, pipeline: "SimPipeline") -> None:
         self.time, self.pipeline, self.epoch = time, pipeline, pipeline.epoch
+        self.rank = PIPELINE + pipeline.number
 
     def handle(self, sim: "Simulator") -> list[Event]:
         if self.epoch != self.pipeline.epoch:

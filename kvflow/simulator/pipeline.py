@@ -22,10 +22,11 @@ from kvflow.simulator.config import PipelineGroup
 
 @dataclass
 class Pass:
-    """What the clock knows of a batch in flight: its stage time, and (prompt role) when the KV it
-    computed has left every stage."""
+    """What the clock knows of a batch in flight: its stage time, when it returns, and (prompt
+    role) when the KV it computed has left every stage."""
 
     stage_time: float
+    done_at: float  # when it leaves the last stage (its `PassDone`)
     kv_done: float = 0.0
 
 
@@ -43,6 +44,8 @@ class SimPipeline(PipelineState):
         self.passes: dict[int, Pass] = {}  # wire id -> clock data of the batches in `in_flight`
         self.busy = 0.0  # seconds each stage computed (the same on every stage); counted on completion
         self.epoch = 0  # bumped by a failure: passes placed in an older epoch are void
+        self.number = 0  # position among all pipelines, prompt side first: orders simultaneous events
+        self.ahead = None  # a run ahead not yet applied (`kvflow.simulator.steady.Ahead`)
 
     def place(self, now: float, stage_time: float, hop: float, duration=None) -> list[tuple[float, float]]:
         """Place one pass sent to stage 0 at `now`; return each stage's (start, end). `duration(k,

@@ -10,6 +10,11 @@ event when it is in), every completed prompt "samples" a fixed token (lengths co
 workload), and a failure takes pipelines down until their replacement is in (`Recovered`).
 Colocated pipelines (Baseline, Baseline-DP) have role "both"; disaggregated layouts have prompt and
 token pipelines.
+
+At scale, most passes are a microbatch's one-token step that changes nothing but its own requests:
+a pipeline in that state runs ahead in one go (`kvflow.simulator.steady`), and where no request can
+hit another's cached prefix (generated prompts of their own, each admitted once) the pools count
+blocks instead of naming them (`KVCacheManager(block_ids=False)`). Neither changes a decision.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from kvflow.sched.request import Request
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
 from kvflow.simulator.config import PipelineGroup, SimConfig
-from kvflow.simulator.events import Arrival, Event, KVReady, PassDone, Recovered, WorkerFailure
+from kvflow.simulator.events import PIPELINE, Arrival, Event, KVReady, PassDone, Recovered, WorkerFailure
 from kvflow.simulator.metrics import SimResult
 from kvflow.simulator.pipeline import Pass, SimPipeline
+from kvflow.simulator.steady import run_ahead, settle
 from kvflow.simulator.workload import Workload
 
 UNLIMITED_CONTEXT = 1 << 40
@@ -40,10 +46,11 @@ class Simulator:
     """One simulation run. `Simulator(config, perf, workload).run()` returns a `SimResult`."""
 
     def __init__(self, config: SimConfig, perf: PerfModel, workload: Workload, log_batches: bool = False,
-                 token_perf: PerfModel | None = None) -> None:
+                 token_perf: PerfModel | None = None, steady: bool = True) -> None:
         """`log_batches`: keep every pipeline's `batch_log` (what each batch ran), as the controller does.
         `token_perf`: the token pipelines' performance model when it differs from the prompt side's
-        (another tensor-parallel degree, DistServe-style placement); `perf` prices everything else."""
+        (another tensor-parallel degree, DistServe-style placement); `perf` prices everything else.
+        `steady=False`: every pass is an event (no pipeline runs ahead; the tests' reference)."""
         if workload.n == 0:
             raise ValueError("workload has no requests")
         if token_perf is not None and token_perf.shape != perf.shape:
@@ -63,16 +70,29 @@ class Simulator:
         self.restarts = 0  # requests that lost their KV to a failure
         self.redone_prefills = 0  # prompt chunks in flight at a failure, redone (their KV was kept)
         self.max_model_len = config.max_model_len or UNLIMITED_CONTEXT
+        # Generated prompts are each request's own; admitted once (microbatch policy, no failure), a
+        # request can hit no cached prefix, not even its own: the pools need neither hashes nor ids.
+        self.caching = config.prefix_caching and not (workload.prompts is None and config.policy == "microbatch"
+                                                      and not config.failures)
+        self.steady = steady and config.policy == "microbatch" and not (
+            config.failures or config.swapping or config.shared_host or self.caching)
+        self._params: dict[int, SamplingParams] = {}
+        self._blank: dict[int, list[int]] = {}
         self.queue: deque = deque()  # prompt-side requests not yet offered: workload indices or Requests
         self.prompt = self._group(layout.prompt, "prompt" if layout.token else "both")
         self.token = self._group(layout.token, "token") if layout.token else []
         self.executor = PipelineExecutor(self.prompt, self.token, self, config.rigid_rounds, self._request)
         self.handoff = self.executor.handoff
         self.now = 0.0
+        self._rank = 0  # of the event being handled
         self._events: list[Event] = []  # what dispatching batches caused, collected by `_fill_all`
         self._times: dict[tuple, float] = {}
+        self.passes_run_ahead = 0  # passes no event stood for (`steady`)
+        self._decode_times: dict[tuple, dict] = {}  # (depth, role) -> (seqs, context) -> `steady`'s prices
         self._idle: set[SimPipeline] = set(self.prompt)  # prompt-side pipelines with a free slot
         self._tried: dict[SimPipeline, int] = {}
+        for k, p in enumerate(self.prompt + self.token):
+            p.number = k
 
     def _group(self, spec: PipelineGroup, role: str) -> list[SimPipeline]:
         own = self.config.dispatch == "round_robin"
@@ -80,7 +100,7 @@ class Simulator:
         out = []
         for i in range(spec.count):
             blocks = self._pool_blocks(spec, role, perf)
-            kv = KVCacheManager(blocks, self.config.block_size, self.config.prefix_caching)
+            kv = KVCacheManager(blocks, self.config.block_size, self.caching, block_ids=self.caching)
             sched = Scheduler(self.config.scheduler_for(spec, role, blocks), kv, self.max_model_len, role)
             out.append(SimPipeline(role, i, spec, kv, sched, deque() if own else self.queue, perf, self.log_batches))
         return out
@@ -99,24 +119,32 @@ class Simulator:
         return tokens // self.config.block_size
 
     def _request(self, i: int) -> Request:
-        params = SamplingParams(max_tokens=self.out_len[i], temperature=0.0, ignore_eos=True)
-        prompt = list(self.workload.prompts[i]) if self.workload.prompts is not None else [i] * self.prompt_len[i]
+        params = self._params.get(self.out_len[i])
+        if params is None:
+            params = self._params[self.out_len[i]] = SamplingParams(max_tokens=self.out_len[i], temperature=0.0,
+                                                                    ignore_eos=True)
+        if self.workload.prompts is not None:
+            prompt = list(self.workload.prompts[i])
+        elif self.caching:
+            prompt = [i] * self.prompt_len[i]  # a prompt of its own
+        else:  # nothing reads what an uncached prompt holds: one list per length, copied by the request
+            prompt = self._blank.get(self.prompt_len[i]) or self._blank.setdefault(self.prompt_len[i], [0] * self.prompt_len[i])
         return Request(str(i), prompt, params, arrival_time=self.arrival[i])
 
     # --- the loop ------------------------------------------------------------------------------
 
     def run(self) -> SimResult:
-        heap: list[tuple[float, int, Event]] = []
+        heap: list[tuple[float, int, int, Event]] = []
         seq = itertools.count()
         for ev in [Arrival(self.arrival[0], 0)] + [
                 WorkerFailure(f.time, (self.token if f.role == "token" else self.prompt)[f.pipeline])
                 for f in self.config.failures]:
-            heapq.heappush(heap, (ev.time, next(seq), ev))
+            heapq.heappush(heap, (ev.time, ev.rank, next(seq), ev))
         while heap:
-            now, _, ev = heapq.heappop(heap)
-            self.now = now
+            now, rank, _, ev = heapq.heappop(heap)
+            self.now, self._rank = now, rank
             for nxt in ev.handle(self) + self._fill_all():
-                heapq.heappush(heap, (nxt.time, next(seq), nxt))
+                heapq.heappush(heap, (nxt.time, nxt.rank, next(seq), nxt))
         return SimResult.build(self)
 
     def _fill_all(self) -> list[Event]:
@@ -130,8 +158,12 @@ class Simulator:
                     todo.add(p)
         for p in todo:
             self._tried[p] = ex.version
+            if p.ahead is not None and len(p.sched.groups) < p.depth:  # with a free slot, filling it may change its run
+                settle(self, p, self.now, self._rank)
         ex.fill_all(sorted(todo, key=lambda p: p.index))
         for p in todo:
+            if self.steady and p.role != "prompt" and p.ahead is None:
+                run_ahead(self, p, SAMPLED)
             if p.role != "token":
                 if len(p.in_flight) < p.depth and not p.down:
                     self._idle.add(p)
@@ -150,13 +182,13 @@ class Simulator:
         t = self._step_time(shape, p)
         hop = self._hop(shape.tokens, p) if p.depth > 1 else 0.0
         spans = p.place(self.now, t, hop, self._durations(shape, p, t))
-        pas = p.passes[wire_id] = Pass(t)
+        pas = p.passes[wire_id] = Pass(t, spans[-1][1])
         if streams:  # what the token side's cached prefix lacks
             tokens = sum(k.end - k.start for k in streams)
             pas.kv_done = p.stream(spans, [p.perf.kv_transfer_time(tokens, p.depth, k) for k in range(p.depth)])
         elif p.role == "prompt":
             pas.kv_done = spans[-1][1]
-        self._events.append(PassDone(spans[-1][1], p, wire_id))
+        self._events.append(PassDone(spans[-1][1], p, wire_id, pas))
 
     def sample(self, p: SimPipeline, out: SchedulerOutput, rows: list[int], result) -> list[int]:
         return [SAMPLED] * len(rows)
@@ -233,6 +265,8 @@ class Simulator:
         return [Arrival(self.arrival[i], i)] if i < n else []
 
     def on_pass_done(self, now: float, p: SimPipeline, wire_id: int) -> list[Event]:
+        if p.ahead is not None:
+            settle(self, p, now, PIPELINE + p.number)
         pas = p.passes.pop(wire_id)
         p.busy += pas.stage_time
         out = self.executor.complete(p, wire_id, None)
