@@ -84,7 +84,7 @@ class EngineConfig:
     5% of throughput on prefill-heavy and long-context work where measured (docs/results.md,
     2026-11-26 determinism); off takes the fastest kernel per batch shape.
     `enforce_eager`: on CUDA, run decode steps op by op instead of replaying a CUDA graph captured per
-    batch-size bucket (`kvflow.engine.cuda_graphs`; vLLM's flag of the same name). No effect on CPU."""
+    batch-size bucket (`kvflow.model.cuda_graphs`; vLLM's flag of the same name). No effect on CPU."""
 
     model: str | None = None
     dtype: str = "float32"

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_config, tiny_state_dict
 
 from kvflow.config import EngineConfig
-from kvflow.engine.cuda_graphs import DecodeGraphs
+from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.engine.engine import LLMEngine
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.model.batch import ForwardBatch
@@ -82,7 +82,7 @@ def test_a_replayed_graph_gives_the_eager_logits():
     greedy(eng, 2)  # some KV in the cache
     graphs = DecodeGraphs(eng.model, eng.kv_cache, max_batch=8, max_model_len=128, buckets=(2, 8))
     contexts = [(20, [1, 2]), (7, [5])]
-    got = graphs.run([4, 9], contexts).clone()
+    got = graphs.run(contexts, tokens=[4, 9]).clone()
     want = eng.model.forward(torch.tensor([4, 9], device="cuda"), ForwardBatch.of([(1, c, b) for c, b in contexts], 16, "cuda"),
                              eng.kv_cache)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

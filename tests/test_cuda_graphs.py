@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import run_to_completion, tiny_cache, tiny_config, tiny_engine, tiny_model
 
-from kvflow.engine.cuda_graphs import DecodeGraphs
+from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.kv.cache import KVCache
 from kvflow.model.batch import ForwardBatch
 from kvflow.sched.sampling import SamplingParams
@@ -29,7 +29,7 @@ def test_a_padded_bucket_gives_the_ordinary_forwards_logits():
     want = model.forward(torch.tensor(tokens), ForwardBatch.of([(1, c, b) for c, b in contexts], 4), cache_copy)
     graphs = DecodeGraphs(model, cache, max_batch=8, max_model_len=64, buckets=(1, 4, 8), capture=False)
     assert graphs.bucket(3) == 4
-    got = graphs.run(tokens, contexts)
+    got = graphs.run(contexts, tokens=tokens)
     assert got.shape == (3, cfg.vocab_size)
     assert torch.equal(got, want)
     assert torch.equal(cache.data, cache_copy.data)  # the spare row wrote nothing else
@@ -46,7 +46,7 @@ def test_the_engine_gives_the_same_tokens_through_the_decode_buffers():
                                              buckets=(1, 2, 4), capture=False)
             calls = []
             run = eng.runner.graphs.run
-            eng.runner.graphs.run = lambda *a: calls.append(len(a[0])) or run(*a)
+            eng.runner.graphs.run = lambda contexts, **kw: calls.append(len(contexts)) or run(contexts, **kw)
         ids = [eng.add_request(p, params).request_id for p in prompts]
         done = run_to_completion(eng)
         if graphed:
@@ -62,6 +62,49 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="1..2"):
         graphs.bucket(3)
     with pytest.raises(ValueError, match="blocks"):
-        graphs.run([1], [(9, [0, 1])])  # 9 tokens need 3 blocks of 4
+        graphs.run([(9, [0, 1])], tokens=[1])  # 9 tokens need 3 blocks of 4
+    with pytest.raises(ValueError, match="first stage takes tokens"):
+        graphs.run([(3, [0])], hidden=torch.zeros(1, eng.model.cfg.hidden_size))
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraphs(eng.model, eng.kv_cache, max_batch=2, max_model_len=16, capture=True)
+
+
+def test_two_stages_through_their_buffers_give_the_whole_models_logits():
+    """A pipeline's stages (layers [0, 1) and [1, 2)): token ids -> hidden states -> logits through
+    each stage's buffers, against the whole model's forward."""
+    cfg = tiny_config()
+    from conftest import tiny_state_dict
+
+    from kvflow.model.llama import LlamaModel
+
+    sd = tiny_state_dict(cfg)
+    whole = LlamaModel.from_state_dict(cfg, sd)
+    first, last = (LlamaModel.from_state_dict(cfg, sd, layer_range=r) for r in ((0, 1), (1, 2)))
+    caches = [tiny_cache(cfg, 32, 4), tiny_cache(cfg, 32, 4, layer_range=(0, 1)), tiny_cache(cfg, 32, 4, layer_range=(1, 2))]
+    prompts, blocks = [[3, 9, 27, 5], [4, 11]], [[7, 2], [9]]
+    ids = torch.tensor([t for p in prompts for t in p])
+    batch = ForwardBatch.of([(len(p), len(p), b) for p, b in zip(prompts, blocks)], 4)
+    whole.forward(ids, batch, caches[0])
+    last.logits(last.run_layers(first.run_layers(first.embed(ids), batch, caches[1]), batch, caches[2]), batch)
+    contexts = [(len(p) + 1, b) for p, b in zip(prompts, blocks)]
+    want = whole.forward(torch.tensor([40, 41]), ForwardBatch.of([(1, c, b) for c, b in contexts], 4), caches[0])
+    g0 = DecodeGraphs(first, caches[1], max_batch=4, max_model_len=32, capture=False)
+    g1 = DecodeGraphs(last, caches[2], max_batch=4, max_model_len=32, capture=False, float_logits=False)
+    hidden = g0.run(contexts, tokens=[40, 41])
+    assert hidden.shape == (2, cfg.hidden_size)
+    assert torch.equal(g1.run(contexts, hidden=hidden), want)
+
+
+@pytest.mark.parametrize("kw", [dict(mode="colocated", depth=2), dict(mode="disaggregated", prompt_depth=1, token_depth=2),
+                                dict(mode="colocated", depth=2, swapping=True)],
+                         ids=["colocated-2", "disagg-1-2", "colocated-2-swapping"])
+def test_pipeline_stages_through_their_decode_buffers_give_the_engines_tokens(tiny_ckpt_dir, kw, monkeypatch):
+    """Worker processes whose decode steps go through `DecodeGraphs` (first stage: token ids, later
+    stages: hidden states, last: logits), eagerly on the CPU as they replay on CUDA."""
+    from test_controller import LENGTHS, PROMPTS, _cfg, reference, serve
+
+    expected = reference(PROMPTS, LENGTHS)  # (the engine of this process: before the switch)
+    monkeypatch.setenv("KVFLOW_TEST_DECODE_BUFFERS", "1")
+    results, stats, free = serve(_cfg(tiny_ckpt_dir, **kw), PROMPTS, LENGTHS)
+    assert [toks for toks, _ in results] == expected
+    assert free == [128] * len(free)

@@ -12,7 +12,7 @@ import torch
 
 
 from kvflow.sched.request import Request, RequestOutput
-from kvflow.engine.cuda_graphs import DecodeGraphs
+from kvflow.model import cuda_graphs
 from kvflow.engine.runner import ModelRunner
 from kvflow.sched.sampling import SamplingParams
 from kvflow.config import EngineConfig
@@ -62,11 +62,8 @@ class LLMEngine:
         if host is not None:
             store = TierStore(self.kv_cache, host.num_slots, disk.num_slots if disk else 0, config.disk_kv_path)
         graphs = None
-        if self.kv_cache.device.type == "cuda" and not config.enforce_eager and hook is None:
-            try:
-                graphs = DecodeGraphs(model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len)
-            except RuntimeError as e:  # e.g. an op that cannot be captured: slower, still correct
-                log.warning("capturing CUDA graphs failed (%s); decode steps run eagerly", e)
+        if not config.enforce_eager and hook is None:
+            graphs = cuda_graphs.capture(model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache, hook, store, graphs)
         eos = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:

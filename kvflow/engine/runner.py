@@ -8,7 +8,7 @@ from kvflow.sched.sampling import sample_requests
 from kvflow.sched.scheduler import SchedulerOutput
 from kvflow.kv.cache import KVCache
 from kvflow.streaming.tier_store import TierStore
-from kvflow.engine.cuda_graphs import DecodeGraphs
+from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LayerHook, LlamaModel
 
@@ -46,7 +46,7 @@ class ModelRunner:
         if out.is_empty:
             return {}
         if self._graphed(out):
-            logits = self.graphs.run(out.token_ids, [(s.end, s.request.block_ids) for s in out.seqs])
+            logits = self.graphs.run([(s.end, s.request.block_ids) for s in out.seqs], tokens=out.token_ids)
         else:
             token_ids, batch = self.prepare(out)
             logits = self.model.forward(token_ids, batch, self.cache, self.hook)

@@ -37,6 +37,7 @@ import zmq
 from kvflow.config import WorkerSpec, engine_from_dict
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.kv.tiers import TierPlan
+from kvflow.model import cuda_graphs
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
@@ -60,6 +61,7 @@ class Prepared:
     batch: ForwardBatch | None
     tables: dict[str, tuple[int, ...]]
     swap: list[SwapSeq]
+    graphed: list[tuple[int, tuple[int, ...]]] | None = None  # (context, blocks) per row: a decode graph runs it
 
 
 class Worker:
@@ -123,6 +125,11 @@ class Worker:
             self.swapper = Swapper(self.cache, self.compute_cache, spec.swap_regions)
         else:
             self.cache = self.compute_cache = KVCache(layout, ecfg.device)
+        self.graphs = None  # decode steps replayed from CUDA graphs (the stage's own layers)
+        if not ecfg.enforce_eager:
+            max_len = min(ecfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+            self.graphs = cuda_graphs.capture(self.model, self.compute_cache, ecfg.scheduler.max_num_seqs, max_len,
+                                              float_logits=False)
         if spec.replica_layer_start >= 0:  # a host-memory replica of the previous stage's KV
             rl = KVLayout.for_model(ck.config, nblocks, ecfg.block_size,
                                     (spec.replica_layer_start, spec.replica_layer_end), dtype=ecfg.torch_dtype)
@@ -323,19 +330,22 @@ class Worker:
             if msg.swap_region >= 0:
                 swap.append(SwapSeq(s.rid, table, tuple(s.device_blocks), s.start, s.context_len))
             seqs.append((s.num_new, s.context_len, s.device_blocks if swap else table))
+        if (self.graphs is not None and 0 < len(seqs) <= self.graphs.max_batch and all(n == 1 for n, _, _ in seqs)
+                and not (self.sender is not None and msg.kv_plan)):  # (streaming KV out needs its layer hook)
+            return Prepared(None, tables, swap, [(ctx, blocks) for _, ctx, blocks in seqs])
         batch = ForwardBatch.of(seqs, self.cache.layout.block_size, self.device) if seqs else None
         return Prepared(batch, tables, swap)
 
     def _step(self, msg: Step, hidden: torch.Tensor | None, prep: "Prepared") -> None:
         t0 = time.perf_counter()
         if not msg.seqs:  # tier copies only
-            self._forward(msg, None, torch.empty(0), t0)
+            self._forward(msg, None, t0)
             return
         batch = prep.batch
         if prep.swap:
             self.swapper.wait((msg.epoch, msg.batch))  # its KV is in the device region
         if self.model.is_first:
-            hidden = self.model.embed(torch.tensor(msg.token_ids, dtype=torch.long, device=self.device))
+            hidden = None if prep.graphed else self.model.embed(torch.tensor(msg.token_ids, dtype=torch.long, device=self.device))
         else:
             hidden = hidden.to(self.device, self.engine_cfg.torch_dtype)
         hook = None
@@ -352,28 +362,31 @@ class Worker:
                                    prep.tables[s.rid]) for s in msg.seqs]
             st = self.spec.stage
             self.replicator.begin(reqs, [Transfer(st, st + 1, lay.layer_start, lay.layer_end, 0, len(reqs), 0, 0)], msg.epoch)
-        hidden = self.model.run_layers(hidden, batch, self.compute_cache, hook)
+        if prep.graphed:
+            out = self.graphs.run(prep.graphed, tokens=msg.token_ids if hidden is None else None, hidden=hidden)
+        else:
+            out = self.model.run_layers(hidden, batch, self.compute_cache, hook)
+            if self.model.is_last:
+                out = self.model.logits(out, batch, as_float=False)  # (the model's dtype: half the bytes in bf16)
         if prep.swap:
             self.swapper.write_back(prep.swap)  # only what this step appended
-        self._forward(msg, batch, hidden, t0)
+        self._forward(msg, out, t0)
         if self.replicator is not None and msg.seqs:
             self.replicator.send_all()  # one chunk, after the output left: sent while the next step computes
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
 
-    def _forward(self, msg: Step, batch: ForwardBatch | None, hidden: torch.Tensor, t0: float) -> None:
-        """The step's output: to the next stage, or (last stage) its logits to the controller."""
+    def _forward(self, msg: Step, out: torch.Tensor | None, t0: float) -> None:
+        """The step's output (None for a step of tier copies only): its hidden states to the next stage,
+        or (last stage) its logits to the controller."""
         if self.model.is_last:
-            # in the model's dtype (the sampler takes any): a bf16 model's logits are bf16 values, and
-            # sending them as float32 doubled what every step copied, authenticated and sent
-            logits = self.model.logits(hidden, batch, as_float=False) if batch is not None else torch.empty(0)
             dt = time.perf_counter() - t0
             res = StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], msg.busy_s + dt, msg.tier_failed)
-            self.out.send_multipart(encode(res, self.secret, logits))
+            self.out.send_multipart(encode(res, self.secret, out if out is not None else torch.empty(0)))
         else:
             msg.token_ids = []
             msg.busy_s += time.perf_counter() - t0  # the pipeline's compute so far, for the controller's step log
-            self.out.send_multipart(encode(msg, self.secret, hidden if batch is not None else None))
+            self.out.send_multipart(encode(msg, self.secret, out))
 
     # ------------------------------------------------------------------ token role: KV arrivals
     def _kv_complete(self, rids: list[str], spans: list[tuple[int, int]]) -> None:

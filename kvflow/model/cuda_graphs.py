@@ -9,7 +9,11 @@ the smallest bucket that holds the step's rows replays; its logits rows for the 
 read back.
 
 A bucket's spare rows repeat the step's last real row (same token, position, slot and context): they
-write the same K/V into the same slot and their logits are ignored, so padding changes nothing.
+write the same K/V into the same slot and their outputs are ignored, so padding changes nothing.
+
+The model may hold a layer range (a pipeline stage): a first stage takes token ids, a later one the
+hidden states [rows, hidden] of the stage before (copied into a fixed buffer); a last stage returns
+logits, an earlier one its hidden states (a buffer the next replay overwrites: send it first).
 
 Without CUDA (`capture=False`) the same buffers feed the same forward eagerly: the bookkeeping
 (packing, padding, the batch built over the buffers) is what the CPU tests check against the
@@ -19,6 +23,8 @@ ordinary forward.
 from __future__ import annotations
 
 import bisect
+import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -29,16 +35,32 @@ from kvflow.model.llama import LlamaModel
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
+log = logging.getLogger(__name__)
+
+
+def capture(model: LlamaModel, cache: KVCache, max_batch: int, max_model_len: int,
+            float_logits: bool = True) -> "DecodeGraphs | None":
+    """The graphs an engine or a pipeline stage on CUDA runs its decode steps on; None off CUDA, or
+    when capturing fails (logged: the steps then run eagerly, slower and still correct). Tests set
+    KVFLOW_TEST_DECODE_BUFFERS=1 to run the same buffers eagerly on the CPU (worker processes too)."""
+    on_cuda = cache.device.type == "cuda"
+    if not on_cuda and os.environ.get("KVFLOW_TEST_DECODE_BUFFERS") != "1":
+        return None
+    try:
+        return DecodeGraphs(model, cache, max_batch, max_model_len, capture=on_cuda, float_logits=float_logits)
+    except RuntimeError as e:  # e.g. an op that cannot be captured
+        log.warning("capturing CUDA graphs failed (%s); decode steps run eagerly", e)
+        return None
+
 
 class DecodeGraphs:
-    """Decode-only steps of a whole model over `cache`, for up to `max_batch` requests of at most
-    `max_model_len` tokens. `run(tokens, contexts)` -> logits [len(tokens), vocab] (float32)."""
+    """Decode-only steps of `model`'s layers over `cache`, for up to `max_batch` requests of at most
+    `max_model_len` tokens. `run(contexts, tokens | hidden)` -> logits [rows, vocab] (float32, or the
+    model's dtype with `float_logits=False`) on a last stage, else hidden states [rows, hidden]."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, max_batch: int, max_model_len: int,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS, capture: bool | None = None) -> None:
-        if not (model.is_first and model.is_last):
-            raise ValueError("decode graphs need a model holding all layers")
-        self.model, self.cache = model, cache
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, capture: bool | None = None, float_logits: bool = True) -> None:
+        self.model, self.cache, self.float_logits = model, cache, float_logits
         self.device = cache.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
@@ -54,6 +76,8 @@ class DecodeGraphs:
         tokens, positions, slots, ctx = self._dev[: 4 * n].view(4, n)
         table = self._dev[4 * n:].view(n, self.width)
         self._tokens, self._ctx = tokens, ctx
+        self._hidden = None if model.is_first else torch.zeros(n, model.cfg.hidden_size, dtype=model.layers[0].input_norm.dtype,
+                                                               device=self.device)
         rows = torch.arange(n, device=self.device)
         ones = torch.ones(n, dtype=torch.long, device=self.device)
         # padded keys for the PyTorch attention fallback (the kernels read the context lengths instead)
@@ -72,7 +96,7 @@ class DecodeGraphs:
         }
         model.reserve_rope(max_model_len)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._out: dict[int, torch.Tensor] = {}
         if self.capture:
             self._capture_all()
 
@@ -86,20 +110,33 @@ class DecodeGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, n)]
 
     @torch.inference_mode()
-    def run(self, tokens: Sequence[int], contexts: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
-        """One decode step: request i feeds `tokens[i]` at position context_len - 1, where `contexts[i]`
-        is (context_len after the step, its block ids in order)."""
-        n = len(tokens)
-        if n != len(contexts):
-            raise ValueError("one context per token")
+    def run(self, contexts: Sequence[tuple[int, Sequence[int]]], tokens: Sequence[int] | None = None,
+            hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step: request i is at position context_len - 1, where `contexts[i]` is
+        (context_len after the step, its block ids in order), and feeds `tokens[i]` (a first stage) or
+        row i of `hidden` (a later one)."""
+        n = len(contexts)
+        first = self._hidden is None
+        if (tokens is None, hidden is None) != (not first, first):
+            raise ValueError("a first stage takes tokens, a later stage hidden states")
+        if (tokens is not None and len(tokens) != n) or (hidden is not None and hidden.shape[0] != n):
+            raise ValueError("one context per row")
         b = self.bucket(n)
-        self._pack(tokens, contexts, b)
-        batch = self._batches[b]
+        self._pack(tokens if tokens is not None else [0] * n, contexts, b)
+        if hidden is not None:
+            self._hidden[:n].copy_(hidden, non_blocking=True)
+            self._hidden[n:b].copy_(hidden[n - 1:].expand(b - n, -1), non_blocking=True)
         if not self.capture:
             torch.lt(self._span, self._ctx[:b, None], out=self._mask[:b, 0, 0])
-            return self.model.forward(self._tokens[:b], batch, self.cache)[:n]
+            return self._forward(b)[:n]
         self._graphs[b].replay()
-        return self._logits[b][:n]
+        return self._out[b][:n]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        m, batch = self.model, self._batches[b]
+        h = m.embed(self._tokens[:b]) if self._hidden is None else self._hidden[:b]
+        h = m.run_layers(h, batch, self.cache)
+        return m.logits(h, batch, self.float_logits) if m.is_last else h
 
     def _pack(self, tokens: Sequence[int], contexts: Sequence[tuple[int, Sequence[int]]], b: int) -> None:
         """Fill the first `b` rows of every field (rows n..b-1 repeat row n-1) and copy them over at once."""
@@ -132,12 +169,11 @@ class DecodeGraphs:
         with torch.inference_mode(), torch.cuda.stream(stream):
             for b in reversed(self.buckets):
                 self._pack([0] * b, dummy[:b], b)  # token 0 at position 0 of block 0: a slot any pool has
-                batch = self._batches[b]
                 for _ in range(2):
-                    self.model.forward(self._tokens[:b], batch, self.cache)
+                    self._forward(b)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._logits[b] = self.model.forward(self._tokens[:b], batch, self.cache)
+                    self._out[b] = self._forward(b)
                 pool = graph.pool()
                 self._graphs[b] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
