@@ -12,7 +12,9 @@ SmolLM2-135M shape and a Llama-3.2-1B-like shape, bf16, vocab 49,152. For each s
   measured copy bandwidth (bytes read + written by a device-to-device copy, per second);
 - offline output tok/s (`LLM.generate`, 256 in / 128 out, `--offline-batch` requests) against
   `transformers.generate` eager with the same prompts (with `--compile`, also its static cache +
-  `torch.compile`).
+  `torch.compile`);
+- (135M shape) the same requests sent at once to each serving backend, as the server runs them
+  without HTTP: the engine, colocated depth 2, disaggregated (1, 1) (needs pyzmq).
 
 Writes a table to stdout and `gpu.json` (+ `gpu.png` with matplotlib) to --out. On a machine
 without CUDA, `--device cpu --shapes tiny` runs the same code on a small model (a check of the
@@ -62,7 +64,20 @@ def write_checkpoint(shape: str, directory: Path) -> Path:
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     path = directory / shape
     model.save_pretrained(path, safe_serialization=True)
+    save_word_tokenizer(path, cfg.vocab_size)
     return path
+
+
+def save_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over ids 0..vocab_size-1 ("<unk>", "<s>", "</s>", then "t3", "t4", ...):
+    the server needs one to detokenize; the benchmark sends token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, vocab_size)]
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
 
 
 def copy_bandwidth(device: str) -> float:
@@ -196,6 +211,55 @@ def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: b
     return out
 
 
+def backends(ckpt: Path, device: str, n: int, new: int, vocab: int) -> dict:
+    """Output tok/s of `n` requests of 256 + `new` tokens sent at once to each serving backend (the
+    server's `Backend`, without HTTP): the engine, colocated depth 2, disaggregated (1, 1); bf16."""
+    try:
+        import zmq  # noqa: F401  (the pipelines' transport)
+    except ImportError:
+        return {"skipped": "pyzmq is not installed (scripts/gpu_check.sh says how to carry it)"}
+    import asyncio
+
+    from kvflow.config import ClusterConfig, EngineConfig
+    from kvflow.controller.controller import Controller
+    from kvflow.sched.config import SchedulerConfig
+    from kvflow.sched.sampling import SamplingParams
+    from kvflow.serving.backend import EngineBackend
+
+    engine = EngineConfig(model=str(ckpt), dtype="bfloat16", device=device, block_size=16, num_kv_blocks=4096,
+                          scheduler=SchedulerConfig(max_num_seqs=n))
+    layouts = {"engine": lambda: EngineBackend.from_config(engine),
+               "colocated-2": lambda: Controller(ClusterConfig(engine=engine, mode="colocated", depth=2, microbatch_size=n)),
+               "disaggregated-1-1": lambda: Controller(ClusterConfig(engine=engine, mode="disaggregated", prompt_depth=1,
+                                                                     token_depth=1, microbatch_size=n, prompt_microbatch_size=n))}
+    ps = prompts([256] * n, vocab, seed=11)
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+
+    async def one(backend, p, rid) -> int:
+        got = 0
+        async for out in backend.generate(p, params, rid):
+            got += len(out.new_token_ids)
+        return got
+
+    async def run(backend) -> float:
+        await backend.start()
+        try:
+            await asyncio.gather(*[one(backend, p, f"warm{i}") for i, p in enumerate(ps[:2])])
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*[one(backend, p, f"r{i}") for i, p in enumerate(ps)])
+            return sum(got) / (time.perf_counter() - t0)
+        finally:
+            await backend.shutdown()
+
+    out = {"requests": n, "prompt": 256, "new_tokens": new}
+    for name, make in layouts.items():
+        try:
+            out[f"{name}_tok_s"] = asyncio.run(run(make()))
+        except Exception as e:  # one layout failing must not hide the others' figures
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
 def main() -> None:
     ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="where to run (cpu: a check of the script only)")
@@ -232,6 +296,9 @@ def main() -> None:
                           f"{d['step_ms']:8.3f} ms  floor {d['floor_ms']:.3f} ms  x{d['step_ms'] / d['floor_ms']:.1f}", flush=True)
             r["offline"] = offline(ckpt, args.device, args.offline_batch, args.new_tokens, vocab, args.compile)
             print(f"[{shape}] offline {r['offline']}", flush=True)
+            if shape != "1b":  # (the issue's serving figure is the 135M shape's)
+                r["backends"] = backends(ckpt, args.device, args.offline_batch, args.new_tokens, vocab)
+                print(f"[{shape}] backends {r['backends']}", flush=True)
             r["seconds"] = time.perf_counter() - t0
             report["shapes"][shape] = r
             (args.out / "gpu.json").write_text(json.dumps(report, indent=2))  # after each shape: a timeout keeps what ran
