@@ -12,7 +12,8 @@ was split) and one `kvflow router` process per policy, all on free ports; client
    policies rotate over `--reps` repetitions.
 2. Overhead: `--overhead-requests` pairs of requests of `--overhead-prompt` tokens (each prompt new), one at a time,
    one through a router over one instance and one straight to that instance (alternating which goes first): TTFT p50
-   of each, their difference, and the median of the pairs' differences.
+   of each, their difference, the median of the pairs' differences, and the router process's CPU time per request
+   (user + system, from /proc: what the router costs whatever the machine's load does to latencies).
 3. Decode imbalance: `--imbalance-requests` rows drawn from the Azure conversation trace (`--trace`), prompts of
    the row's length clipped to `--max-prompt`, outputs of the row's length / `--output-scale` (at least 2), all sent
    at once through a least-load and a length-aware router over the same instances (rotated, `--reps`); decode load
@@ -163,6 +164,7 @@ def overhead_part(args, url: str) -> dict:
         rng = random.Random(7)
         prompts = [tokens(rng, args.overhead_prompt) for _ in range(2 * args.overhead_requests)]
         direct, routed = [], []
+        cpu0 = cpu_seconds(via.proc.pid)  # the router's own CPU time: what it costs, whatever the machine's load
         for i in range(args.overhead_requests):  # alternate (which goes first too), each prompt new: no cache hits
             first, second = (url, via.url) if i % 2 == 0 else (via.url, url)
             (x,), _ = asyncio.run(run_batch(first, [prompts[2 * i]], 2, 1))
@@ -173,9 +175,16 @@ def overhead_part(args, url: str) -> dict:
         diffs = [r - d for r, d in zip(routed, direct)]
         return {"direct_ttft_p50": p(direct, 0.5), "router_ttft_p50": p(routed, 0.5),
                 "added_ms": (p(routed, 0.5) - p(direct, 0.5)) * 1e3, "paired_diff_p50_ms": p(diffs, 0.5) * 1e3,
-                "ratio": p(routed, 0.5) / p(direct, 0.5)}
+                "ratio": p(routed, 0.5) / p(direct, 0.5),
+                "router_cpu_ms_per_request": (cpu_seconds(via.proc.pid) - cpu0) * 1e3 / args.overhead_requests}
     finally:
         via.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def generated_tokens(url: str) -> float:
@@ -344,7 +353,8 @@ def main() -> None:
     if "overhead" in out:
         o = out["overhead"]
         print(f"\noverhead: TTFT p50 direct {o['direct_ttft_p50'] * 1e3:.1f} ms, via router {o['router_ttft_p50'] * 1e3:.1f} ms "
-              f"({o['added_ms']:+.1f} ms, {o['ratio']:.2f}x; median of paired differences {o['paired_diff_p50_ms']:+.1f} ms)")
+              f"({o['added_ms']:+.1f} ms, {o['ratio']:.2f}x; median of paired differences {o['paired_diff_p50_ms']:+.1f} ms); "
+              f"router CPU {o['router_cpu_ms_per_request']:.1f} ms per request")
     if "imbalance" in out:
         for pol, r in out["imbalance"].items():
             print(f"imbalance: {pol:13s} decode load max/mean {r['max_over_mean']:.2f}  makespan {r['makespan']:.1f} s")

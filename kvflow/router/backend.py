@@ -96,6 +96,8 @@ async def _stream(client: httpx.AsyncClient, inst: Instance, body: dict) -> Asyn
                 if not text.startswith("data: "):
                     continue
                 if text == "data: [DONE]":
+                    async for _ in lines:  # to the body's end: the connection then goes back to the pool
+                        pass
                     return
                 event = json.loads(text[6:])
                 if "error" in event:
@@ -214,11 +216,15 @@ class RouterBackend:
                     if reason:
                         req.finish(reason)
                     flight.generated = len(req.output_token_ids)
-                    if chunk.token_ids or req.is_finished:
-                        yield req.take_output()
                     if req.is_finished:
                         self.pool.remember(inst, self.route(req.token_ids).block_hashes)  # its output's blocks too
+                        if chunk.finish_reason is not None:  # the instance is done too: read its [DONE] before the
+                            async for _ in stream:  # last output (the API closes this generator after it), so the
+                                pass  # connection goes back to the pool; else closing the stream aborts it there
+                        yield req.take_output()
                         return
+                    if chunk.token_ids:
+                        yield req.take_output()
                 raise InstanceFailed("the stream ended before the request finished")
             except InstanceRefused as e:
                 if e.status < 500 and not generated:
