@@ -135,7 +135,7 @@ def start_servers(args, servers: dict[str, Server], peer: Path | None) -> None:
         for s in servers.values():
             s.signal(signal.SIGSTOP)  # an idle server must not slow the next one's start-up measurements
         servers[name] = Server(name, f"http://127.0.0.1:{port}", kv_cmd, RESULTS / f"serving-{name}.log")
-        print(f"{name}: {' '.join(kv_cmd[1:])} ... ready in {servers[name].wait_ready(300):.0f} s", flush=True)
+        print(f"{name}: {' '.join(kv_cmd[1:])} ... ready in {servers[name].wait_ready(900):.0f} s", flush=True)
     if peer is not None:
         model_dir = load_config(None)[1]  # kvflow's converted copy of the default model: the same weights
         for s in servers.values():
