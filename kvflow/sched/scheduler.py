@@ -156,8 +156,9 @@ class Scheduler:
     PREFETCH_AHEAD = 8
 
     def schedule(self) -> SchedulerOutput:
-        self._loading = {r.request_id for r in itertools.islice(self.waiting, self.PREFETCH_AHEAD)
-                         if self.kv_manager.prefetch(r.token_ids, r.block_hashes, r.num_tokens - 1)}
+        if self.kv_manager.disk is not None:
+            self._loading = {r.request_id for r in itertools.islice(self.waiting, self.PREFETCH_AHEAD)
+                             if self.kv_manager.prefetch(r.token_ids, r.block_hashes, r.num_tokens - 1)}
         if self.config.policy == "microbatch":
             seqs, preempted = self._schedule_microbatch(), []
         else:

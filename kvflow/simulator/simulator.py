@@ -19,6 +19,7 @@ blocks instead of naming them (`KVCacheManager(block_ids=False)`). Neither chang
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
@@ -82,6 +83,10 @@ class Simulator:
         self.prompt = self._group(layout.prompt, "prompt" if layout.token else "both")
         self.token = self._group(layout.token, "token") if layout.token else []
         self.executor = PipelineExecutor(self.prompt, self.token, self, config.rigid_rounds, self._request)
+        self._refused = False  # the token side refused a prompt admission during this `_fill_all`
+        for p in self.prompt:
+            if p.sched.admit_hook is not None:
+                p.sched.admit_hook = self._watch(p.sched.admit_hook)
         self.handoff = self.executor.handoff
         self.now = 0.0
         self._rank = 0  # of the event being handled
@@ -140,6 +145,16 @@ class Simulator:
                 WorkerFailure(f.time, (self.token if f.role == "token" else self.prompt)[f.pipeline])
                 for f in self.config.failures]:
             heapq.heappush(heap, (ev.time, ev.rank, next(seq), ev))
+        gc_was = gc.isenabled()
+        gc.disable()  # millions of short-lived objects and no cycles: collections would find nothing
+        try:
+            self._loop(heap, seq)
+        finally:
+            if gc_was:
+                gc.enable()
+        return SimResult.build(self)
+
+    def _loop(self, heap: list, seq) -> None:
         while heap:
             now, rank, _, ev = heapq.heappop(heap)
             self.now, self._rank = now, rank
@@ -160,7 +175,10 @@ class Simulator:
             self._tried[p] = ex.version
             if p.ahead is not None and len(p.sched.groups) < p.depth:  # with a free slot, filling it may change its run
                 settle(self, p, self.now, self._rank)
-        ex.fill_all(sorted(todo, key=lambda p: p.index))
+        self._refused = False
+        for p in sorted(todo, key=lambda p: (p.role == "token", p.index)):  # the executor's `fill_all`
+            if not (self._refused and p.role == "prompt" and self.config.policy == "microbatch"):
+                ex.fill(p)
         for p in todo:
             if self.steady and p.role != "prompt" and p.ahead is None:
                 run_ahead(self, p, SAMPLED)
@@ -171,6 +189,17 @@ class Simulator:
                     self._idle.discard(p)
         events, self._events = self._events, []
         return events
+
+    def _watch(self, hook):
+        """The prompt schedulers' admission hook (the hand-off's reservation), noting a refusal: the
+        token side then refuses the head of the queue to every prompt pipeline until it frees blocks
+        (a refused request keeps the token pipeline it was given), and a microbatch prompt pipeline
+        has nothing else to run, so `_fill_all` fills no other prompt pipeline in that call."""
+        def admit(req: Request) -> bool:
+            ok = hook(req)
+            self._refused |= not ok
+            return ok
+        return admit
 
     # --- the driver ----------------------------------------------------------------------------
 

@@ -15,13 +15,13 @@ events only to the passes then in flight. The scheduler learns of the passes in 
 anything next reaches the pipeline (`settle`: at one of those events, or when the executor is
 about to fill the pipeline with a free slot): the passes that returned before that moment are
 applied at once (`Scheduler.run_ahead`), and the pipeline's clocks, busy time and batches in
-flight are what step-by-step simulation would have made them. The batch log, the timeline and
+flight are what step-by-step simulation would have made them (replayed from the start of the run
+when it is cut short). The batch log, the timeline and
 every decision are those of simulating each pass as an event (tests/simulator/test_steady.py).
 """
 
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from kvflow.perf.perf_model import BatchShape
@@ -33,31 +33,36 @@ if TYPE_CHECKING:
     from kvflow.simulator.simulator import Simulator
 
 CHUNK = 128  # passes run ahead at most before one is an event again (bounds what a join makes void)
-_due = attrgetter("done_at", "order")  # which pass of a pipeline returns first
 
 
-class _Slot:
-    """One microbatch in flight while its pipeline runs ahead."""
+class _Run:
+    """A pipeline's microbatches in flight while it runs ahead, in the order they return: stages
+    are FIFO and a microbatch is sent again as it returns, so that order repeats (pass k returns
+    microbatch k mod m). Per microbatch: its wire id, requests, passes it may still return without
+    finishing one (`left`), passes returned (`steps`), context of its pass in flight, that pass's
+    stage time, return time and position among the run's passes (-1: sent before the run)."""
 
-    __slots__ = ("wire_id", "group", "left", "steps", "context", "stage_time", "done_at", "order", "entry")
+    __slots__ = ("wire_ids", "groups", "left", "steps", "context", "stage_time", "done_at", "sent", "busy",
+                 "stage_free", "played")
 
-    def __init__(self, wire_id: int, group: list, left: int, context: int, stage_time: float, done_at: float,
-                 order: int) -> None:
-        self.wire_id, self.group, self.left, self.steps = wire_id, group, left, 0
-        self.context, self.stage_time, self.done_at, self.order = context, stage_time, done_at, order
-        self.entry = (stage_time, done_at, order)  # the pass it had in flight when the run started
+    def __init__(self, wire_ids, groups, left, context, stage_time, done_at, busy: float, stage_free: list[float]):
+        self.wire_ids, self.groups, self.left, self.context = wire_ids, groups, left, context
+        self.stage_time, self.done_at, self.busy, self.stage_free = stage_time, done_at, busy, stage_free
+        self.steps, self.sent, self.played = [0] * len(groups), [-1] * len(groups), 0
+
+    def copy(self) -> "_Run":
+        return _Run(self.wire_ids, self.groups, self.left, list(self.context), list(self.stage_time),
+                    list(self.done_at), self.busy, list(self.stage_free))
 
 
 class Ahead:
-    """A run ahead not yet applied: the pipeline's state when it started and each pass it played,
-    as (returned at, slot, stage time of the returned pass, the slot's next pass as (stage time,
-    done at, order), stage clocks after sending it)."""
+    """A run ahead not yet applied: the pipeline when it started (`start`), where the run stopped
+    (`end`), when each pass of it returned, and the token every step sampled."""
 
-    __slots__ = ("slots", "busy", "stage_free", "passes", "token")
+    __slots__ = ("start", "end", "returned", "token")
 
-    def __init__(self, slots: list[_Slot], busy: float, stage_free: list[float], token: int) -> None:
-        self.slots, self.busy, self.stage_free, self.token = slots, busy, stage_free, token
-        self.passes: list[tuple[float, int, float, tuple[float, float, int], list[float]]] = []
+    def __init__(self, start: _Run, end: _Run, returned: list[float], token: int) -> None:
+        self.start, self.end, self.returned, self.token = start, end, returned, token
 
 
 def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
@@ -69,53 +74,63 @@ def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
         return
     if n_groups < p.depth and p.role != "token" and (p.queue or sched.waiting):
         return  # it admits at its next return
-    slots = []
-    for k, (wire_id, out) in enumerate(p.in_flight.items()):  # in the order they were sent
+    rows = []
+    for wire_id, out in p.in_flight.items():
         group = next((g for g in sched.groups if len(g) == len(out.seqs)
                       and all(r is s.request for r, s in zip(g, out.seqs))), None)
         left = sched.steady_steps(group, token) if group is not None else None
         if left is None:
             return
         pas = p.passes[wire_id]
-        slots.append(_Slot(wire_id, group, left, sum(s.end for s in out.seqs), pas.stage_time, pas.done_at,
-                           k - len(p.in_flight)))
-    ahead = Ahead(slots, p.busy, list(p.stage_free), token)
-    per_stage = p.depth > 1 and not p.perf.uniform_stages
-    times = sim._decode_times.setdefault((p.depth, p.role), {})
-    sf, depth, record = p.stage_free, p.depth, ahead.passes.append
-    order = 0
-    index = {id(s): i for i, s in enumerate(slots)}
-    while order < CHUNK:
-        s = slots[0] if len(slots) == 1 else min(slots, key=_due)
-        if s.steps == s.left:
-            break  # its return finishes a request: an event
-        returned, busy = s.done_at, s.stage_time  # it returns ...
-        s.steps += 1
-        n = len(s.group)  # ... and is sent again at once, one token further
-        s.context += n
-        priced = times.get((n, s.context))
-        if priced is None:
-            shape = BatchShape(decode_seqs=n, decode_context=s.context)
-            t = sim._step_time(shape, p)
-            priced = times[(n, s.context)] = (
-                t, sim._hop(n, p) if depth > 1 else 0.0,
-                [sim._stage_time(shape, p, k) for k in range(depth)] if per_stage else [t] * depth)
-        s.stage_time, hop, stages = priced
-        t = returned
-        for k in range(depth):  # `SimPipeline.place`
-            if k:
-                t += hop
-            t = sf[k] = (t if t > sf[k] else sf[k]) + stages[k]
-        s.done_at, s.order = t, order
-        record((returned, index[id(s)], busy, (s.stage_time, t, order), tuple(sf)))
-        order += 1
-    p.stage_free = ahead.stage_free  # (the clocks are replayed by `settle`)
-    if not order:
+        rows.append((pas.done_at, wire_id, group, left, sum(s.end for s in out.seqs), pas.stage_time))
+    rows.sort(key=lambda r: r[0])  # the order they return in
+    start = _Run([r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows],
+                 [r[5] for r in rows], [r[0] for r in rows], p.busy, list(p.stage_free))
+    end, returned = start.copy(), []
+    _play(sim, p, end, CHUNK, returned)
+    if not end.played:
         return
-    for s in slots:  # the passes in flight at the stop get events; those they follow are void
-        p.passes[s.wire_id] = pas = Pass(s.stage_time, s.done_at)
-        sim._events.append(PassDone(s.done_at, p, s.wire_id, pas))
-    p.ahead = ahead
+    for i, wire_id in enumerate(end.wire_ids):  # the passes in flight at the stop get events; those they follow are void
+        p.passes[wire_id] = pas = Pass(end.stage_time[i], end.done_at[i])
+        sim._events.append(PassDone(end.done_at[i], p, wire_id, pas))
+    p.ahead = Ahead(start, end, returned, token)
+
+
+def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: list[float] | None) -> None:
+    """Play up to `limit` passes of `run` (stopping before a pass whose return finishes a request),
+    as `Simulator.dispatch` would place them; `returned` collects when each returned."""
+    depth, m = p.depth, len(run.groups)
+    per_stage = depth > 1 and not p.perf.uniform_stages
+    prices = sim._decode_times.setdefault((depth, p.role), {})
+    sizes = [len(g) for g in run.groups]
+    steps, left, context, stage_time, done_at, sent = run.steps, run.left, run.context, run.stage_time, run.done_at, run.sent
+    sf, busy, k = run.stage_free, run.busy, run.played
+    note = returned.append if returned is not None else None
+    while k < limit:
+        i = k % m
+        if steps[i] == left[i]:
+            break  # its return finishes a request: an event
+        t = done_at[i]  # it returns ...
+        busy += stage_time[i]
+        if note is not None:
+            note(t)
+        steps[i] += 1
+        n = sizes[i]  # ... and is sent again at once, one token further
+        c = context[i] = context[i] + n
+        priced = prices.get((n, c))
+        if priced is None:
+            shape = BatchShape(decode_seqs=n, decode_context=c)
+            step = sim._step_time(shape, p)
+            priced = prices[(n, c)] = (step, sim._hop(n, p) if depth > 1 else 0.0,
+                                       [sim._stage_time(shape, p, j) for j in range(depth)] if per_stage else [step] * depth)
+        stage_time[i], hop, stages = priced
+        for j in range(depth):  # `SimPipeline.place`
+            if j:
+                t += hop
+            t = sf[j] = (t if t > sf[j] else sf[j]) + stages[j]
+        done_at[i], sent[i] = t, k
+        k += 1
+    run.busy, run.played = busy, k
 
 
 def settle(sim: "Simulator", p: "SimPipeline", now: float, rank: int) -> None:
@@ -123,35 +138,31 @@ def settle(sim: "Simulator", p: "SimPipeline", now: float, rank: int) -> None:
     handled: `p` is then as step-by-step simulation leaves it at that point."""
     ahead, p.ahead = p.ahead, None
     mine = PIPELINE + p.number  # the rank of its passes' events
-    past = 0
-    for returned, *_ in ahead.passes:
-        if returned > now or (returned == now and mine > rank):
-            break
-        past += 1
+    past = len(ahead.returned)
+    if ahead.returned[-1] > now or (ahead.returned[-1] == now and mine > rank):
+        past = 0
+        for t in ahead.returned:
+            if t > now or (t == now and mine > rank):
+                break
+            past += 1
+    end = ahead.end
+    if past < end.played:  # cut short: replay up to the cut
+        end = ahead.start.copy()
+        _play(sim, p, end, past, None)
     sim.passes_run_ahead += past
-    busy = ahead.busy
-    slots = ahead.slots
-    current = [s.entry for s in slots]  # each slot's pass in flight now: (stage time, done at, order)
-    steps = [0] * len(slots)
-    log = p.batch_log
-    for _, i, spent, sent, _ in ahead.passes[:past]:
-        busy += spent
-        steps[i] += 1
-        current[i] = sent
-        if log is not None:
-            log.append([(r.request_id, 1) for r in slots[i].group])
-    p.busy = busy
-    p.stage_free = list(ahead.passes[past - 1][4]) if past else ahead.stage_free
-    sched = p.sched
-    in_flight = {}
-    for i in sorted(range(len(slots)), key=lambda i: current[i][2]):  # the scheduler's round robin: last sent, last
-        s = slots[i]
-        in_flight[s.wire_id] = sched.run_ahead(s.group, steps[i], ahead.token) if steps[i] else p.in_flight[s.wire_id]
-        if steps[i] == s.steps:
+    p.busy, p.stage_free = end.busy, end.stage_free
+    log, m = p.batch_log, len(end.groups)
+    if log is not None:
+        for k in range(past):
+            log.append([(r.request_id, 1) for r in end.groups[k % m]])
+    sched, in_flight = p.sched, {}
+    for i in sorted(range(m), key=lambda i: end.sent[i]):  # the scheduler's round robin: last sent, last in line
+        wire_id = end.wire_ids[i]
+        in_flight[wire_id] = sched.run_ahead(end.groups[i], end.steps[i], ahead.token) if end.steps[i] else p.in_flight[wire_id]
+        if end.steps[i] == ahead.end.steps[i]:
             continue  # its pass now is the one the run stopped at: its event stands
-        stage_time, done_at, _ = current[i]
-        p.passes[s.wire_id] = pas = Pass(stage_time, done_at)
-        sim._events.append(PassDone(done_at, p, s.wire_id, pas))
+        p.passes[wire_id] = pas = Pass(end.stage_time[i], end.done_at[i])
+        sim._events.append(PassDone(end.done_at[i], p, wire_id, pas))
     p.in_flight.clear()
     p.in_flight.update(in_flight)
     if past:
