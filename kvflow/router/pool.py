@@ -157,9 +157,12 @@ class InstancePool:
             ok = r.status_code == 200
             if ok:
                 m = await self.client.get(f"{inst.url}/metrics", timeout=timeout)
-                inst.waiting, inst.running = _queue(m.text) if m.status_code == 200 else (inst.waiting, inst.running)
+                inst.waiting, inst.running = queue_lengths(m.text) if m.status_code == 200 else (inst.waiting, inst.running)
             if ok and not inst.healthy:  # back (or up for the first time): the same model?
-                ok = await probe(self.client, inst.url, timeout) == self.model
+                info = await probe(self.client, inst.url, timeout)
+                if info != self.model:
+                    log.warning("instance %s serves %s, this router %s: not used", inst.url, info, self.model)
+                    ok = False
         except (httpx.HTTPError, ValueError, KeyError, IndexError):
             ok = False
         if ok:
@@ -193,7 +196,7 @@ class InstancePool:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-def _queue(text: str) -> tuple[int, int]:
+def queue_lengths(text: str) -> tuple[int, int]:
     """(waiting, running) from an instance's /metrics text."""
     values = {}
     for family in text_string_to_metric_families(text):

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kvflow.api.metrics import APIMetrics
 from kvflow.api.protocol import CompletionRequest
 
 from kvflow.kv.prefix_hash import extend_hashes
@@ -15,7 +16,9 @@ from kvflow.router.config import RouterConfig
 from kvflow.router.length import DATA, LengthModel, bucket
 from kvflow.router.policies import (InstanceState, PolicyConfig, RouteRequest, least_load, length_aware,
                                     prefix_aware, round_robin)
+from kvflow.router.pool import queue_lengths
 from kvflow.sched.sampling import SamplingParams
+from kvflow.serving.backend import BackendStats
 
 CFG = PolicyConfig(cache_threshold=0.5, balance_abs=4, balance_rel=1.5)
 
@@ -129,3 +132,10 @@ def test_request_body_forwards_every_sampling_field():
     assert body["stop"] == ["x"] and body["stop_token_ids"] == [9] and body["seed"] == 3 and body["top_k"] == 5
     CompletionRequest.model_validate(body)  # what the instance parses (strict): accepted as is
     assert request_body("m", [1], params, generated=12)["min_tokens"] == 0
+
+
+def test_queue_lengths_are_read_from_an_instances_metrics():
+    """What the pool learns from an instance's /metrics, read from the text the API itself renders."""
+    text = APIMetrics().render(BackendStats(waiting_requests=3, running_requests=2), healthy=True).decode()
+    assert queue_lengths(text) == (3, 2)
+    assert queue_lengths("") == (0, 0)  # an instance without the families (not a kvflow instance's metrics)
