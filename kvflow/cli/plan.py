@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-microbatches", type=int_list, default=None,
                    help="--goal goodput: decode batch sizes (default: --microbatches)")
     p.add_argument("--json", type=Path, help="write the plan as JSON here (default: not written)")
+    p.add_argument("--jobs", type=number(int, 1), default=None,
+                   help="--goal makespan: worker processes simulating the candidates (default: one per CPU)")
     p.add_argument("--placement", type=Path, metavar="FILE",
                    help="--goal makespan: write a Ray placement of the best configuration `kvflow serve` runs "
                         "(one colocated pipeline, or one prompt + one token pipeline) for `kvflow serve --launcher ray "
@@ -164,10 +166,10 @@ def cmd_plan(args) -> int:
     # Enough requests to fill every pipeline slot several times over.
     n_req = max(spec.requests, 128 * args.machines)
     t0 = time.perf_counter()
-    workload_for, bar = _counting(lambda b: spec.build(b, requests=n_req),
-                                  f"simulating the shortlisted layouts ({n_req} requests each)")
+    _, bar = _counting(lambda: None, f"simulating the shortlisted layouts ({n_req} requests each)")
     with bar:
-        plan = recommend(perf, args.machines, space, workload_for)
+        plan = recommend(perf, args.machines, space, lambda b: spec.build(b, requests=n_req), jobs=args.jobs,
+                         progress=lambda e: bar.update(1))
     elapsed = time.perf_counter() - t0
     print(f"plan: {perf.shape.name} on {args.machines} x {perf.machine.name} "
           f"(prompt {spec.prompt_len}, mean output {spec.mean_output:.0f}, {plan.simulated} layouts simulated, "

@@ -72,9 +72,10 @@ def formula_report(perf: PerfModel, machines: int, batch: int, space: SearchSpac
 
 
 def recommend(perf: PerfModel, machines: int, space: SearchSpace, workload_for: Callable[[int], Workload],
-              top_k: int = 3) -> Plan:
+              top_k: int = 3, jobs: int | None = None, progress: Callable[[Evaluated], None] | None = None) -> Plan:
     """Enumerate feasible layouts, rank them with the formulas, simulate the `top_k` of each kind
-    on `workload_for(microbatch)`, and explain the winner."""
+    on `workload_for(microbatch)` (in `jobs` processes, with `progress` lines: `evaluate`), and
+    explain the winner."""
     if machines < 1:
         raise ValueError("need at least one machine")
     candidates = colocated_layouts(perf, machines, space) + disaggregated_layouts(perf, machines, space)
@@ -87,7 +88,7 @@ def recommend(perf: PerfModel, machines: int, space: SearchSpace, workload_for: 
     shortlist = [lay for group in ranked.values()
                  for _, lay in sorted(group, key=lambda x: -x[0])[:top_k]]
     best: dict[str, Evaluated] = {}
-    for e in evaluate(perf, shortlist, workload_for, space.swapping):
+    for e in evaluate(perf, shortlist, workload_for, space.swapping, jobs=jobs, progress=progress):
         best.setdefault(e.layout.kind, e)
     b = max((lay.prompt.microbatch for lay in candidates), key=lambda x: x)
     rec = min(best.values(), key=lambda e: e.summary.makespan_s)

@@ -4,6 +4,8 @@ simulator pick the one with the shortest makespan for a workload."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Callable
 
@@ -115,25 +117,57 @@ class Evaluated:
         return {**self.summary.to_dict(), "layout": self.layout.label(), "kind": self.layout.kind}
 
 
+def _simulate(task: tuple[int, Layout, SimConfig, PerfModel, Workload]) -> tuple[int, Evaluated]:
+    """One candidate (a worker process's unit of work: module-level, its arguments picklable)."""
+    i, lay, cfg, perf, w = task
+    return i, Evaluated(lay, simulate(cfg, perf, w).summary())
+
+
 def evaluate(perf: PerfModel, layouts: list[Layout], workload_for: Callable[[int], Workload],
-             swapping: bool = False, dispatch: str = "shared") -> list[Evaluated]:
+             swapping: bool = False, dispatch: str = "shared", jobs: int | None = None,
+             progress: Callable[[Evaluated], None] | None = None) -> list[Evaluated]:
     """Simulate each layout on `workload_for(microbatch)`; return them by makespan, best first.
     Without prefix caching: simulated requests never share a prefix (each has token ids of its
-    own), so the pools' hashing would decide nothing and cost a fifth of the run."""
-    res = []
+    own), so the pools' hashing would decide nothing and cost a fifth of the run.
+
+    The candidates are independent runs: `jobs` worker processes (default `os.cpu_count()`; 1: in
+    this process) simulate them, each given its layout, config, performance model and workload
+    (the workloads are built here, once per microbatch size). `progress(evaluated)` is called here
+    as each candidate finishes, in the order they finish."""
+    workloads: dict[int, Workload] = {}
+    tasks = []
     for lay in layouts:
+        b = lay.prompt.microbatch
+        if b not in workloads:
+            workloads[b] = workload_for(b)
         cfg = SimConfig(lay, dispatch="shared" if lay.disaggregated else dispatch, swapping=swapping, prefix_caching=False)
-        w = workload_for(lay.prompt.microbatch)
-        res.append(Evaluated(lay, simulate(cfg, perf, w).summary()))
-    return sorted(res, key=lambda e: (e.summary.makespan_s, e.layout.machines))
+        tasks.append((len(tasks), lay, cfg, perf, workloads[b]))
+    jobs = min(jobs or os.cpu_count() or 1, len(tasks))
+    res: list[tuple[int, Evaluated]] = []
+
+    def done(i: int, e: Evaluated) -> None:
+        res.append((i, e))
+        if progress is not None:
+            progress(e)
+
+    if jobs <= 1:
+        for task in tasks:
+            done(*_simulate(task))
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            for f in as_completed([pool.submit(_simulate, task) for task in tasks]):
+                done(*f.result())
+    res.sort(key=lambda r: (r[1].summary.makespan_s, r[1].layout.machines, r[0]))  # ties: in the order given
+    return [e for _, e in res]
 
 
 def best_per_kind(perf: PerfModel, machines: int, space: SearchSpace, workload_for: Callable[[int], Workload],
-                  dispatch: str = "shared") -> dict[str, Evaluated]:
-    """Appendix B: the shortest-makespan Baseline, Baseline-DP and disaggregated configuration."""
+                  dispatch: str = "shared", jobs: int | None = None) -> dict[str, Evaluated]:
+    """Appendix B: the shortest-makespan Baseline, Baseline-DP and disaggregated configuration
+    (`jobs` as in `evaluate`)."""
     best: dict[str, Evaluated] = {}
     layouts = colocated_layouts(perf, machines, space) + disaggregated_layouts(perf, machines, space)
-    for e in evaluate(perf, layouts, workload_for, space.swapping, dispatch):
+    for e in evaluate(perf, layouts, workload_for, space.swapping, dispatch, jobs):
         best.setdefault(e.layout.kind, e)
     return best
 
