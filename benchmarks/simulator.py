@@ -1,9 +1,9 @@
 """Simulator benchmarks.
 
-  scale:    1,000 machines and 100,000 requests by default (disaggregated OPT-66B on 2xA100
-            machines, and the Baseline-DP layout on the same machines), timed; plus the planner's
-            answer for 64. The simulator runs the real scheduler, whose cost is per request and
-            token (measured: docs/results.md, 2026-11-22 simulator).
+  scale:    1,000 machines and 1,000,000 requests by default (disaggregated OPT-66B on 2xA100
+            machines, and the Baseline-DP layout on the same machines), timed (wall and CPU
+            seconds, passes run ahead without an event); plus `kvflow plan` for 64 and 1,000
+            machines. The simulator runs the real scheduler (docs/simulator.md, "At scale").
   distserve: DistServe Fig. 1 (OPT-13B, 512 in / 64 out): goodput per GPU, colocated continuous
             batching vs 2 prefill + 1 decode GPUs, beside the paper's 1.6 vs 3.3 req/s/GPU.
   swapping: DéjàVu Fig. 9: the largest microbatch B without swapping against 2B with microbatch
@@ -29,7 +29,7 @@ from pathlib import Path
 from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 from kvflow.perf import AnalyticPerfModel, machine, model_shape
 from kvflow.planner.report import matches, mean_ratio, save, sweep, table
-from kvflow.simulator import LengthDist, Layout, PipelineGroup, SimConfig, simulate, synthetic
+from kvflow.simulator import LengthDist, Layout, PipelineGroup, SimConfig, Simulator, simulate, synthetic
 from kvflow.simulator.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,21 +48,24 @@ def scale(requests: int) -> dict:
     for name, lay in layouts.items():
         assert lay.machines == 1000
         w = synthetic(requests, 1000, LengthDist(), rate=None, seed=1, group=16)  # Appendix B lengths
-        t0 = time.perf_counter()
-        res = simulate(SimConfig(lay), perf, w)
-        wall = time.perf_counter() - t0
+        t0, c0 = time.perf_counter(), time.process_time()
+        sim = Simulator(SimConfig(lay), perf, w)
+        res = sim.run()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         s = res.summary()
         assert (res.completions == 1).all()
-        out[name] = {"wall_s": wall, "layout": lay.label(), **s.to_dict()}
-        print(f"  {name:<14} {lay.label():<34} wall {wall:7.1f} s | simulated makespan {s.makespan_s:8.0f} s, "
+        out[name] = {"wall_s": wall, "cpu_s": cpu, "passes_run_ahead": sim.passes_run_ahead, "layout": lay.label(),
+                     **s.to_dict()}
+        print(f"  {name:<14} {lay.label():<34} wall {wall:7.1f} s (cpu {cpu:.1f} s) | simulated makespan {s.makespan_s:8.0f} s, "
               f"{s.throughput_rps:.1f} req/s, ttft p50 {s.ttft_p50:.2f} s, tpot p50 {s.tpot_p50 * 1e3:.1f} ms, "
               f"util {s.utilization_mean:.0%}")
-    t0 = time.perf_counter()
-    plan = subprocess.run([sys.executable, "-m", "kvflow.cli.main", "plan", "--model", "opt-66b", "--machine",
-                           "2xA100-80GB", "--machines", "64"], capture_output=True, text=True, check=True)
-    out["plan64_wall_s"] = time.perf_counter() - t0
-    print(f"  planner for 64 machines: {out['plan64_wall_s']:.1f} s (process start included)")
-    print("    " + plan.stdout.strip().splitlines()[-1])
+    for machines in (64, 1000):
+        t0 = time.perf_counter()
+        plan = subprocess.run([sys.executable, "-m", "kvflow.cli.main", "plan", "--model", "opt-66b", "--machine",
+                               "2xA100-80GB", "--machines", str(machines)], capture_output=True, text=True, check=True)
+        out[f"plan{machines}_wall_s"] = time.perf_counter() - t0
+        print(f"  kvflow plan for {machines} machines: {out[f'plan{machines}_wall_s']:.1f} s (process start included)")
+        print("    " + plan.stdout.strip().splitlines()[-1])
     return out
 
 
@@ -322,7 +325,7 @@ def main() -> None:
     ap.add_argument("--ttft-slo", type=float, default=0.4, help="distserve: TTFT SLO (s)")
     ap.add_argument("--tpot-slo", type=float, default=0.04, help="distserve: TPOT SLO (s)")
     ap.add_argument("--trial-requests", type=int, default=400, help="distserve: requests per simulated trial")
-    ap.add_argument("--requests", type=int, default=100_000, help="scale run size")
+    ap.add_argument("--requests", type=int, default=1_000_000, help="scale run size")
     ap.add_argument("--appendix-requests", type=int, default=None, help="override every variant's trace length")
     ap.add_argument("--variants", default="scenario,paper", help=f"Appendix B settings: {','.join(VARIANTS)}")
     ap.add_argument("--scenario", default=None, help="only scenarios whose name contains this")
