@@ -43,7 +43,7 @@ def register(sub) -> None:
     r.add_argument("--drain-timeout", type=number(float, 0), default=30.0,
                    help="seconds in-flight requests may still run on shutdown")
     r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="log level")
+                   help="of the HTTP server's and kvflow's own log lines (stderr)")
     r.set_defaults(func=run_router)
 
 
