@@ -16,10 +16,12 @@ table (`full_table`), later ones only the blocks added. Every step and result ca
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import os
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,9 +228,24 @@ def _mac(secret: bytes, header: bytes, payload) -> bytes:
     return h.digest()
 
 
+@functools.cache
+def _layout(cls: type) -> tuple[tuple[str, int], ...]:
+    """(name, kind) per field of a message class: 0 a plain value, 1 a list of nested messages."""
+    hints = typing.get_type_hints(cls)
+    nested = set(_NESTED.values())
+    return tuple((f.name, int(typing.get_origin(hints[f.name]) is list and typing.get_args(hints[f.name])[0] in nested))
+                 for f in dataclasses.fields(cls))
+
+
+def _to_dict(msg: Any) -> dict[str, Any]:
+    """`dataclasses.asdict` for messages, without its deep copy of every value (msgpack only reads them)."""
+    return {name: [_to_dict(x) for x in v] if kind else v
+            for name, kind, v in ((name, kind, getattr(msg, name)) for name, kind in _layout(type(msg)))}
+
+
 def encode(msg: Any, secret: bytes, tensor: torch.Tensor | None = None) -> list:
     """Frames for a message: [header, mac] or [header, mac, raw tensor bytes]."""
-    head: dict[str, Any] = {"t": type(msg).__name__, "d": dataclasses.asdict(msg)}
+    head: dict[str, Any] = {"t": type(msg).__name__, "d": _to_dict(msg)}
     payload = None
     if tensor is not None:
         t = tensor.detach().contiguous().cpu()
@@ -244,37 +261,59 @@ def encode(msg: Any, secret: bytes, tensor: torch.Tensor | None = None) -> list:
 _PRIMS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), dict: (dict,)}
 
 
-def _check(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
+@functools.cache
+def _checker(tp: Any) -> Callable[[Any, str], Any]:
+    """The check of a value of field type `tp`, built once per type: a list of plain values (token
+    ids, block ids) is accepted in one pass over its element types, not one call per element."""
     if tp in _NESTED.values():
-        if not isinstance(value, dict):
-            raise WireError(f"{where}: expected a mapping")
-        return _build(tp, value, where)
+        def nested(value: Any, where: str) -> Any:
+            if not isinstance(value, dict):
+                raise WireError(f"{where}: expected a mapping")
+            return _build(tp, value, where)
+        return nested
+    origin = typing.get_origin(tp)
     if origin is list:
-        if not isinstance(value, list):
-            raise WireError(f"{where}: expected a list")
         (inner,) = typing.get_args(tp) or (Any,)
-        return [_check(v, inner, f"{where}[]") for v in value]
-    if tp is Any or origin is not None:
-        return value
-    ok = _PRIMS.get(tp)
+        each, plain = _checker(inner), _PRIMS.get(inner)
+
+        def listed(value: Any, where: str) -> Any:
+            if not isinstance(value, list):
+                raise WireError(f"{where}: expected a list")
+            if plain is not None and all(type(v) in plain for v in value):  # (bool is not int here)
+                return value
+            return [each(v, f"{where}[]") for v in value]
+        return listed
+    ok = None if tp is Any or origin is not None else _PRIMS.get(tp)
     if ok is None:
+        return lambda value, where: value
+
+    def prim(value: Any, where: str) -> Any:
+        if type(value) in ok:  # (the common case, bool never passing for int)
+            return value
+        if not isinstance(value, ok) or (tp is not bool and isinstance(value, bool)):
+            raise WireError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
         return value
-    if not isinstance(value, ok) or (tp is not bool and isinstance(value, bool)):
-        raise WireError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-    return value
+    return prim
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Callable[[Any, str], Any]], frozenset[str], frozenset[str]]:
+    """A message class's check per field, field names and required fields, worked out once per class
+    (`typing.get_type_hints` on every message was a quarter of a pipeline worker's busy time)."""
+    fields = dataclasses.fields(cls)
+    required = frozenset(f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    checks = {name: _checker(tp) for name, tp in typing.get_type_hints(cls).items()}
+    return checks, frozenset(f.name for f in fields), required
 
 
 def _build(cls: type, data: dict, where: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    if not set(data) <= names:
+    checks, names, required = _schema(cls)
+    keys = data.keys()
+    if not keys <= names:
         raise WireError(f"{where}: unknown fields {sorted(map(str, set(data) - names))}")
-    required = {f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    if not required <= set(data):
+    if not required <= keys:
         raise WireError(f"{where}: missing fields {sorted(required - set(data))}")
-    return cls(**{k: _check(v, hints[k], f"{where}.{k}") for k, v in data.items()})
+    return cls(**{k: checks[k](v, where + "." + k) for k, v in data.items()})
 
 
 def decode(frames: list, secret: bytes) -> tuple[Any, torch.Tensor | None]:
