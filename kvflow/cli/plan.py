@@ -107,12 +107,17 @@ def _hardware_args(p: argparse.ArgumentParser) -> None:
 
 
 def _perf(args):
-    from kvflow.perf import AnalyticPerfModel, ProfiledPerfModel, machine, model_shape
+    from kvflow.perf.hardware import machine
+    from kvflow.perf.model_shape import model_shape
+
+    if not args.profile:  # an unknown --model or --machine fails before numpy is imported
+        shape, hw = model_shape(args.model), machine(args.machine, args.link_gbps, args.cost_per_hour)
+    from kvflow.perf import AnalyticPerfModel, ProfiledPerfModel
     from kvflow.perf.profiled import Profile
 
     if args.profile:
         return ProfiledPerfModel(Profile.load(args.profile))
-    return AnalyticPerfModel(model_shape(args.model), machine(args.machine, args.link_gbps, args.cost_per_hour))
+    return AnalyticPerfModel(shape, hw)
 
 
 def _workload_spec(args):

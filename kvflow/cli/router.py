@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -48,6 +47,8 @@ def register(sub) -> None:
 
 
 def run_router(args) -> int:
+    import asyncio
+
     from kvflow.api.server import APIConfig
     from kvflow.router.app import serve_router
     from kvflow.router.backend import RouterBackend

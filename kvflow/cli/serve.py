@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import errno
 import os
 import socket
@@ -389,6 +388,8 @@ def run_bench_serve(args) -> int:
     cfg = BenchConfig(url=args.url, rates=rates, dataset=dataset, slo=SLO(args.ttft_slo, args.tpot_slo),
                       max_duration=args.max_duration, model=args.model, progress=not args.no_progress,
                       tokenizer=args.tokenizer)
+    import asyncio
+
     summaries = asyncio.run(run_sweep(cfg))
     print(table(summaries))
     config = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if k == "compare" else v)

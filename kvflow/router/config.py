@@ -8,8 +8,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
-import yaml
-
 from kvflow.router.policies import POLICIES, PolicyConfig
 
 
@@ -51,6 +49,8 @@ class RouterConfig:
     @classmethod
     def from_file(cls, path: Path, **overrides) -> "RouterConfig":
         """The file's fields (`placement` a mapping of `PolicyConfig`'s), then `overrides` that are not None."""
+        import yaml  # (here: the CLI builds its parser from this module and should not wait for yaml)
+
         raw = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping of router settings")
