@@ -298,7 +298,7 @@ def test_deterministic_switch_reaches_the_model(tiny_ckpt_dir):
         eng = LLMEngine.from_config(EngineConfig(model=str(tiny_ckpt_dir), dtype="bfloat16", num_kv_blocks=64,
                                                  block_size=4, deterministic=on))
         assert eng.model.batch_invariant == on
-        assert (eng.model.layers[0].qkv.invariant is not None) == on
+        assert eng.model.layers[0].qkv.batch_invariant == on
     assert EngineConfig().deterministic is False  # off by default: what it costs is in docs/results.md
     with pytest.raises(ValueError, match="deterministic"):
         EngineConfig(deterministic="yes")

@@ -299,15 +299,20 @@ def test_small_row_paths_are_measured_or_overridden(monkeypatch):
     monkeypatch.setattr(linear, "_SMALL", {})
     monkeypatch.delenv("KVFLOW_LINEAR_SMALL_ROWS", raising=False)
     chosen = linear.choose_small_paths(lins)
-    assert set(chosen) == set(range(1, 17)) and set(chosen.values()) <= set(linear.small_paths(torch.float32))
+    assert set(chosen) == set(range(1, linear.SMALL_ROWS[-1] + 1)) and set(chosen.values()) <= set(linear.small_paths(torch.float32))
     assert chosen[5] == chosen[4] and chosen[15] == chosen[12]  # between measured counts: the lower one's
     assert len(linear._SMALL) == 1 and list(linear._SMALL)[0][:2] == (torch.float32, torch.get_num_threads())
     assert linear.choose_small_paths(lins) is chosen  # measured once, then cached
     monkeypatch.setenv("KVFLOW_LINEAR_SMALL_ROWS", "padded")
-    assert linear.choose_small_paths(lins) == dict.fromkeys(range(1, 17), "padded")
+    assert linear.choose_small_paths(lins) == dict.fromkeys(range(1, linear.SMALL_ROWS[-1] + 1), "padded")
     monkeypatch.setenv("KVFLOW_LINEAR_SMALL_ROWS", "fast")
     with pytest.raises(ValueError):
         linear.choose_small_paths(lins)
+    monkeypatch.setenv("KVFLOW_LINEAR_PATHS", "plain,prepacked")  # the candidates, restricted for comparisons
+    assert linear.small_paths(torch.bfloat16) == ("plain", "prepacked")
+    monkeypatch.setenv("KVFLOW_LINEAR_PATHS", "kernel")
+    with pytest.raises(ValueError, match="plain or prepacked"):
+        linear.small_paths(torch.float32)
 
 
 def test_kernel_build_is_shared_by_checkouts_and_survives_a_killed_builder(tmp_path):

@@ -209,7 +209,7 @@ def _cpu_flags() -> str:
 
 
 GRAIN = 32768  # elements; `kGrain` of csrc/elementwise.cpp (a call splits rows over threads only above it)
-DECODE_PATHS = ("kernel", "prepacked", "padded", "plain")  # `decode_layers`' projection paths, by number
+DECODE_PATHS = ("kernel", "prepacked", "padded", "plain", "fixed")  # `decode_layers`' projection paths, by number
 
 
 def enabled() -> bool:
@@ -358,8 +358,9 @@ def decode_layers(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's layers in one call (see `LlamaModel.run_layers`): hidden [T, D], one query token
     per sequence -> (residual stream, last MLP output). Per layer its norms, KV view and the four
-    projections (qkv, o, gate_up, down; plain and prepacked weights, `path` the index in
-    `DECODE_PATHS` of the `Linear` path to take). `invariant`: `packed` holds the `invariant_linear`
+    projections (qkv, o, gate_up, down; plain and prepared weights, `path` the index in
+    `DECODE_PATHS` of the `Linear` path to take; for "fixed", `packed` holds the `invariant_linear`
+    weights). `invariant`: `packed` holds the `invariant_linear`
     weights, which every projection takes (`path` unused), and attention is
     `paged_decode_attention(..., invariant=True)`. Call `available()` first."""
     x, delta = _op.decode_layers(hidden, input_norms, post_norms, weights, packed, path, kv_layers, cos, sin, slots,

@@ -1,5 +1,6 @@
 """A projection prepared once at load (`Linear`): batch-invariant (`pack_invariant`, one kernel for
-every row count), or the fastest path per row count, measured on this machine (`choose_small_paths`)."""
+every row count), or the fastest path per row count up to `SMALL_ROWS[-1]`, measured on this machine
+(`choose_small_paths`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import torch.nn.functional as F
 
 from kvflow.model import cpu_kernels
 
-SMALL_PATHS = ("plain", "prepacked", "padded", "kernel")
+SMALL_PATHS = ("plain", "prepacked", "padded", "kernel", "fixed")
 PADDED_ROWS = 4
-SMALL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts measured at load; 5 uses 4's choice, and so on
+FEW_ROWS = 16  # "padded" and "kernel" are for a few rows: candidates up to this many
+# row counts measured at load; 5 uses 4's choice, and so on; above the last, "prepacked"
+SMALL_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def _triton_invariant():
@@ -34,35 +37,47 @@ class Linear:
 
     Otherwise, on CPU with oneDNN (fp32, bf16) the weight is also reordered into oneDNN's blocked layout and
     applied with its prepacked linear (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's
-    freezing pass emits), faster than F.linear over a model's projections. Up to 16 rows (decoding a
-    few sequences) the step is bound by reading the weights and the fastest path depends on the CPU,
+    freezing pass emits), faster than F.linear over a model's projections. Up to `SMALL_ROWS[-1]`
+    rows (decoding up to that many sequences) the fastest path depends on the CPU and the row count,
     so the model measures it when it loads (`choose_small_paths`) and sets `small[rows]` to one of:
     "plain" (`F.linear` on the plain weight), "prepacked", "padded" (prepacked on the rows padded
-    with zeros to 4: on some CPUs oneDNN runs 4 rows faster than 1-3), or "kernel"
-    (`cpu_kernels.skinny_linear`: each weight row read once for all rows). The measurements are in
-    docs/results.md. The price of prepacking is a second copy of the projection weights in memory
-    (never both read in one step).
+    with zeros to 4: on some CPUs oneDNN runs 4 rows faster than 1-3), "kernel"
+    (`cpu_kernels.skinny_linear`: each weight row read once for all rows; "padded" and "kernel" up
+    to `FEW_ROWS`), or "fixed" (`cpu_kernels.invariant_linear` on the `pack_invariant` weight: AMX
+    tiles or AVX512-BF16 dot products, prepared where the CPU has either; the model frees that copy
+    if no row count chose it). The measurements are in docs/results.md. The price of prepacking is
+    a second copy of the projection weights in memory (a third while "fixed" is chosen; one step
+    reads one of them).
     """
 
     def __init__(self, weight: torch.Tensor, deterministic: bool = False) -> None:
         self.weight = weight.contiguous()
         cpu = weight.device.type == "cpu"
-        self.invariant = pack_invariant(self.weight) if deterministic and cpu and cpu_kernels.available("cpu") else None
+        self.deterministic = deterministic
+        kernels = cpu and cpu_kernels.available("cpu")
+        fixed = kernels and (deterministic or cpu_kernels.invariant_linear_isa(weight.dtype) != "fma")
+        self.invariant = pack_invariant(self.weight) if fixed else None
         self.triton = deterministic and weight.device.type == "cuda" and _triton_invariant().available(weight.device)
         usable = cpu and not deterministic and _prepack_ok(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16) if usable else None
         self.small = {1: "plain", 2: "plain", 3: "prepacked"}
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Every call, whatever its row count, takes `invariant_linear` (deterministic, on CPU with the kernels)."""
+        return self.deterministic and self.invariant is not None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.invariant is not None:
-            return cpu_kernels.invariant_linear(x.contiguous(), self.invariant, self.weight.shape[0])
+        if self.batch_invariant:
+            return self.fixed(x)
         if self.triton:
             return _triton_invariant().linear(x, self.weight)
         return getattr(self, self.path(x.shape[0]))(x)
 
     def path(self, rows: int) -> str:
-        """The path (one of `SMALL_PATHS`) a call with `rows` rows takes: "plain" without a prepacked
-        weight, else the measured choice up to 16 rows and "prepacked" above."""
+        """The path (one of `SMALL_PATHS`) a call with `rows` rows takes (not batch-invariant): "plain"
+        without a prepacked weight, else the measured choice up to `SMALL_ROWS[-1]` rows and
+        "prepacked" above."""
         return "plain" if self.packed is None else self.small.get(rows, "prepacked")
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +92,9 @@ class Linear:
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.skinny_linear(x.contiguous(), self.weight)
+
+    def fixed(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.invariant_linear(x.contiguous(), self.invariant, self.weight.shape[0])
 
 
 def pack_invariant(weight: torch.Tensor) -> torch.Tensor:
@@ -93,20 +111,28 @@ def pack_invariant(weight: torch.Tensor) -> torch.Tensor:
     return w.view(w.shape[0] // 16, 16, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
-_SMALL: dict[tuple[torch.dtype, int, bool], dict[int, str]] = {}
+_SMALL: dict[tuple[torch.dtype, int, tuple[str, ...]], dict[int, str]] = {}
 
 
 def small_paths(dtype: torch.dtype) -> tuple[str, ...]:
     """The paths `choose_small_paths` may pick for weights of `dtype` on CPU: "kernel" only where the
-    CPU kernels are built (and not turned off)."""
+    CPU kernels are built (and not turned off), "fixed" only where `Linear` prepares it too (the
+    kernels built, and `invariant_linear` runs on AMX or AVX512-BF16 in this dtype).
+    `KVFLOW_LINEAR_PATHS` (comma-separated `SMALL_PATHS`) leaves out the others, for comparisons."""
     kernel = cpu_kernels.available("cpu")
-    return tuple(p for p in SMALL_PATHS if p != "kernel" or kernel)
+    fixed = kernel and cpu_kernels.invariant_linear_isa(dtype) != "fma"
+    allowed = os.environ.get("KVFLOW_LINEAR_PATHS")
+    allowed = set(allowed.split(",")) if allowed else set(SMALL_PATHS)
+    if not allowed <= set(SMALL_PATHS) or not allowed & {"plain", "prepacked"}:
+        raise ValueError(f"KVFLOW_LINEAR_PATHS must name some of {SMALL_PATHS}, plain or prepacked among them")
+    return tuple(p for p in SMALL_PATHS if (p != "kernel" or kernel) and (p != "fixed" or fixed) and p in allowed)
 
 
 def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
-    """For every row count 1-16, the fastest of `small_paths` on this machine, timed at `SMALL_ROWS`
-    over `linears` (up to 64 MB of them: a pass reads them from memory, as a decode step does; a
-    row count between two measured ones takes the lower one's choice), the paths interleaved, the
+    """For every row count 1-`SMALL_ROWS[-1]`, the fastest of `small_paths` on this machine ("padded"
+    and "kernel" only up to `FEW_ROWS`), timed at `SMALL_ROWS` over `linears` (up to 64 MB of them:
+    a pass reads them from memory, as a decode step does; a row count between two measured ones takes
+    the lower one's choice), the paths interleaved, the
     best of 4 passes after a warm-up (the minimum: another process on the machine can only make a
     pass slower, and with a median one interrupted pass could flip the choice).
     `KVFLOW_LINEAR_SMALL_ROWS` (one of `SMALL_PATHS`) sets all of them without measuring. Cached per
@@ -124,21 +150,22 @@ def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
         if forced not in paths:
             raise ValueError(f"KVFLOW_LINEAR_SMALL_ROWS must be one of {paths} here, not {forced!r}")
         return dict.fromkeys(range(1, SMALL_ROWS[-1] + 1), forced)
-    key = (packed[0].weight.dtype, torch.get_num_threads(), "kernel" in paths)
+    key = (packed[0].weight.dtype, torch.get_num_threads(), paths)
     if key not in _SMALL:
         measured = {}
         with torch.inference_mode():
             for rows in SMALL_ROWS:
                 xs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1]).to(lin.weight.dtype) for lin in packed}
-                t: dict[str, list[float]] = {p: [] for p in paths}
+                candidates = [p for p in paths if rows <= FEW_ROWS or p not in ("padded", "kernel")]
+                t: dict[str, list[float]] = {p: [] for p in candidates}
                 for rep in range(5):
-                    for path in paths:
+                    for path in candidates:
                         t0 = time.perf_counter()
                         for lin in packed:
                             getattr(lin, path)(xs[lin.weight.shape[1]])
                         if rep:
                             t[path].append(time.perf_counter() - t0)
-                measured[rows] = min(paths, key=lambda p: min(t[p]))
+                measured[rows] = min(candidates, key=lambda p: min(t[p]))
         _SMALL[key] = {n: measured[max(r for r in SMALL_ROWS if r <= n)] for n in range(1, SMALL_ROWS[-1] + 1)}
     return _SMALL[key]
 

@@ -103,6 +103,8 @@ class LlamaModel:
             small = choose_small_paths(linears)
             for lin in linears:
                 lin.small = dict(small)
+                if "fixed" not in small.values():  # the invariant kernel's copy of the weight, unused
+                    lin.invariant = None
         self.scale = cfg.head_dim**-0.5
         device = layers[0].input_norm.device
         # On CPU with a C++ compiler the layer's elementwise passes run as fused kernels (`cpu_kernels`) and
@@ -122,15 +124,18 @@ class LlamaModel:
         projections = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
         # Batch-invariant: every projection on the invariant kernel and attention on the paged kernels
         # (decode rows through the prefill kernel); else the fast paths.
-        self.batch_invariant = (self.paged_kernel and all(lin.invariant is not None for lin in projections)) or (
+        self.batch_invariant = (self.paged_kernel and all(lin.batch_invariant for lin in projections)) or (
             self.triton_norm and all(lin.triton for lin in projections))  # (on CUDA: the Triton kernels)
         prepared = [lin.invariant if self.batch_invariant else lin.packed for lin in projections]
+        none = [lin.weight.new_empty(0) for lin in projections]
         self._decode_weights = (
             [w.input_norm for w in layers],
             [w.post_norm for w in layers],
             [lin.weight for lin in projections],
-            [p if p is not None else lin.weight.new_empty(0) for p, lin in zip(prepared, projections)],
+            [p if p is not None else e for p, e in zip(prepared, none)],
         )
+        # the "fixed" path's weights (invariant_linear's packing), where a row count chose it
+        self._fixed_weights = [lin.invariant if lin.invariant is not None else e for lin, e in zip(projections, none)]
         if cfg.rope_scaling.kind == "default":  # the same float32 arithmetic as transformers
             exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float().to(device) / cfg.head_dim
             self.inv_freq = 1.0 / (cfg.rope_theta**exponent)
@@ -270,8 +275,11 @@ class LlamaModel:
             raise ValueError(f"hidden states {tuple(hidden.shape)} do not match the batch ({batch.num_tokens} tokens)")
         cos, sin = self._rope(batch.positions)
         if hook is None and self._native_decode_ok(hidden, batch, kv):
+            path = self.layers[0].qkv.path(hidden.shape[0])
+            norms_in, norms_post, weights, packed = self._decode_weights
             x, delta = cpu_kernels.decode_layers(
-                hidden, *self._decode_weights, cpu_kernels.DECODE_PATHS.index(self.layers[0].qkv.path(hidden.shape[0])),
+                hidden, norms_in, norms_post, weights, self._fixed_weights if path == "fixed" else packed,
+                cpu_kernels.DECODE_PATHS.index(path),
                 [kv.layer_kv(layer) for layer in range(self.layer_start, self.layer_end)], cos, sin, batch.slot_mapping,
                 batch.decode_block_table, batch.decode_context_lens, self.cfg.rms_norm_eps, self.scale,
                 self.cfg.num_heads, self.cfg.num_kv_heads, self.batch_invariant,

@@ -4,8 +4,9 @@
 // op. Run from Python, the ~25 calls per layer left the OpenMP workers waiting for the next op for
 // much of a decode step (docs/model.md). Projections take the path the model chose for this row count:
 // 0 skinny_linear on the plain weight, 1 oneDNN's prepacked linear, 2 the same on rows padded to 4,
-// 3 at::linear on the plain weight; a batch-invariant model (`invariant`) takes invariant_linear on
-// its packed weights and attends through paged_decode_invariant instead.
+// 3 at::linear on the plain weight, 4 invariant_linear on the weights packed for it; a batch-invariant
+// model (`invariant`) takes invariant_linear on its packed weights and attends through
+// paged_decode_invariant instead.
 #include "kernel_utils.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -16,7 +17,7 @@
 #include <string>
 
 static at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed, int64_t path, bool invariant) {
-  if (invariant) return invariant_linear(x, packed, w.size(0));
+  if (invariant || path == 4) return invariant_linear(x, packed, w.size(0));
   if (path == 0) return skinny_linear(x, w);
   if (path == 3) return at::linear(x, w);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
