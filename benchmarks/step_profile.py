@@ -27,7 +27,6 @@ results/step_profile.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -39,6 +38,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 
 from kvflow.model.linear import SMALL_PATHS, SMALL_ROWS
 
@@ -180,15 +181,15 @@ def breakdown(samples: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype (default bfloat16)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64], help="decode batch sizes (default 16 32 64)")
-    ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each decoding request (default 256)")
-    ap.add_argument("--prefill-len", type=int, default=1024, help="tokens of the prefill step's prompt (default 1024)")
-    ap.add_argument("--temperature", type=float, default=1.0, help="decode sampling temperature (default 1.0)")
-    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per repeat (default 8)")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per workload (default 3)")
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64], help="decode batch sizes")
+    ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each decoding request")
+    ap.add_argument("--prefill-len", type=int, default=1024, help="tokens of the prefill step's prompt")
+    ap.add_argument("--temperature", type=float, default=1.0, help="decode sampling temperature")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per repeat")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per workload")
     args = ap.parse_args()
     from kvflow.model import cpu_kernels
 

@@ -117,6 +117,7 @@ class Controller:
             self.workers.handshake(set(self.stages), self.epoch, None)
         except StartError as e:
             self.workers.kill_all()
+            self.shutdown_blocking()  # sockets and the replica store closed: nothing left to hold up an exit
             raise RuntimeError(str(e)) from None
         self.workers.wire(self.token, self.store.addresses if self.store else {})
         now = time.monotonic()
