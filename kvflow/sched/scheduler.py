@@ -16,63 +16,11 @@ import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvflow.kv.manager import KVCacheManager, PrefixHit, blocks_for
-from kvflow.kv.tiers import TierPlan
 from kvflow.sched.config import POLICIES, ROLES, SchedulerConfig  # noqa: F401  (re-exported)
+from kvflow.sched.output import ScheduledSeq, SchedulerOutput  # noqa: F401  (re-exported)
 from kvflow.sched.request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """`num_new_tokens` tokens of `request`, starting at `start` (its computed count when scheduled).
-    `new_block_ids`: blocks this batch added to its table; `full_table`: they are the whole table, which
-    replaces an executor's copy of it (first batch since admission, a preemption or a rewind)."""
-
-    request: Request
-    num_new_tokens: int
-    start: int
-    new_block_ids: tuple[int, ...] = ()
-    full_table: bool = False
-    device_block_ids: tuple[int, ...] = ()  # swapping: where its table's blocks sit in the batch's device region
-
-    @property
-    def completes_prompt(self) -> bool:
-        """After this batch the request's KV covers all its tokens, so a next token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One batch. `freed`: requests whose blocks were released since the previous batch (finished,
-    aborted or preempted): an executor that mirrors block tables drops them before running it.
-    `tiers`: the copies between KV tiers the executor performs before the batch's forward (it may
-    carry copies with no sequences: an executor runs such an output too)."""
-
-    batch_id: int
-    seqs: list[ScheduledSeq]
-    preempted: list[Request] = field(default_factory=list)
-    freed: list[str] = field(default_factory=list)
-    tiers: TierPlan = field(default_factory=TierPlan)
-    swap_region: int = -1  # swapping: the device region the batch computes in (-1: no swapping)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The ids of the tokens the batch computes, sequence after sequence (a forward pass's input)."""
-        return [t for s in self.seqs for t in s.request.token_ids[s.start:s.end]]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
 
 
 class Scheduler:
