@@ -28,6 +28,11 @@ others are measured, all interleaved in the same run; ratios are then against th
 
     python benchmarks/serving.py --no-vllm --variants "old=--max-num-batched-tokens 320 --prefill-chunk-size 256;new="
 
+A variant named NAME@DIR runs the kvflow of another checkout (`git worktree add DIR COMMIT`), to compare
+two commits the same way:
+
+    python benchmarks/serving.py --no-vllm --variants "old@/tmp/wt-old=--mode colocated --depth 2;new=--mode colocated --depth 2"
+
 Writes results/serving[-TAG].json and .png. Every server started is stopped on the way out, whatever
 ends the run (an error, Ctrl-C, SIGTERM).
 """
@@ -60,9 +65,13 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionH
 class Server:
     """A server in its own process group, so it can be paused and stopped as a whole."""
 
-    def __init__(self, name: str, url: str, cmd: list[str], log: Path) -> None:
+    def __init__(self, name: str, url: str, cmd: list[str], log: Path, tree: str | None = None) -> None:
         self.name, self.url, self.log = name, url, log
-        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        env = None
+        if tree is not None:  # another checkout's kvflow (an older commit), run with this venv
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tree, os.environ.get("PYTHONPATH"))))}
+        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                                     cwd=tree, env=env)
         self.pgid = os.getpgid(self.proc.pid)
         self.model: str | None = None  # the id its /v1/models lists
 
@@ -105,16 +114,21 @@ class Server:
             self.signal(signal.SIGKILL)
 
 
-def variants(args) -> list[tuple[str, str]]:
-    """(name, extra `kvflow serve` flags) of each kvflow server: --variants, or one "kvflow" with --kvflow-args."""
+def variants(args) -> list[tuple[str, str, str | None]]:
+    """(name, extra `kvflow serve` flags, checkout or None) of each kvflow server: --variants, or one
+    "kvflow" with --kvflow-args. `NAME@DIR=FLAGS` runs the kvflow of the checkout DIR (e.g. a
+    `git worktree` of an older commit) with this Python, to compare code versions interleaved."""
     if not args.variants:
-        return [("kvflow", args.kvflow_args)]
+        return [("kvflow", args.kvflow_args, None)]
     out = []
     for item in filter(None, (v.strip() for v in args.variants.split(";"))):
         name, sep, extra = item.partition("=")
-        if not sep or not name.strip() or name.strip() == "vllm":
-            raise SystemExit(f"--variants items are NAME=FLAGS (NAME not 'vllm'), got {item!r}")
-        out.append((name.strip(), f"{args.kvflow_args} {extra}".strip()))
+        name, _, tree = (part.strip() for part in name.partition("@"))
+        if not sep or not name or name == "vllm":
+            raise SystemExit(f"--variants items are NAME[@DIR]=FLAGS (NAME not 'vllm'), got {item!r}")
+        if tree and not (Path(tree) / "kvflow" / "__init__.py").is_file():
+            raise SystemExit(f"--variants {name}@{tree}: no kvflow package in {tree}")
+        out.append((name, f"{args.kvflow_args} {extra}".strip(), str(Path(tree).resolve()) if tree else None))
     return out
 
 
@@ -129,12 +143,12 @@ def start_servers(args, servers: dict[str, Server], peer: Path | None) -> None:
     caller's cleanup stops whatever did start if a later one fails."""
     from kvflow.model.loader import load_config
 
-    for name, extra in variants(args):
+    for name, extra, tree in variants(args):
         port = free_port()
         kv_cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port), *shlex.split(extra)]
         for s in servers.values():
             s.signal(signal.SIGSTOP)  # an idle server must not slow the next one's start-up measurements
-        servers[name] = Server(name, f"http://127.0.0.1:{port}", kv_cmd, RESULTS / f"serving-{name}.log")
+        servers[name] = Server(name, f"http://127.0.0.1:{port}", kv_cmd, RESULTS / f"serving-{name}.log", tree)
         print(f"{name}: {' '.join(kv_cmd[1:])} ... ready in {servers[name].wait_ready(900):.0f} s", flush=True)
     if peer is not None:
         model_dir = load_config(None)[1]  # kvflow's converted copy of the default model: the same weights
@@ -331,7 +345,7 @@ def report(args, names: list[str], rates: list[float], temps: list[float], clien
                     table.append(row)
                     print(f"{client:>6} {temp:>4g} {rate:>5g} {name:>8} | " + " | ".join(cells))
     print("(median, ± half the spread, ratio against the reference; throughput wants >= x1.00, TTFT and TPOT <= x1.00)")
-    doc = {"config": vars(args), "variants": dict(variants(args)), "reference": ref, "table": table, "runs": runs}
+    doc = {"config": vars(args), "variants": {n: {"flags": f, "tree": t} for n, f, t in variants(args)}, "reference": ref, "table": table, "runs": runs}
     (RESULTS / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     plot(table, names, clients, temps, rates, RESULTS / f"{stem}.png")
     print(f"wrote {RESULTS / stem}.json and .png")
