@@ -156,6 +156,9 @@ def register(sub) -> None:
     bs.add_argument("--length-scale", type=number(float, 0, low_open=True), default=1.0, help="multiply trace prompt lengths")
     bs.add_argument("--trace-arrivals", action="store_true", help="replay the trace's timing, stretched to each rate")
     bs.add_argument("--seed", type=int, default=0, help="seed of the arrivals and lengths")
+    bs.add_argument("--temperature", type=number(float, 0, high=100), default=0.0,
+                    help="sampling temperature sent with every request (0: greedy; vLLM's `bench serve` sends none, "
+                         "which servers read as 1.0)")
     bs.add_argument("--ttft-slo", type=number(float, 0, low_open=True), default=None,
                     help="seconds; goodput counts requests meeting it (default: no SLO)")
     bs.add_argument("--tpot-slo", type=number(float, 0, low_open=True), default=None,
@@ -387,7 +390,7 @@ def run_bench_serve(args) -> int:
                           length_scale=args.length_scale, trace_arrivals=args.trace_arrivals, seed=args.seed)
     cfg = BenchConfig(url=args.url, rates=rates, dataset=dataset, slo=SLO(args.ttft_slo, args.tpot_slo),
                       max_duration=args.max_duration, model=args.model, progress=not args.no_progress,
-                      tokenizer=args.tokenizer)
+                      tokenizer=args.tokenizer, temperature=args.temperature)
     import asyncio
 
     summaries = asyncio.run(run_sweep(cfg))

@@ -88,9 +88,10 @@ def test_bench_serve_against_real_server(tiny_ckpt_dir, tmp_path, capsys):
     with BackgroundServer(tiny_backend(tiny_ckpt_dir)) as srv:
         assert main(["bench", "serve", "--url", srv.url, "--rates", "8", "--num-requests", "3", "--prompt-len", "12",
                      "--output-dist", "constant:5", "--label", "other", "--compare", str(tmp_path / "bench.json"),
-                     "--out", str(tmp_path / "other"), "--no-progress"]) == 0
+                     "--temperature", "1", "--out", str(tmp_path / "other"), "--no-progress"]) == 0
     other = json.loads((tmp_path / "other.json").read_text())
     assert other["config"]["compare"] == [str(tmp_path / "bench.json")]
+    assert other["config"]["temperature"] == 1.0 and doc["config"]["temperature"] == 0.0
     assert [r["output_len"] for r in other["runs"][0]["requests"]] == [5, 5, 5]
     assert (tmp_path / "other.png").stat().st_size > 1000
 
@@ -101,4 +102,5 @@ def test_bench_rejects_remote_targets_and_bad_flags(capsys):
     assert main(["bench", "serve", "--rates", "1,x"]) == 2
     assert main(["bench", "serve", "--rates", "0"]) == 2
     assert main(["bench", "serve", "--output-dist", "zipf"]) == 2
+    assert main(["bench", "serve", "--temperature", "-1"]) == 2
     assert "--output-dist" in capsys.readouterr().err
