@@ -2,7 +2,8 @@
 
     python benchmarks/sampling.py [--baseline 62f60f5] [--batches 1 16 64] [--repeats 3] [--threads 2] [--clock wall]
 
-The baseline is `kvflow/sched/sampling.py` as it was at `--baseline` (read with `git show`, loaded as a
+The baseline is the sampler as it was at `--baseline` (`kvflow/sched/sampler.py`, or `sampling.py` before
+the sampler had its own module; read with `git show`, loaded as a
 module of its own: the code that ran then, not a copy kept in the tree; default: the per-request
 sampler). Both sample the same `Request` objects from the same logits [batch, V] (V: SmolLM2's
 vocabulary, 49,152; random logits of the spread a model's have), through `sample_requests`, the one
@@ -35,9 +36,14 @@ VOCAB = 49_152
 
 
 def load_baseline(rev: str):
-    """`kvflow/sched/sampling.py` at git revision `rev`, as a module."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:kvflow/sched/sampling.py"], check=True,
-                         capture_output=True, text=True).stdout
+    """The sampler's module at git revision `rev` (`sampler.py`, else `sampling.py`), as a module."""
+    show = lambda name: subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:kvflow/sched/{name}"],  # noqa: E731
+                                       capture_output=True, text=True)
+    got = show("sampler.py")
+    if got.returncode != 0:
+        got = show("sampling.py")
+        got.check_returncode()
+    src = got.stdout
     path = Path(tempfile.mkdtemp()) / "sampling_baseline.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("sampling_baseline", path)
@@ -79,13 +85,13 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall: perf_counter; cpu: process_time")
     args = ap.parse_args()
 
-    from kvflow.sched import sampling
+    from kvflow.sched import sampler
     from kvflow.sched.request import Request
 
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     old = load_baseline(args.baseline)
-    samplers = {"old": old.sample_requests, "new": sampling.sample_requests}
+    samplers = {"old": old.sample_requests, "new": sampler.sample_requests}
     g = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {}
     for rep in range(args.repeats):

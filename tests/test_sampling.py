@@ -10,7 +10,8 @@ import torch
 
 from kvflow.sched.admission import InvalidRequest
 from kvflow.sched.request import Request
-from kvflow.sched.sampling import TOP_P_CANDIDATES, SamplingParams, sample_requests
+from kvflow.sched.sampler import TOP_P_CANDIDATES, sample_requests
+from kvflow.sched.sampling import SamplingParams
 
 EOS = 2
 

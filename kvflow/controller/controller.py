@@ -42,7 +42,8 @@ from kvflow.model.loader import load_config
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvflow.sched.executor import KVStream, PipelineExecutor
 from kvflow.sched.request import Request, RequestOutput
-from kvflow.sched.sampling import SamplingParams, sample_requests
+from kvflow.sched.sampler import sample_requests
+from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.admission import Limits, validate
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
 from kvflow.serving.backend import BackendStats, BackendUnavailable, drain

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.sched.sampling import sample_requests
+from kvflow.sched.sampler import sample_requests
 from kvflow.sched.scheduler import SchedulerOutput
 from kvflow.kv.cache import KVCache
 from kvflow.streaming.tier_store import TierStore

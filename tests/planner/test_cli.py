@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -35,6 +37,20 @@ def test_simulate_and_plan_commands(tmp_path, capsys):
     doc = json.loads(plan_json.read_text())
     assert set(doc["best"]) <= {"baseline", "baseline-dp", "disaggregated"}
     assert main(["simulate", "--layout", "bogus"]) == 2  # bad input: clear error, exit code 2
+
+
+def test_plan_and_simulate_import_no_torch(tmp_path):
+    """The planner and the simulator need `SamplingParams`, never the model stack: `kvflow plan` (in worker
+    processes too) and `kvflow simulate` run in a fresh interpreter without importing torch."""
+    code = ("import sys\n"
+            "from kvflow.cli.main import main\n"
+            "assert main(['plan', '--model', 'opt-66b', '--machine', '2xA100-80GB', '--machines', '4', '--jobs', '2',\n"
+            "             '--microbatches', '8,16', '--requests', '64']) == 0\n"
+            f"assert main(['simulate', '--layout', '2p8b,2p8b', '--requests', '32', '--out', {str(tmp_path / 'sim')!r}]) == 0\n"
+            "heavy = [m for m in ('torch', 'kvflow.model.llama', 'kvflow.engine') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_simulate_takes_measured_recovery_costs(tmp_path):
