@@ -15,12 +15,12 @@ Writes a table, `disaggregation.json` and `disaggregation.png` under --out.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 
+from kvflow.bench.report import write_results
 from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 from kvflow.controller.controller import Controller
 from kvflow.config import ClusterConfig, EngineConfig
@@ -141,25 +141,19 @@ def main() -> None:
     for rate, v in res["rates"].items():
         print(f"{rate:>6.2f} " + " ".join(f"{v[n]['median_norm_latency']:>18.3f}" for n in LAYOUTS))
     print("max rate with median normalized latency <= %.2f s/token: %s" % (args.bound, ", ".join(f"{n} {r} req/s" for n, r in sustained.items())))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "disaggregation.json").write_text(json.dumps(res, indent=2, default=str))
-    from kvflow.plotting import pyplot
 
-    plt = pyplot()
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in LAYOUTS:
+            ax.plot(list(res["rates"]), [v[name]["median_norm_latency"] for v in res["rates"].values()], "o-", label=name)
+        ax.axhline(args.bound, color="gray", ls="--", lw=0.8)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("median normalized latency (s/token)")
+        ax.set_title(f"SmolLM2-135M, 2 workers, prompt {args.prompt_len}, Y/t={res['ratio']['Y_over_t']:.1f}")
+        ax.legend()
+        return fig
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in LAYOUTS:
-        ax.plot(list(res["rates"]), [v[name]["median_norm_latency"] for v in res["rates"].values()], "o-", label=name)
-    ax.axhline(args.bound, color="gray", ls="--", lw=0.8)
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("median normalized latency (s/token)")
-    ax.set_title(f"SmolLM2-135M, 2 workers, prompt {args.prompt_len}, Y/t={res['ratio']['Y_over_t']:.1f}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "disaggregation.png", dpi=120)
-    print(f"wrote {out}/disaggregation.json and .png")
-
+    write_results(Path(args.out) / "disaggregation", res, draw)
 
 if __name__ == "__main__":
     main()

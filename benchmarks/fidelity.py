@@ -42,13 +42,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from kvflow.bench.report import write_results
 from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 from kvflow.perf import ProfiledPerfModel
 from kvflow.perf.calibrate import (GRID_BATCHES, GRID_CONTEXTS, GRID_PROMPTS, calibrate, calibrate_engine, calibrated_profile,
@@ -271,24 +271,16 @@ def main() -> None:
                   f"{sp['tpot_p50_s']:.1%} of their median (throughput / TTFT / TPOT, {args.repeats} replays)")
     worst = max(abs(e) for r in rows.values() for e in r["error"].values())
     print(f"worst |error| {worst:.1%} (target < 10%); total {time.perf_counter() - t_start:.0f} s")
-    out = ROOT / "results"
-    out.mkdir(exist_ok=True)
     doc = {"profile": str(args.profile), "calibrations": len(calibrations), "engine_windows": len(calibrations) + len(windows),
            "passes": args.passes, "profile_grid": {"batches": GRID_BATCHES, "prompts": GRID_PROMPTS,
                                                           "contexts": GRID_CONTEXTS},
            "workload": {"requests": w.n, "rate": args.rate, "seed": args.seed, "trace": TRACE.name, "repeats": args.repeats,
                         "scaling": "prompt // 16 clipped [8, 160]; output // 8 clipped [4, 40]"},
            "layouts": rows, "worst_abs_error": worst}
-    (out / "fidelity.json").write_text(json.dumps(doc, indent=1))
-    plot(rows, out / "fidelity.png")
-    print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}")
+    write_results(ROOT / "results" / "fidelity", doc, lambda plt: figure(plt, rows))
 
 
-def plot(rows: dict, path: Path) -> None:
-    from kvflow.plotting import pyplot
-
-    plt = pyplot()
-
+def figure(plt, rows: dict):
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     keys = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s")
     x = np.arange(len(keys))
@@ -302,10 +294,7 @@ def plot(rows: dict, path: Path) -> None:
     axes[0].legend(fontsize=8)
     axes[1].set(xlabel="TTFT (s)", ylabel="CDF", title="TTFT: real vs simulated")
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
+    return fig
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,6 @@ Prints medians and the Ray / subprocess ratios; writes results/launchers.json an
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
@@ -28,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvflow.bench.report import write_results
 from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,26 +148,22 @@ def main() -> int:
         print(f"{r['layout']:12s} {r['subprocess_startup_s']:11.1f} / {r['ray_startup_s']:<10.1f} {r['startup_ratio']:6.2f} "
               f"{r['subprocess_tokens_per_s']:9.1f} / {r['ray_tokens_per_s']:<8.1f} {r['tokens_per_s_ratio']:6.2f} {r['same_tokens']}")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"ray_version": ray.__version__, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
             "ray_cluster_startup_s": ray_start, **{k: v for k, v in vars(args).items() if k != "out"}}
-    args.out.with_suffix(".json").write_text(json.dumps({"config": meta, "summary": summary, "runs": runs}, indent=1))
-    from kvflow.plotting import pyplot
 
-    plt = pyplot()
+    def draw(plt):
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        xs = range(len(summary))
+        for ax, key, label in ((axes[0], "startup_s", "start-up until /health (s)"), (axes[1], "tokens_per_s", "tokens/s")):
+            for j, launcher in enumerate(LAUNCHERS):
+                ax.bar([x + 0.4 * j for x in xs], [r[f"{launcher}_{key}"] for r in summary], 0.4, label=launcher)
+            ax.set_xticks([x + 0.2 for x in xs], [r["layout"] for r in summary])
+            ax.set_ylabel(label)
+        axes[0].legend()
+        fig.suptitle("kvflow serve: subprocess vs Ray launcher (one machine, medians)")
+        return fig
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    xs = range(len(summary))
-    for ax, key, label in ((axes[0], "startup_s", "start-up until /health (s)"), (axes[1], "tokens_per_s", "tokens/s")):
-        for j, launcher in enumerate(LAUNCHERS):
-            ax.bar([x + 0.4 * j for x in xs], [r[f"{launcher}_{key}"] for r in summary], 0.4, label=launcher)
-        ax.set_xticks([x + 0.2 for x in xs], [r["layout"] for r in summary])
-        ax.set_ylabel(label)
-    axes[0].legend()
-    fig.suptitle("kvflow serve: subprocess vs Ray launcher (one machine, medians)")
-    fig.tight_layout()
-    fig.savefig(args.out.with_suffix(".png"), dpi=120)
-    print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+    write_results(args.out, {"config": meta, "summary": summary, "runs": runs}, draw)
     return 0 if all(r["same_tokens"] for r in summary) else 1
 
 

@@ -26,13 +26,13 @@ Writes results/prefix_cache.json and results/prefix_cache.png.
 from __future__ import annotations
 
 import csv
-import json
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
+from kvflow.bench.report import write_results
 from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,42 +162,33 @@ def main() -> None:
     ratio.update({f"ttft_p50_{v}_over_off": med[v]["ttft_p50_s"] / med["off"]["ttft_p50_s"] for v in VARIANTS[1:]})
     print(f"outputs token-identical across variants: {same}")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     for r in runs:
         r.pop("tokens")
-    doc = {"config": config, "prompt_tokens": prompt_tokens, "runs": runs, "median": med,
+    doc = {"config": vars(args), "prompt_tokens": prompt_tokens, "runs": runs, "median": med,
            "ratios": ratio, "token_identical": same, "tiers": ["device", "host", "disk"]}
-    jpath = args.out.with_suffix(".json")
-    jpath.write_text(json.dumps(doc, indent=2))
 
-    from kvflow.plotting import pyplot
+    def draw(plt):
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        colors = {"off": "tab:gray", "device": "tab:green", "device+host": "tab:blue", "device+host+disk": "tab:purple"}
+        for ax, key, label in zip(axes[:2], ("req_per_s", "ttft_p50_s"), ("requests/s", "median TTFT (s)")):
+            for x, v in enumerate(VARIANTS):
+                vals = [r[key] for r in runs if r["variant"] == v]
+                ax.bar(x, med[v][key], color=colors[v])
+                ax.scatter([x] * len(vals), vals, color="k", s=10, zorder=3)
+            ax.set_xticks(range(len(VARIANTS)), VARIANTS, rotation=15)
+            ax.set_title(label)
+        bottom = np.zeros(len(VARIANTS))
+        for t, c in (("device", "tab:green"), ("host", "tab:blue"), ("disk", "tab:purple")):
+            vals = np.array([med[v][f"hit_rate_{t}"] for v in VARIANTS])
+            axes[2].bar(range(len(VARIANTS)), vals, bottom=bottom, color=c, label=t)
+            bottom += vals
+        axes[2].set_xticks(range(len(VARIANTS)), VARIANTS, rotation=15)
+        axes[2].set_title("hit rate per tier")
+        axes[2].legend()
+        fig.suptitle(f"prefix caching tiers, SmolLM2-135M ({args.dtype}), {args.requests} requests over {args.systems} system prompts")
+        return fig
 
-    plt = pyplot()
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    colors = {"off": "tab:gray", "device": "tab:green", "device+host": "tab:blue", "device+host+disk": "tab:purple"}
-    for ax, key, label in zip(axes[:2], ("req_per_s", "ttft_p50_s"), ("requests/s", "median TTFT (s)")):
-        for x, v in enumerate(VARIANTS):
-            vals = [r[key] for r in runs if r["variant"] == v]
-            ax.bar(x, med[v][key], color=colors[v])
-            ax.scatter([x] * len(vals), vals, color="k", s=10, zorder=3)
-        ax.set_xticks(range(len(VARIANTS)), VARIANTS, rotation=15)
-        ax.set_title(label)
-    bottom = np.zeros(len(VARIANTS))
-    for t, c in (("device", "tab:green"), ("host", "tab:blue"), ("disk", "tab:purple")):
-        vals = np.array([med[v][f"hit_rate_{t}"] for v in VARIANTS])
-        axes[2].bar(range(len(VARIANTS)), vals, bottom=bottom, color=c, label=t)
-        bottom += vals
-    axes[2].set_xticks(range(len(VARIANTS)), VARIANTS, rotation=15)
-    axes[2].set_title("hit rate per tier")
-    axes[2].legend()
-    fig.suptitle(f"prefix caching tiers, SmolLM2-135M ({args.dtype}), {args.requests} requests over {args.systems} system prompts")
-    fig.tight_layout()
-    ppath = args.out.with_suffix(".png")
-    fig.savefig(ppath, dpi=120)
-    print(f"wrote {jpath} and {ppath}")
-
+    write_results(args.out, doc, draw)
 
 if __name__ == "__main__":
     main()

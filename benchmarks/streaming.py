@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
 import time
 from pathlib import Path
 
+from kvflow.bench.report import write_results
 from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -175,17 +175,10 @@ def main() -> None:
         d = res["variants"][v]
         print(f"{v:<10}{d['busy_median_s'] * 1e3:>15.1f}{d['slowdown_pct']:>14.1f}%{d['wall_median_s'] * 1e3:>15.1f}"
               f"{res['kv_bytes_sent'][v] / 1e6:>14.1f}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "streaming.json").write_text(json.dumps(res, indent=2))
-    plot(res, RESULTS / "streaming.png")
-    print(f"wrote {RESULTS / 'streaming.json'} and streaming.png")
+    write_results(RESULTS / "streaming", res, lambda plt: figure(plt, res))
 
 
-def plot(res: dict, path: Path) -> None:
-    from kvflow.plotting import pyplot
-
-    plt = pyplot()
-
+def figure(plt, res: dict):
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     names = VARIANTS
     ax[0].boxplot([[b * 1e3 for b in res["variants"][v]["busy_s"]] for v in names], tick_labels=names)
@@ -196,9 +189,7 @@ def plot(res: dict, path: Path) -> None:
     ax[1].set_ylabel("slowdown vs streaming off (%)")
     ax[1].set_title("median slowdown")
     ax[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
+    return fig
 
 if __name__ == "__main__":
     main()

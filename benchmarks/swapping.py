@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
+from kvflow.bench.report import write_results
 from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -175,38 +175,30 @@ def main() -> None:
     print(f"simulator swap model at the measured bandwidth: {sim_swap * 1e3:.2f} ms per microbatch swap-in per stage")
     print(f"outputs token-identical across variants and rounds: {same}")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for r in rounds:
         r.pop("tokens")
-    doc = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "microbatch": mbs,
+    doc = {"config": vars(args), "microbatch": mbs,
            "rounds": rounds, "median_output_tok_per_s": med, "throughput_ratio": statistics.median(ratios),
            "ratio_per_round": ratios, "swap_in_s": swap_s, "swap_wait_s": wait_s, "hidden_fraction": hidden,
            "swap_in_bytes": swap_bytes, "write_back_bytes": back_bytes, "measured_swap_bandwidth_Bps": bandwidth,
            "simulator_swap_in_s_per_step": sim_swap, "token_identical": same}
-    jpath = args.out.with_suffix(".json")
-    jpath.write_text(json.dumps(doc, indent=2))
 
-    from kvflow.plotting import pyplot
+    def draw(plt):
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+        for x, v in enumerate(VARIANTS):
+            vals = [r["output_tok_per_s"] for r in rounds if r["variant"] == v]
+            axes[0].bar(x, med[v], color="tab:gray" if x == 0 else "tab:blue")
+            axes[0].scatter([x] * len(vals), vals, color="k", s=10, zorder=3)
+        axes[0].set_xticks([0, 1], [f"{v}\n(microbatch {mbs[v]})" for v in VARIANTS])
+        axes[0].set_title(f"output tokens/s (x{statistics.median(ratios):.2f})")
+        axes[1].bar([0, 1], [swap_s, wait_s], color=["tab:blue", "tab:red"])
+        axes[1].set_xticks([0, 1], ["swap-in (background)", "compute waited"])
+        axes[1].set_title(f"swap time, {hidden:.0%} hidden")
+        axes[1].set_ylabel("seconds (all stages, all rounds)")
+        fig.suptitle(f"microbatch swapping, depth {args.depth}, {args.device_blocks} device blocks per stage")
+        return fig
 
-    plt = pyplot()
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    for x, v in enumerate(VARIANTS):
-        vals = [r["output_tok_per_s"] for r in rounds if r["variant"] == v]
-        axes[0].bar(x, med[v], color="tab:gray" if x == 0 else "tab:blue")
-        axes[0].scatter([x] * len(vals), vals, color="k", s=10, zorder=3)
-    axes[0].set_xticks([0, 1], [f"{v}\n(microbatch {mbs[v]})" for v in VARIANTS])
-    axes[0].set_title(f"output tokens/s (x{statistics.median(ratios):.2f})")
-    axes[1].bar([0, 1], [swap_s, wait_s], color=["tab:blue", "tab:red"])
-    axes[1].set_xticks([0, 1], ["swap-in (background)", "compute waited"])
-    axes[1].set_title(f"swap time, {hidden:.0%} hidden")
-    axes[1].set_ylabel("seconds (all stages, all rounds)")
-    fig.suptitle(f"microbatch swapping, depth {args.depth}, {args.device_blocks} device blocks per stage")
-    fig.tight_layout()
-    ppath = args.out.with_suffix(".png")
-    fig.savefig(ppath, dpi=120)
-    print(f"wrote {jpath} and {ppath}")
-
+    write_results(args.out, doc, draw)
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""Summaries of a load-generator run: throughput, TTFT/TPOT/normalized-latency percentiles, goodput; table, JSON, PNG."""
+"""Summaries of a load-generator run: throughput, TTFT/TPOT/normalized-latency percentiles, goodput; table, JSON, PNG;
+and where every benchmark writes its results (`write_results`)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,26 @@ def save(summaries: list[dict], config: dict, out: Path, bound: float | None, co
     jpath.write_text(json.dumps(doc, indent=1))
     plot(series, ppath, bound)
     return jpath, ppath
+
+
+def write_results(stem: Path, doc: dict, draw=None) -> list[Path]:
+    """A benchmark's outputs: `stem`.json (`doc`; paths and other values JSON lacks as text), then, given
+    `draw` (pyplot -> a figure), `stem`.png of its figure (laid out, 120 dpi, closed). The JSON comes
+    first: a plot that fails (no matplotlib) loses no measurement. Prints and returns the paths."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_suffix(".json")]
+    paths[0].write_text(json.dumps(doc, indent=1, default=str))
+    if draw is not None:
+        from kvflow.plotting import pyplot
+
+        plt = pyplot()
+        fig = draw(plt)
+        paths.append(stem.with_suffix(".png"))
+        fig.tight_layout()
+        fig.savefig(paths[1], dpi=120)
+        plt.close(fig)
+    print("wrote " + " and ".join(map(str, paths)))
+    return paths
 
 
 def plot(series: dict[str, list[dict]], path: Path, bound: float | None) -> None:
