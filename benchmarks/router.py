@@ -10,19 +10,39 @@ was split) and one `kvflow router` process per policy, all on free ports; client
    `--suffix-len`-token user part, shuffled; `--concurrency` requests in flight; `--max-tokens` greedy tokens):
    TTFT p50 / p90 and makespan per policy; each run draws fresh prefixes, so no run finds another's in a cache;
    policies rotate over `--reps` repetitions.
-2. Overhead: `--overhead-requests` pairs of requests of `--overhead-prompt` tokens (each prompt new), one at a time,
-   one through a router over one instance and one straight to that instance (alternating which goes first): TTFT p50
-   of each, their difference, the median of the pairs' differences, and the router process's CPU time per request
-   (user + system, from /proc: what the router costs whatever the machine's load does to latencies).
+2. Overhead: `--overhead-requests` rounds of one request of `--overhead-prompt` tokens (each prompt new, 2 output
+   tokens) straight to an instance, one through a router over that instance, and with `--overhead-baseline` one
+   through the router of another source tree (an earlier commit), one at a time, rotating which goes first: TTFT
+   p50 of each, what a router adds to the direct p50, the median of the paired differences, and each router
+   process's CPU time per request (user + system, from /proc: what it costs whatever the machine's load does to
+   latencies; its health checks included).
 3. Decode imbalance: `--imbalance-requests` rows drawn from the Azure conversation trace (`--trace`), prompts of
    the row's length clipped to `--max-prompt`, outputs of the row's length / `--output-scale` (at least 2), all sent
    at once through a least-load and a length-aware router over the same instances (rotated, `--reps`); decode load
    of an instance = the tokens it generated in the run (its `kvflow_generation_tokens_total`); reported: max / mean
-   over the instances. The length model sees the prompt as sent (a clipped one in a shorter bucket than its row's).
+   over the instances. The length model sees the prompt as sent (a clipped one in a shorter bucket than its row's)
+   and the request's `max_tokens` (here its exact output length: the requests ignore EOS). Beside each run, the
+   simulated cluster's placement of the same requests; then the simulated cluster alone over
+   `--imbalance-sim-draws` draws of this many requests and of 4x and 16x as many (median max / mean of each).
 4. Kill: `--kill-requests` requests at once through a least-load router over two instances; once `--kill-after`
    tokens have streamed in all, the instance with the most requests open is SIGKILLed. Every stream must complete
    token-identical to the same request run whole on the surviving instance (lost = missing or different streams,
    duplicated = tokens beyond the reference's).
+5. Fidelity (`--parts fidelity`): the simulator running the router's own placement (`kvflow.router.simulated`)
+   against real router runs. `--fidelity-instances` instances of their own (`kvflow serve --threads 1`, float32,
+   16-token blocks and the scheduler settings of `benchmarks/fidelity.py`: the engine `kvflow.perf.calibrate` times),
+   one router per policy; `--fidelity-requests` requests with Poisson arrivals at `--fidelity-rate`, each a shared
+   prefix (one of `--fidelity-prefixes`, `--fidelity-prefix-len` tokens) + its own part, lengths from the first
+   requests of the conversation trace scaled as in `benchmarks/fidelity.py` (own part / 16 clipped to [8, 160],
+   outputs / 8 clipped to [4, 40]), fresh tokens every run. Before each round of replays the engine is timed on the
+   calibration grid (`calibrate_engine`, one shuffled pass; never the replays' shapes), and once the slowdown beside
+   a busy neighbour (`co_run_slowdown`: the instances share this host); the merged profile prices the simulated
+   instances. Reported per policy: throughput (output tokens / makespan), TTFT p50 and TPOT p50, real (median of
+   the runs) and simulated, and the error sim / real - 1 (target within 15%). The simulated TTFT counts the serving
+   stack's own time (`hop_s`: the TTFT of 8-token requests through a router on idle instances, measured before the
+   replays, less a simulated 8-token prefill); the error without it is printed beside.
+6. Scale (`--parts scale`, no real instance): the simulated cluster alone, `--scale-instances` instances of the
+   analytic SmolLM2-135M on this CPU, each policy placing the same `--scale-requests` requests.
 
     python benchmarks/router.py [--instances 4] [--reps 2] [--prefixes 6] [--uses 4] [--prefix-len 384]
 
@@ -53,6 +73,7 @@ from kvflow.router.length import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+FIRST_ROWS = ROOT / "benchmarks" / "traces" / "AzureLLMInferenceTrace_conv_first1000.csv"  # fidelity's lengths
 RESULTS = ROOT / "results"
 POLICIES = ("round_robin", "least_load", "prefix_aware", "length_aware")
 VOCAB = (100, 49000)  # token ids drawn from here: ordinary SmolLM2 tokens
@@ -67,12 +88,15 @@ def free_port() -> int:
 class Proc:
     """A `kvflow` sub-command as a process on a free port."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], checkout: Path | None = None) -> None:
+        """`checkout`: run the kvflow package of another source tree (e.g. an earlier commit's) instead of this one."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kvflow.cli.main", *args, "--port", str(self.port), "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if checkout is not None:
+            env["PYTHONPATH"] = str(checkout)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=checkout)
 
     def wait(self, timeout: float = 600.0) -> "Proc":
         deadline = time.monotonic() + timeout
@@ -102,8 +126,9 @@ def instance(args) -> Proc:
                  "--drain-timeout", "2"])
 
 
-def router(urls: list[str], policy: str) -> Proc:
-    return Proc(["router", "--policy", policy, "--drain-timeout", "2", *[a for u in urls for a in ("--instance", u)]])
+def router(urls: list[str], policy: str, checkout: Path | None = None) -> Proc:
+    return Proc(["router", "--policy", policy, "--drain-timeout", "2", *[a for u in urls for a in ("--instance", u)]],
+                checkout)
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -159,26 +184,35 @@ def policies_part(args, urls: list[str]) -> dict:
 
 
 def overhead_part(args, url: str) -> dict:
-    via = router([url], "round_robin").wait()
+    """TTFT direct, through this router and (with `--overhead-baseline`) through the router of another checkout, one
+    request at a time, rotating which goes first; each router's CPU time per request."""
+    routers = {"router": router([url], "round_robin")}
+    if args.overhead_baseline is not None:
+        routers["baseline"] = router([url], "round_robin", args.overhead_baseline)
     try:
+        for r in routers.values():
+            r.wait()
+        targets = {"direct": url, **{name: r.url for name, r in routers.items()}}
         rng = random.Random(7)
-        prompts = [tokens(rng, args.overhead_prompt) for _ in range(2 * args.overhead_requests)]
-        direct, routed = [], []
-        cpu0 = cpu_seconds(via.proc.pid)  # the router's own CPU time: what it costs, whatever the machine's load
-        for i in range(args.overhead_requests):  # alternate (which goes first too), each prompt new: no cache hits
-            first, second = (url, via.url) if i % 2 == 0 else (via.url, url)
-            (x,), _ = asyncio.run(run_batch(first, [prompts[2 * i]], 2, 1))
-            (y,), _ = asyncio.run(run_batch(second, [prompts[2 * i + 1]], 2, 1))
-            d, r = (x, y) if first == url else (y, x)
-            direct.append(d.ttft)
-            routed.append(r.ttft)
-        diffs = [r - d for r, d in zip(routed, direct)]
-        return {"direct_ttft_p50": p(direct, 0.5), "router_ttft_p50": p(routed, 0.5),
-                "added_ms": (p(routed, 0.5) - p(direct, 0.5)) * 1e3, "paired_diff_p50_ms": p(diffs, 0.5) * 1e3,
-                "ratio": p(routed, 0.5) / p(direct, 0.5),
-                "router_cpu_ms_per_request": (cpu_seconds(via.proc.pid) - cpu0) * 1e3 / args.overhead_requests}
+        ttft: dict[str, list[float]] = {name: [] for name in targets}
+        cpu0 = {name: cpu_seconds(r.proc.pid) for name, r in routers.items()}  # what each costs, whatever the load
+        names = list(targets)
+        for i in range(args.overhead_requests):  # each prompt new: no cache hits
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                (res,), _ = asyncio.run(run_batch(targets[name], [tokens(rng, args.overhead_prompt)], 2, 1))
+                if not res.ok:
+                    raise RuntimeError(f"overhead: {name}: {res.error}")
+                ttft[name].append(res.ttft)
+        out = {"cpu_ms_per_request": {name: (cpu_seconds(r.proc.pid) - cpu0[name]) * 1e3 / args.overhead_requests
+                                      for name, r in routers.items()}}
+        out["ttft_p50_ms"] = {name: p(v, 0.5) * 1e3 for name, v in ttft.items()}
+        out["added_ms"] = {name: (p(ttft[name], 0.5) - p(ttft["direct"], 0.5)) * 1e3 for name in routers}
+        out["paired_diff_p50_ms"] = {name: p([r - d for r, d in zip(ttft[name], ttft["direct"])], 0.5) * 1e3
+                                     for name in routers}
+        return out
     finally:
-        via.stop()
+        for r in routers.values():
+            r.stop()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -201,31 +235,76 @@ async def run_each(url: str, reqs: list[tuple[list[int], int]]) -> None:
         raise RuntimeError(f"{len(bad)} failed requests: {bad[:3]}")
 
 
+IMBALANCE_POLICIES = ("least_load", "length_aware")
+
+
+def imbalance_draw(args, rows: list[tuple[int, int]], rng: random.Random, n: int) -> list[tuple[list[int], int]]:
+    """`n` trace rows as requests: a prompt of the row's length (clipped) and its output length (scaled)."""
+    return [(tokens(rng, min(prompt, args.max_prompt)), max(2, round(gen / args.output_scale)))
+            for prompt, gen in rng.sample(rows, n)]
+
+
+def simulated_imbalance(reqs: list[tuple[list[int], int]], instances: int, policy: str) -> list[int]:
+    """The decode tokens per instance when the simulated cluster places `reqs`, all sent at once, by `policy`."""
+    import numpy as np
+
+    from kvflow.perf import AnalyticPerfModel
+    from kvflow.perf.hardware import machine
+    from kvflow.perf.model_shape import model_shape
+    from kvflow.router.config import RouterConfig
+    from kvflow.router.simulated import simulate_cluster
+    from kvflow.sched.scheduler import SchedulerConfig
+    from kvflow.simulator import Layout, PipelineGroup, SimConfig
+    from kvflow.simulator.workload import Workload
+
+    w = Workload(np.zeros(len(reqs)), np.array([len(pr) for pr, _ in reqs]), np.array([n for _, n in reqs]))
+    one = SimConfig(Layout(PipelineGroup(1, 64)), policy="continuous", block_size=128, kv_blocks=1 << 14,
+                    scheduler=SchedulerConfig(max_num_seqs=64))  # (`kvflow serve`'s defaults; placement is all that counts)
+    perf = AnalyticPerfModel(model_shape("smollm2-135m"), machine("1xCPU"))
+    return simulate_cluster(instances, one, perf, w, RouterConfig(policy=policy)).decode_tokens
+
+
+def max_over_mean(load: list[float]) -> float:
+    return max(load) / (sum(load) / len(load))
+
+
 def imbalance_part(args, urls: list[str]) -> dict:
+    """Real runs (rotated over `--reps`), each beside the simulated cluster's placement of the same requests; then
+    the simulated cluster alone over `--imbalance-sim-draws` draws of this size and of 4x and 16x as many requests."""
     rows = read_trace(args.trace)
-    routers = {pol: router(urls, pol) for pol in ("least_load", "length_aware")}
+    routers = {pol: router(urls, pol) for pol in IMBALANCE_POLICIES}
+    runs: dict[str, list[dict]] = {pol: [] for pol in routers}
     try:
         for r in routers.values():
             r.wait()
-        runs: dict[str, list[dict]] = {pol: [] for pol in routers}
         for rep in range(args.reps):
-            rng = random.Random(500 + rep)
-            sample = rng.sample(rows, args.imbalance_requests)
-            reqs = [(tokens(rng, min(prompt, args.max_prompt)), max(2, round(gen / args.output_scale)))
-                    for prompt, gen in sample]
+            reqs = imbalance_draw(args, rows, random.Random(500 + rep), args.imbalance_requests)
             for pol in (list(routers) if rep % 2 == 0 else list(routers)[::-1]):
                 before = [generated_tokens(u) for u in urls]
                 t0 = time.perf_counter()
                 asyncio.run(run_each(routers[pol].url, reqs))
                 load = [generated_tokens(u) - b for u, b in zip(urls, before)]
-                ratio = max(load) / (sum(load) / len(load))
-                runs[pol].append({"decode_tokens": load, "max_over_mean": ratio, "makespan": time.perf_counter() - t0})
-                print(f"  rep {rep} {pol:13s} decode tokens per instance {load}  max/mean {ratio:.2f}", flush=True)
-        return {pol: {"runs": rs, "max_over_mean": statistics.median(r["max_over_mean"] for r in rs),
-                      "makespan": statistics.median(r["makespan"] for r in rs)} for pol, rs in runs.items()}
+                sim = simulated_imbalance(reqs, len(urls), pol)
+                runs[pol].append({"decode_tokens": load, "max_over_mean": max_over_mean(load), "sim_decode_tokens": sim,
+                                  "sim_max_over_mean": max_over_mean(sim), "makespan": time.perf_counter() - t0})
+                print(f"  rep {rep} {pol:13s} decode tokens per instance {load}  max/mean {max_over_mean(load):.2f} "
+                      f"(simulated {max_over_mean(sim):.2f})", flush=True)
     finally:
         for r in routers.values():
             r.stop()
+    out = {pol: {"runs": rs, **{k: statistics.median(r[k] for r in rs) for k in ("max_over_mean", "sim_max_over_mean",
+                                                                                 "makespan")}}
+           for pol, rs in runs.items()}
+    scale = {}
+    for mult in (1, 4, 16):
+        n = mult * args.imbalance_requests
+        draws = [imbalance_draw(args, rows, random.Random(10_000 + d), n) for d in range(args.imbalance_sim_draws)]
+        scale[n] = {pol: statistics.median(max_over_mean(simulated_imbalance(reqs, len(urls), pol)) for reqs in draws)
+                    for pol in IMBALANCE_POLICIES}
+        print(f"  simulated, {n} requests, median of {len(draws)} draws: "
+              + ", ".join(f"{pol} {v:.2f}" for pol, v in scale[n].items()), flush=True)
+    out["simulated_draws"] = {"draws": args.imbalance_sim_draws, "median_max_over_mean": scale}
+    return out
 
 
 async def _stream_ids(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, counter: list,
@@ -279,6 +358,173 @@ def kill_part(args, a: Proc, b: Proc) -> dict:
             "failovers": float(failovers.split()[1])}
 
 
+def fidelity_instance(args) -> Proc:
+    """An instance the calibration prices: the engine `calibrate_engine` times (float32, 16-token blocks, one
+    thread, not batch-invariant) with `benchmarks/fidelity.py`'s scheduler settings."""
+    return Proc(["serve", "--threads", "1", "--dtype", "float32", "--block-size", "16", "--max-num-seqs", "8",
+                 "--max-num-batched-tokens", "128", "--prefill-chunk-size", "128",
+                 "--kv-cache-gb", str(args.kv_cache_gb), "--drain-timeout", "2"])
+
+
+def fidelity_workload(args, seed: int):
+    """Poisson arrivals; prompts a shared prefix + a part of the trace row's scaled length; fresh tokens per seed."""
+    import numpy as np
+
+    from kvflow.simulator.workload import Workload, azure_trace, poisson_arrivals
+
+    t = azure_trace(FIRST_ROWS, limit=args.fidelity_requests)
+    own = np.clip(t.prompt_len // 16, 8, 160)
+    out = np.clip(t.output_len // 8, 4, 40).astype(np.int64)
+    rng = random.Random(seed)
+    heads = [tokens(rng, args.fidelity_prefix_len) for _ in range(args.fidelity_prefixes)]
+    prompts = tuple(tuple(rng.choice(heads) + tokens(rng, int(n))) for n in own)
+    arrival = poisson_arrivals(np.random.default_rng(seed), len(prompts), args.fidelity_rate)
+    return Workload(arrival, np.array([len(p) for p in prompts], dtype=np.int64), out, prompts)
+
+
+async def replay(url: str, w) -> list:
+    """Each request sent at its arrival time (open loop); results in workload order."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        t0 = time.perf_counter()
+
+        async def one(i: int):
+            await asyncio.sleep(max(0.0, t0 + float(w.arrival[i]) - time.perf_counter()))
+            sent = time.perf_counter() - t0
+            return sent, await send(client, url, DEFAULT_MODEL_NAME, BenchRequest(list(w.prompts[i]), int(w.output_len[i]), 0.0))
+
+        return await asyncio.gather(*(one(i) for i in range(w.n)))
+
+
+def serving_metrics(arrival, first, finish, out_len) -> dict:
+    """Throughput (output tokens over the makespan), TTFT p50 and TPOT p50, the way `benchmarks/fidelity.py` counts
+    them (times from each request's submission)."""
+    import numpy as np
+
+    arrival, first, finish, out_len = map(np.asarray, (arrival, first, finish, out_len))
+    tpot = (finish - first) / np.maximum(out_len - 1, 1)
+    return {"throughput_tok_s": float(out_len.sum() / (finish.max() - arrival.min())),
+            "ttft_p50_s": float(np.median(first - arrival)), "tpot_p50_s": float(np.median(tpot[out_len > 1]))}
+
+
+FIDELITY_KEYS = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s")
+
+
+def fidelity_part(args) -> dict:
+    from dataclasses import replace
+
+    from kvflow.perf import ProfiledPerfModel
+    from kvflow.perf.perf_model import BatchShape
+    from kvflow.perf.calibrate import calibrate_engine, co_run_slowdown, merge_profiles
+    from kvflow.router.config import RouterConfig
+    from kvflow.router.simulated import simulate_cluster
+    from kvflow.sched.scheduler import SchedulerConfig
+    from kvflow.simulator import Layout, PipelineGroup, SimConfig
+
+    insts = [fidelity_instance(args) for _ in range(args.fidelity_instances)]
+    routers: dict[str, Proc] = {}
+    try:
+        for i in insts:
+            i.wait()
+        urls = [i.url for i in insts]
+        max_model_len = httpx.get(f"{urls[0]}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+        routers = {pol: router(urls, pol) for pol in POLICIES}
+        for r in routers.values():
+            r.wait()
+        # the serving stack's own time to a first token (client -> router -> instance -> back), from requests of
+        # 8 tokens on idle instances: what a simulated instance's prefill of 8 tokens leaves of it is `hop_s`
+        rng = random.Random(99)
+        stack = [asyncio.run(run_batch(routers["round_robin"].url, [tokens(rng, 8)], 2, 1))[0][0].ttft for _ in range(12)]
+        stack_ttft = statistics.median(stack[2:])
+        print("  the slowdown beside a busy neighbour ...", flush=True)
+        co_run = co_run_slowdown(None)
+        windows, runs = [], {pol: [] for pol in POLICIES}
+        for rep in range(args.reps):
+            print(f"  calibration window {rep + 1}/{args.reps} ...", flush=True)
+            windows.append(calibrate_engine(passes=1))
+            order = POLICIES[rep % len(POLICIES):] + POLICIES[:rep % len(POLICIES)]
+            for k, pol in enumerate(order):
+                w = fidelity_workload(args, seed=100 * rep + k)
+                results = asyncio.run(replay(routers[pol].url, w))
+                if bad := [r.error for _, r in results if not r.ok]:
+                    raise RuntimeError(f"{pol}: {len(bad)} failed requests: {bad[:3]}")
+                sent = [s for s, _ in results]
+                real = serving_metrics(sent, [s + r.ttft for s, r in results], [s + r.latency for s, r in results],
+                                       [r.output_len for _, r in results])
+                runs[pol].append((real, w))
+                print(f"  rep {rep} {pol:13s} real {real['throughput_tok_s']:6.2f} tok/s  TTFT p50 "
+                      f"{real['ttft_p50_s'] * 1e3:7.1f} ms  TPOT p50 {real['tpot_p50_s'] * 1e3:6.1f} ms", flush=True)
+    finally:
+        for r in (*routers.values(), *insts):
+            r.stop()
+    profile = replace(merge_profiles(windows[:1], windows[1:]), co_run=co_run)
+    perf = ProfiledPerfModel(profile)
+    hop_s = max(0.0, stack_ttft - perf.step_time(BatchShape.of([(8, 8)]), 1))
+    one = SimConfig(Layout(PipelineGroup(1, 8)), policy="continuous", block_size=16, max_model_len=max_model_len,
+                    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=128),
+                    shared_host=len(insts) > 1)
+    out = {"co_run": list(co_run), "windows": len(windows), "stack_ttft_s": stack_ttft, "hop_s": hop_s, "policies": {}}
+    for pol, rs in runs.items():
+        real = {k: statistics.median(r[k] for r, _ in rs) for k in FIDELITY_KEYS}
+        row = {"real": real, "real_runs": [r for r, _ in rs]}
+        for name, hop in (("", hop_s), ("_no_hop", 0.0)):  # the stack's time counted, and not
+            sims = []
+            for _, w in rs:
+                res = simulate_cluster(len(insts), one, perf, w, RouterConfig(policy=pol), hop_s=hop).result
+                sims.append(serving_metrics(res.arrival, res.first_token, res.finish, res.output_len))
+            sim = {k: statistics.median(s[k] for s in sims) for k in FIDELITY_KEYS}
+            row |= {f"sim{name}": sim, f"error{name}": {k: sim[k] / real[k] - 1 for k in FIDELITY_KEYS},
+                    f"sim_runs{name}": sims}
+        out["policies"][pol] = row
+    return out
+
+
+def scale_part(args) -> dict:
+    """The simulated cluster alone at `--scale-instances` instances: conversation-trace lengths (as the imbalance
+    part scales them), each prompt behind one of 2 x instances shared prefixes of `--prefix-len` tokens, Poisson
+    arrivals at `--scale-rate` per instance per second; per policy the serving figures and the decode imbalance."""
+    import numpy as np
+
+    from kvflow.perf import AnalyticPerfModel
+    from kvflow.perf.hardware import machine
+    from kvflow.perf.model_shape import model_shape
+    from kvflow.router.config import RouterConfig
+    from kvflow.router.simulated import imbalance, simulate_cluster
+    from kvflow.sched.scheduler import SchedulerConfig
+    from kvflow.simulator import Layout, PipelineGroup, SimConfig
+    from kvflow.simulator.workload import Workload, poisson_arrivals
+    from kvflow.slo import SLO
+
+    n, k = args.scale_requests, args.scale_instances
+    rng = random.Random(4)
+    rows = read_trace(args.trace)
+    heads = [tuple(tokens(rng, args.prefix_len)) for _ in range(2 * k)]
+    draw = [rng.choice(rows) for _ in range(n)]
+    prompts = tuple(rng.choice(heads) + tuple(tokens(rng, max(1, min(prompt, args.max_prompt) - args.prefix_len)))
+                    for prompt, _ in draw)
+    out = np.array([max(2, round(gen / args.output_scale)) for _, gen in draw], dtype=np.int64)
+    w = Workload(poisson_arrivals(np.random.default_rng(4), n, args.scale_rate * k),
+                 np.array([len(x) for x in prompts], dtype=np.int64), out, prompts)
+    one = SimConfig(Layout(PipelineGroup(1, 64)), policy="continuous", block_size=16, kv_blocks=args.scale_kv_blocks,
+                    scheduler=SchedulerConfig(max_num_seqs=64))
+    perf = AnalyticPerfModel(model_shape("smollm2-135m"), machine("1xCPU"))
+    slo = SLO(ttft=args.scale_ttft_slo, tpot=args.scale_tpot_slo)
+    result = {}
+    for pol in POLICIES:
+        t0 = time.process_time()
+        c = simulate_cluster(k, one, perf, w, RouterConfig(policy=pol))
+        r = c.result
+        result[pol] = {"throughput_tok_s": float(r.output_len.sum() / r.makespan),
+                       "ttft_p50_s": float(np.median(r.ttft)), "ttft_p90_s": float(np.percentile(r.ttft, 90)),
+                       "tpot_p50_s": float(np.median(r.tpot[r.output_len > 1])), "slo_attainment": r.slo_attainment(slo),
+                       "decode_max_over_mean": imbalance(c.decode_tokens), "cpu_s": time.process_time() - t0}
+        x = result[pol]
+        print(f"  {pol:13s} {x['throughput_tok_s']:9.0f} tok/s  TTFT p50 {x['ttft_p50_s'] * 1e3:7.1f} ms p90 "
+              f"{x['ttft_p90_s'] * 1e3:7.1f} ms  TPOT p50 {x['tpot_p50_s'] * 1e3:6.1f} ms  SLO {x['slo_attainment']:.1%}  "
+              f"decode max/mean {x['decode_max_over_mean']:.2f}  ({x['cpu_s']:.0f} s CPU)", flush=True)
+    return {"instances": k, "requests": n, "rate_per_instance": args.scale_rate, "slo": [slo.ttft, slo.tpot],
+            "policies": result}
+
+
 def plot(policies: dict, path: Path) -> None:
     import matplotlib
 
@@ -307,7 +553,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=number(int, 1), default=4, help="policies: requests in flight")
     ap.add_argument("--overhead-requests", type=number(int, 1), default=60, help="overhead: request pairs")
     ap.add_argument("--overhead-prompt", type=number(int, 1), default=8, help="overhead: prompt tokens")
+    ap.add_argument("--overhead-baseline", type=Path, default=None,
+                    help="overhead: a kvflow source tree (e.g. `git archive` of an earlier commit) whose router is "
+                         "measured beside this one's, interleaved (default: none)")
     ap.add_argument("--imbalance-requests", type=number(int, 1), default=32, help="imbalance: trace rows per run")
+    ap.add_argument("--imbalance-sim-draws", type=number(int, 1), default=20,
+                    help="imbalance: draws the simulated cluster places at each size")
     ap.add_argument("--trace", type=Path, default=TRACE, help="imbalance: Azure trace CSV")
     ap.add_argument("--max-prompt", type=number(int, 1), default=768, help="imbalance: longer trace prompts are clipped")
     ap.add_argument("--output-scale", type=number(float, 0, low_open=True), default=4.0,
@@ -315,11 +566,27 @@ def main() -> None:
     ap.add_argument("--kill-requests", type=number(int, 1), default=8, help="kill: requests at once")
     ap.add_argument("--kill-tokens", type=number(int, 1), default=64, help="kill: greedy tokens per request")
     ap.add_argument("--kill-after", type=number(int, 1), default=40, help="kill: tokens streamed in all before the kill")
-    ap.add_argument("--parts", default="policies,overhead,imbalance,kill", help="which parts to run, comma-separated")
+    ap.add_argument("--fidelity-instances", type=number(int, 1), default=2,
+                    help="fidelity: instances of its own (default: one per core of this 2-core machine)")
+    ap.add_argument("--fidelity-requests", type=number(int, 1), default=40, help="fidelity: requests per run")
+    ap.add_argument("--fidelity-rate", type=number(float, 0, low_open=True), default=1.0,
+                    help="fidelity: Poisson arrivals per second")
+    ap.add_argument("--fidelity-prefixes", type=number(int, 1), default=4, help="fidelity: shared prefixes")
+    ap.add_argument("--fidelity-prefix-len", type=number(int, 1), default=64, help="fidelity: tokens of each prefix")
+    ap.add_argument("--scale-instances", type=number(int, 1), default=128, help="scale: simulated instances")
+    ap.add_argument("--scale-requests", type=number(int, 1), default=20000, help="scale: requests")
+    ap.add_argument("--scale-rate", type=number(float, 0, low_open=True), default=0.5,
+                    help="scale: Poisson arrivals per instance per second")
+    ap.add_argument("--scale-kv-blocks", type=number(int, 1), default=2048, help="scale: KV blocks of 16 tokens per instance")
+    ap.add_argument("--scale-ttft-slo", type=number(float, 0, low_open=True), default=2.0, help="scale: TTFT SLO (s)")
+    ap.add_argument("--scale-tpot-slo", type=number(float, 0, low_open=True), default=0.2, help="scale: TPOT SLO (s)")
+    ap.add_argument("--parts", default="policies,overhead,imbalance,kill",
+                    help="which parts to run, comma-separated (of policies, overhead, imbalance, kill, fidelity, scale)")
     ap.add_argument("--out", type=Path, default=RESULTS / "router.json", help="JSON results (the plot beside it)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    insts = [instance(args) for _ in range(max(args.instances, 2))]
+    shared = parts & {"policies", "overhead", "imbalance", "kill"}
+    insts = [instance(args) for _ in range(max(args.instances, 2))] if shared else []
     out: dict = {"config": vars(args) | {"out": str(args.out), "trace": str(args.trace)}, "cpu": _cpu(),
                  "load_before": os.getloadavg()}
     try:
@@ -341,6 +608,12 @@ def main() -> None:
     finally:
         for i in insts:
             i.stop()
+    if "fidelity" in parts:
+        print(f"fidelity over {args.fidelity_instances} instances of its own:", flush=True)
+        out["fidelity"] = fidelity_part(args)
+    if "scale" in parts:
+        print(f"the simulated cluster at {args.scale_instances} instances:", flush=True)
+        out["scale"] = scale_part(args)
     out["load_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
@@ -352,16 +625,31 @@ def main() -> None:
                   f"{s['ttft_p50'] / out['policies']['round_robin']['ttft_p50']:8.2f}x")
     if "overhead" in out:
         o = out["overhead"]
-        print(f"\noverhead: TTFT p50 direct {o['direct_ttft_p50'] * 1e3:.1f} ms, via router {o['router_ttft_p50'] * 1e3:.1f} ms "
-              f"({o['added_ms']:+.1f} ms, {o['ratio']:.2f}x; median of paired differences {o['paired_diff_p50_ms']:+.1f} ms); "
-              f"router CPU {o['router_cpu_ms_per_request']:.1f} ms per request")
+        print(f"\noverhead: TTFT p50 direct {o['ttft_p50_ms']['direct']:.1f} ms")
+        for name, cpu in o["cpu_ms_per_request"].items():
+            print(f"  via {name:8s} TTFT p50 {o['ttft_p50_ms'][name]:.1f} ms ({o['added_ms'][name]:+.1f} ms; median of paired "
+                  f"differences {o['paired_diff_p50_ms'][name]:+.1f} ms); its CPU {cpu:.2f} ms per request")
     if "imbalance" in out:
-        for pol, r in out["imbalance"].items():
-            print(f"imbalance: {pol:13s} decode load max/mean {r['max_over_mean']:.2f}  makespan {r['makespan']:.1f} s")
+        for pol in IMBALANCE_POLICIES:
+            r = out["imbalance"][pol]
+            print(f"imbalance: {pol:13s} decode load max/mean {r['max_over_mean']:.2f} (simulated "
+                  f"{r['sim_max_over_mean']:.2f})  makespan {r['makespan']:.1f} s")
     if "kill" in out:
         k = out["kill"]
         print(f"\nkill: {k['requests']} requests, lost {k['lost']}, duplicated tokens {k['duplicated_tokens']}, "
               f"failovers {k['failovers']:.0f}")
+    if "fidelity" in out:
+        print(f"\nfidelity ({args.fidelity_instances} instances, {args.fidelity_requests} requests at "
+              f"{args.fidelity_rate:g}/s, {args.reps} runs per policy; sim / real - 1, target within 15%):")
+        print(f"{'policy':14s} | {'throughput tok/s':^24s} | {'TTFT p50 ms':^24s} | {'TPOT p50 ms':^24s}")
+        for pol, r in out["fidelity"]["policies"].items():
+            cells = [f"{r['real'][k] * m:7.1f} {r['sim'][k] * m:7.1f} {r['error'][k]:+7.1%}"
+                     for k, m in zip(FIDELITY_KEYS, (1, 1e3, 1e3))]
+            print(f"{pol:14s} | " + " | ".join(cells))
+        f = out["fidelity"]
+        print(f"(the stack's own TTFT on idle instances {f['stack_ttft_s'] * 1e3:.1f} ms, hop_s {f['hop_s'] * 1e3:.1f} ms; "
+              "without it: " + ", ".join(f"{pol} TTFT {r['error_no_hop']['ttft_p50_s']:+.1%}"
+                                        for pol, r in f["policies"].items()) + ")")
     print(f"load average before {out['load_before']}, after {out['load_after']}; wrote {args.out}")
 
 

@@ -2,15 +2,16 @@
 route, check and error of `kvflow serve` (the prompt is templated, tokenized and validated here, once).
 
 A request goes to the instance the pool chooses as `/v1/completions` with the prompt as token ids, streamed, with
-`return_token_ids`. The router keeps the request's output in its own `Request` (the object the engine keeps), fed
-with the token ids the instance streams: its stop checks, detokenizer and held-back text are the engine's, so the
-client sees what one instance would have sent. If the instance fails (connection refused or reset, an error event,
-its `down` event), the request is re-sent to another instance with its generated prefix — prompt + tokens so far,
-`max_tokens` and `min_tokens` reduced by what was generated — and its stream goes on from the next token: no token
-is lost or sent twice. A greedy request then continues exactly as it would have on batch-invariant instances (a
-seeded sampled one does not: the new instance's generator starts afresh; presence and frequency penalties count only
-the tokens after the move). A stop string that spans the move is still found (by the router's `Request`; the stream
-on the instance is then closed, which aborts it).
+`return_token_ids`, through the router's own HTTP client (`kvflow.router.http.SSEClient`). The router keeps the
+request's output in its own `Request` (the object the engine keeps), fed with the token ids the instance streams: its
+stop checks, detokenizer and held-back text are the engine's, so the client sees what one instance would have sent.
+If the instance fails (connection refused or reset, an error event, its `down` event), the request is re-sent to
+another instance with its generated prefix — prompt + tokens so far, `max_tokens` and `min_tokens` reduced by what
+was generated — and its stream goes on from the next token: no token is lost or sent twice. A greedy request then
+continues exactly as it would have on batch-invariant instances (a seeded sampled one does not: the new instance's
+generator starts afresh; presence and frequency penalties count only the tokens after the move). A stop string that
+spans the move is still found (by the router's `Request`; the stream on the instance is then closed, which aborts
+it).
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvflow.kv.prefix_hash import extend_hashes
 from kvflow.model.loader import load_config
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvflow.router.config import RouterConfig
+from kvflow.router.http import HTTPFailed, HTTPStatus, SSEClient
 from kvflow.router.length import LengthModel
 from kvflow.router.pool import Instance, InstancePool, ModelInfo, NoInstance, probe
-from kvflow.router.policies import RouteRequest
 from kvflow.sched.request import Request, RequestOutput
 from kvflow.sched.sampling import SamplingParams
 from kvflow.serving.backend import BackendStats, BackendUnavailable
@@ -70,44 +70,24 @@ def request_body(model: str, prompt: list[int], params: SamplingParams, generate
     return body
 
 
-async def _stream(client: httpx.AsyncClient, inst: Instance, body: dict) -> AsyncIterator[Chunk]:
+async def _stream(client: SSEClient, inst: Instance, body: dict) -> AsyncIterator[Chunk]:
     """The instance's chunks for one request; raises `InstanceFailed` or `InstanceRefused`."""
-    down = asyncio.ensure_future(inst.down.wait())
     try:
-        async with client.stream("POST", f"{inst.url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                try:
-                    text = json.loads(text)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    pass
-                raise InstanceRefused(r.status_code, text)
-            lines = r.aiter_lines()
-            while True:
-                line = asyncio.ensure_future(anext(lines, None))
-                done, _ = await asyncio.wait({line, down}, return_when=asyncio.FIRST_COMPLETED)
-                if line not in done:
-                    line.cancel()
-                    await asyncio.gather(line, return_exceptions=True)
-                    raise InstanceFailed("taken out of the pool")
-                text = line.result()
-                if text is None:
-                    raise InstanceFailed("the stream ended without [DONE]")
-                if not text.startswith("data: "):
-                    continue
-                if text == "data: [DONE]":
-                    async for _ in lines:  # to the body's end: the connection then goes back to the pool
-                        pass
-                    return
-                event = json.loads(text[6:])
-                if "error" in event:
-                    raise InstanceFailed(f"error event: {event['error'].get('message')}")
-                for choice in event.get("choices", ()):
-                    yield Chunk(choice.get("token_ids") or [], choice.get("finish_reason"))
-    except httpx.TransportError as e:
-        raise InstanceFailed(f"{type(e).__name__}: {e}") from e
-    finally:
-        down.cancel()
+        async for data in client.events(inst.url, "/v1/completions", json.dumps(body).encode(), abort_on=inst.down):
+            event = json.loads(data)
+            if "error" in event:
+                raise InstanceFailed(f"error event: {event['error'].get('message')}")
+            for choice in event.get("choices", ()):
+                yield Chunk(choice.get("token_ids") or [], choice.get("finish_reason"))
+    except HTTPStatus as e:
+        text = e.args[0]
+        try:
+            text = json.loads(text)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise InstanceRefused(e.status, text) from None
+    except HTTPFailed as e:
+        raise InstanceFailed("taken out of the pool" if inst.down.is_set() else str(e)) from e
 
 
 class RouterBackend:
@@ -117,11 +97,10 @@ class RouterBackend:
                  length_model: LengthModel) -> None:
         self.config = config
         self.model_name, self.max_model_len = model.name, model.max_model_len
-        self.tokenizer, self.eos_token_ids, self.length_model = tokenizer, eos_token_ids, length_model
-        timeout = httpx.Timeout(connect=config.connect_timeout_s, read=None, write=30.0, pool=None)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
-                                                                             max_keepalive_connections=256))
-        self.pool = InstancePool(config, model, self.client)
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s, connect=config.connect_timeout_s))
+        self.streams = SSEClient(config.connect_timeout_s)  # the requests themselves (`client`: health checks)
+        self.pool = InstancePool(config, model, self.client, length_model)
         for url in config.instances:
             self.pool.add_unchecked(url)
         self._started = False
@@ -164,6 +143,7 @@ class RouterBackend:
         self._started = False
         await self.pool.stop()
         await self.client.aclose()
+        await self.streams.aclose()
 
     def healthy(self) -> bool:
         return self._started and any(i.healthy for i in self.pool.instances.values())
@@ -178,16 +158,11 @@ class RouterBackend:
                             running_requests=sum(len(i.flights) for i in insts),
                             prompt_tokens_total=self._prompt_tokens, generated_tokens_total=self._generated_tokens)
 
-    def route(self, token_ids: list[int]) -> RouteRequest:
-        bt = self.config.block_tokens
-        hashes = extend_hashes([], token_ids, len(token_ids) // bt, bt)
-        return RouteRequest(len(token_ids), tuple(hashes), self.length_model.predict(len(token_ids)))
-
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
                       IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
-        route = self.route(req.token_ids)
+        route = self.pool.route(req.token_ids, params.max_tokens)
         failed: set[str] = set()
         self._prompt_tokens += len(prompt_token_ids)
         while True:
@@ -203,7 +178,7 @@ class RouterBackend:
             flight = self.pool.open(inst, route)
             flight.generated = generated
             body = request_body(self.model_name, req.token_ids, params, generated)
-            stream = _stream(self.client, inst, body)
+            stream = _stream(self.streams, inst, body)
             try:
                 async for chunk in stream:
                     reason = None
@@ -217,7 +192,8 @@ class RouterBackend:
                         req.finish(reason)
                     flight.generated = len(req.output_token_ids)
                     if req.is_finished:
-                        self.pool.remember(inst, self.route(req.token_ids).block_hashes)  # its output's blocks too
+                        whole = self.pool.route(req.token_ids, 0, route.block_hashes)
+                        self.pool.remember(inst, whole.block_hashes)  # its output's blocks too
                         if chunk.finish_reason is not None:  # the instance is done too: read its [DONE] before the
                             async for _ in stream:  # last output (the API closes this generator after it), so the
                                 pass  # connection goes back to the pool; else closing the stream aborts it there
@@ -244,7 +220,7 @@ class RouterBackend:
                 return
             self.pool.failovers_total += 1
             self.pool.resent_tokens_total += len(req.output_token_ids)
-            route = self.route(req.token_ids)
+            route = self.pool.route(req.token_ids, params.max_tokens - len(req.output_token_ids), route.block_hashes)
 
     # ------------------------------------------------------------------ /metrics
     def metric_families(self) -> Iterable[Metric]:

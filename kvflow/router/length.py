@@ -30,7 +30,8 @@ def _quantile(sorted_values: list[int], q: float) -> int:
 
 @dataclass(frozen=True)
 class LengthModel:
-    """Predicted output tokens from the prompt length: `predict` is the bucket's mean, `quantile` one of `QUANTILES`."""
+    """Predicted output tokens from the prompt length: `predict` is the bucket's mean (capped by the request's
+    `max_tokens`), `quantile` one of `QUANTILES`."""
 
     name: str
     buckets: dict[int, dict[str, float]]  # bucket -> {"mean": .., "p50": .., "p90": .., "n": ..}
@@ -43,8 +44,10 @@ class LengthModel:
     def stats(self, prompt_len: int) -> dict[str, float]:
         return self.buckets.get(bucket(prompt_len), self.overall)
 
-    def predict(self, prompt_len: int) -> float:
-        return self.stats(prompt_len)["mean"]
+    def predict(self, prompt_len: int, max_tokens: int | None = None) -> float:
+        """The bucket's mean, capped by the request's `max_tokens` (an output never exceeds it)."""
+        mean = self.stats(prompt_len)["mean"]
+        return mean if max_tokens is None else min(mean, float(max_tokens))
 
     def quantile(self, prompt_len: int, q: float) -> float:
         return self.stats(prompt_len)[f"p{round(q * 100)}"]

@@ -1,13 +1,13 @@
 """`InstancePool`: the kvflow instances behind the router — who is in, who is healthy, what each is doing — and the
-placement decision over them (`choose`, by the configured policy of `kvflow.router.policies`).
+placement decision over them (`route`, then `choose` by the configured policy of `kvflow.router.policies`).
 
 An instance joins (`add`: from the config, or `POST /router/instances` at runtime) once its /v1/models names the
-pool's model, and is a candidate from its next `choose` on. A periodic check reads each instance's /health and
-/metrics; `failure_threshold` failed checks in a row take it out, as does one failed stream (`fail`: connection
-refused or reset). An instance that is out keeps being checked, and one good check brings it back with an empty
-cache record (it may have restarted). Taking an instance out sets its `down` event, which the streams open on it
-watch, so that requests stuck on a hung instance move too. `remove` stops routing to an instance; the requests
-open on it finish there.
+pool's model, and is a candidate from its next `choose` on. A periodic check reads each instance's /metrics (its
+health gauge and queue lengths; /health where /metrics is not readable); `failure_threshold` failed checks in a row
+take it out, as does one failed stream (`fail`: connection refused or reset). An instance that is out keeps being
+checked, and one good check brings it back with an empty cache record (it may have restarted). Taking an instance
+out sets its `down` event, which the streams open on it watch, so that requests stuck on a hung instance move too.
+`remove` stops routing to an instance; the requests open on it finish there.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from kvflow.kv.prefix_hash import extend_hashes
 from kvflow.router.config import RouterConfig, instance_url
+from kvflow.router.length import LengthModel
 from kvflow.router.policies import POLICIES, InstanceState, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,12 @@ async def probe(client: httpx.AsyncClient, url: str, timeout: float) -> ModelInf
 
 
 class InstancePool:
-    def __init__(self, config: RouterConfig, model: ModelInfo, client: httpx.AsyncClient) -> None:
-        self.config, self.model, self.client = config, model, client
+    """`client` reads the instances' /health, /metrics and /v1/models (None: a pool no one checks, whose instances
+    are made healthy by its owner: the simulated cluster, `kvflow.router.simulated`)."""
+
+    def __init__(self, config: RouterConfig, model: ModelInfo, client: httpx.AsyncClient | None,
+                 length_model: LengthModel) -> None:
+        self.config, self.model, self.client, self.length_model = config, model, client, length_model
         self.policy = POLICIES[config.policy]
         self.instances: dict[str, Instance] = {}
         self.turn = 0
@@ -122,6 +127,13 @@ class InstancePool:
         inst.down.set()
 
     # ------------------------------------------------------------------ placement
+    def route(self, token_ids: Sequence[int], max_tokens: int | None = None, known: Sequence[bytes] = ()) -> RouteRequest:
+        """A request as placement sees it: its prefix-hash chain (`known`: the chain of a prefix of `token_ids`
+        computed before, extended here) and its predicted output length (at most `max_tokens`)."""
+        bt = self.config.block_tokens
+        hashes = extend_hashes(list(known), token_ids, len(token_ids) // bt, bt)
+        return RouteRequest(len(token_ids), tuple(hashes), self.length_model.predict(len(token_ids), max_tokens))
+
     def choose(self, route: RouteRequest, exclude: set[str] = frozenset()) -> Instance:
         candidates = [i for i in self.instances.values() if i.healthy and i.url not in exclude]
         if not candidates:
@@ -153,11 +165,13 @@ class InstancePool:
     async def check(self, inst: Instance) -> None:
         timeout = self.config.health_timeout_s
         try:
-            r = await self.client.get(f"{inst.url}/health", timeout=timeout)
-            ok = r.status_code == 200
-            if ok:
-                m = await self.client.get(f"{inst.url}/metrics", timeout=timeout)
-                inst.waiting, inst.running = queue_lengths(m.text) if m.status_code == 200 else (inst.waiting, inst.running)
+            m = await self.client.get(f"{inst.url}/metrics", timeout=timeout)
+            gauges = scrape(m.text) if m.status_code == 200 else {}
+            if "kvflow_backend_healthy" in gauges:  # one read: health (as /health judges it) and queue lengths
+                ok = gauges["kvflow_backend_healthy"] == 1
+                inst.waiting, inst.running = (int(gauges.get(name, 0)) for name in QUEUE_GAUGES)
+            else:  # /metrics behind a key the router lacks, or not a kvflow instance's page
+                ok = (await self.client.get(f"{inst.url}/health", timeout=timeout)).status_code == 200
             if ok and not inst.healthy:  # back (or up for the first time): the same model?
                 info = await probe(self.client, inst.url, timeout)
                 if info != self.model:
@@ -196,10 +210,17 @@ class InstancePool:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-def queue_lengths(text: str) -> tuple[int, int]:
-    """(waiting, running) from an instance's /metrics text."""
+QUEUE_GAUGES = ("kvflow_num_requests_waiting", "kvflow_num_requests_running")
+CHECKED = ("kvflow_backend_healthy", *QUEUE_GAUGES)
+
+
+def scrape(text: str, names: tuple[str, ...] = CHECKED) -> dict[str, float]:
+    """The values of unlabelled gauges from an instance's /metrics text (a line scan, not the Prometheus parser: every
+    instance's page is read every second, and only these lines are needed)."""
     values = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in ("kvflow_num_requests_waiting", "kvflow_num_requests_running") and family.samples:
-            values[family.name] = int(family.samples[0].value)
-    return values.get("kvflow_num_requests_waiting", 0), values.get("kvflow_num_requests_running", 0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[name] = float(value.split(" ", 1)[0])
+    return values
+

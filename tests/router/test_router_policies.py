@@ -16,7 +16,7 @@ from kvflow.router.config import RouterConfig
 from kvflow.router.length import DATA, LengthModel, bucket
 from kvflow.router.policies import (InstanceState, PolicyConfig, RouteRequest, least_load, length_aware,
                                     prefix_aware, round_robin)
-from kvflow.router.pool import queue_lengths
+from kvflow.router.pool import InstancePool, ModelInfo, scrape
 from kvflow.sched.sampling import SamplingParams
 from kvflow.serving.backend import BackendStats
 
@@ -91,6 +91,7 @@ def test_length_model_fit_and_predict():
     assert sorted(m.buckets) == [bucket(300), bucket(1000)] and bucket(300) == 8 and bucket(1000) == 9
     assert m.predict(300) == 60.0 and m.quantile(300, 0.5) == 110 and m.quantile(300, 0.9) == 110
     assert m.predict(1000) == 500.0
+    assert m.predict(1000, max_tokens=64) == 64.0 and m.predict(1000, max_tokens=4096) == 500.0  # capped by max_tokens
     assert m.predict(5) == m.overall["mean"] == round((30 * 10 + 30 * 110 + 25 * 500 + 3 * 7) / 88, 2)
 
 
@@ -134,8 +135,19 @@ def test_request_body_forwards_every_sampling_field():
     assert request_body("m", [1], params, generated=12)["min_tokens"] == 0
 
 
-def test_queue_lengths_are_read_from_an_instances_metrics():
-    """What the pool learns from an instance's /metrics, read from the text the API itself renders."""
+def test_health_and_queue_lengths_are_read_from_an_instances_metrics():
+    """What the pool's health check learns from an instance's /metrics, read from the text the API itself renders."""
     text = APIMetrics().render(BackendStats(waiting_requests=3, running_requests=2), healthy=True).decode()
-    assert queue_lengths(text) == (3, 2)
-    assert queue_lengths("") == (0, 0)  # an instance without the families (not a kvflow instance's metrics)
+    assert scrape(text) == {"kvflow_backend_healthy": 1.0, "kvflow_num_requests_waiting": 3.0,
+                            "kvflow_num_requests_running": 2.0}
+    assert scrape(APIMetrics().render(BackendStats(), healthy=False).decode())["kvflow_backend_healthy"] == 0.0
+    assert scrape("") == {}  # not a kvflow instance's page: the check asks /health instead
+
+
+def test_pool_route_extends_a_known_chain_and_caps_the_prediction():
+    model = LengthModel.fit("t", [(20, 100)] * 30)
+    pool = InstancePool(RouterConfig(block_tokens=4), ModelInfo("m", 64), None, model)
+    whole = pool.route(PROMPT + [5, 6, 7, 8, 9])
+    assert whole.block_hashes == hashes(PROMPT + [5, 6, 7, 8], 4) and whole.prompt_len == 25
+    assert pool.route(PROMPT + [5, 6, 7, 8, 9], None, hashes(PROMPT, 4)) == whole  # extended, not recomputed
+    assert pool.route(PROMPT, 40).predicted_output == 40.0 and pool.route(PROMPT).predicted_output == 100.0

@@ -1,0 +1,142 @@
+"""The simulated cluster: the router's own placement over N simulated instances.
+
+Each instance is the simulator's engine model — one single-stage pipeline of `kvflow.simulator.Simulator` (the real
+`Scheduler` over a `KVCacheManager` block pool, prefix caching included; step times from a `PerfModel`) — and the
+router's own `InstancePool` (`route`, `choose`, `open`, `close`, `remember`, the policies of
+`kvflow.router.policies`: the code `RouterBackend.generate` runs) decides where each arriving request goes. The pool
+learns what the router learns: its own count of the requests open on each instance and their predicted work left
+(`Flight`s, updated at every token), the prompts and outputs it sent there (the cache record), and each instance's
+`waiting` / `running` as a health check reads them every `RouterConfig.health_interval_s` (here: at the first arrival
+after each interval).
+
+Not modelled: failures and re-sends, and the router's own time on a request (`hop_s`: a fixed delay before a request
+reaches its instance, counted in its TTFT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvflow.perf.perf_model import PerfModel
+from kvflow.router.config import RouterConfig
+from kvflow.router.length import LengthModel
+from kvflow.router.pool import Flight, Instance, InstancePool, ModelInfo
+from kvflow.router.policies import RouteRequest
+from kvflow.sched.request import Request
+from kvflow.simulator.config import Layout, PipelineGroup, SimConfig
+from kvflow.simulator.events import Arrival, Event
+from kvflow.simulator.metrics import SimResult
+from kvflow.simulator.simulator import Simulator
+from kvflow.simulator.workload import Workload
+
+
+def instances_config(n: int, config: SimConfig) -> SimConfig:
+    """`config` (one instance's scheduler, pool, policy) as `n` independent single-stage instances, each with its own
+    queue (the router binds a request to its instance at arrival)."""
+    return SimConfig(Layout(PipelineGroup(1, config.scheduler.max_num_seqs, n)), dispatch="round_robin",
+                     policy=config.policy, scheduler=config.scheduler, kv_blocks=config.kv_blocks,
+                     block_size=config.block_size, max_model_len=config.max_model_len,
+                     prefix_caching=config.prefix_caching, shared_host=config.shared_host)
+
+
+@dataclass(frozen=True)
+class ClusterResult:
+    result: SimResult  # per-request times, counted from each request's arrival at the router
+    decode_tokens: list[int]  # tokens each instance generated
+    routed: list[int]  # requests placed on each instance
+    placed: list[int]  # each request's instance
+
+
+class RoutedSimulator(Simulator):
+    """`Simulator` over `config.layout.prompt.count` instances, placement by `router.policy` (see the module
+    docstring). `hop_s`: seconds from a request's arrival at the router to its arrival at the instance."""
+
+    def __init__(self, config: SimConfig, perf: PerfModel, workload: Workload, router: RouterConfig,
+                 length_model: LengthModel, hop_s: float = 0.0) -> None:
+        spec = config.layout.prompt
+        if config.layout.disaggregated or spec.depth != 1 or config.dispatch != "round_robin":
+            raise ValueError("a routed cluster is single-stage instances with queues of their own (`instances_config`)")
+        if hop_s < 0:
+            raise ValueError(f"hop_s must be >= 0, got {hop_s}")
+        self.hop_s, self.original = hop_s, workload
+        if hop_s:
+            workload = Workload(workload.arrival + hop_s, workload.prompt_len, workload.output_len, workload.prompts)
+        super().__init__(config, perf, workload)
+        self.router = router
+        self.pool = InstancePool(router, ModelInfo(perf.shape.name, config.max_model_len or 0), None, length_model)
+        self.members: dict[str, int] = {}  # instance URL -> pipeline index
+        for p in self.prompt:
+            url = f"http://sim-{p.index}:1"
+            self.pool.add_unchecked(url)
+            self.pool.instances[url].healthy = True
+            self.members[url] = p.index
+        self.open_flights: dict[int, tuple[Instance, Flight, RouteRequest]] = {}
+        self.decode_tokens = [0] * len(self.prompt)
+        self.routed = [0] * len(self.prompt)
+        self.placed = [-1] * workload.n
+        self._scraped = -math.inf
+
+    def prompt_tokens(self, i: int) -> list[int]:
+        """Request `i`'s prompt as the router hashes it: the workload's, or one of its own (as the simulator's)."""
+        if self.workload.prompts is not None:
+            return list(self.workload.prompts[i])
+        return [i] * self.prompt_len[i]
+
+    def _scrape(self, now: float) -> None:
+        """The health check's read of each instance's queue lengths (its /metrics)."""
+        if now - self._scraped < self.router.health_interval_s:
+            return
+        self._scraped = now
+        for url, k in self.members.items():
+            p = self.prompt[k]
+            inst = self.pool.instances[url]
+            inst.waiting, inst.running = len(p.queue) + len(p.sched.waiting), len(p.sched.running)
+
+    def on_arrival(self, now: float, first: int) -> list[Event]:
+        self._scrape(now)
+        i, n = first, len(self.arrival)
+        while i < n and self.arrival[i] <= now:
+            route = self.pool.route(self.prompt_tokens(i), self.out_len[i])  # (sent as max_tokens, ignore_eos)
+            inst = self.pool.choose(route)
+            self.open_flights[i] = (inst, self.pool.open(inst, route), route)
+            k = self.members[inst.url]
+            self.routed[k] += 1
+            self.placed[i] = k
+            self.executor.submit(i, self.prompt[k])
+            i += 1
+        return [Arrival(self.arrival[i], i)] if i < n else []
+
+    def emit(self, req: Request) -> None:
+        super().emit(req)
+        i = int(req.request_id)
+        inst, flight, route = self.open_flights[i]
+        generated = len(req.output_token_ids)
+        self.decode_tokens[self.members[inst.url]] += generated - flight.generated
+        flight.generated = generated
+        if req.is_finished:
+            self.pool.close(inst, flight)
+            self.pool.remember(inst, self.pool.route(req.token_ids, 0, route.block_hashes).block_hashes)
+            del self.open_flights[i]
+
+    def run_cluster(self) -> ClusterResult:
+        res = self.run()
+        if self.hop_s:  # times count from the arrival at the router
+            res = dataclasses.replace(res, arrival=self.original.arrival)
+        return ClusterResult(res, list(self.decode_tokens), list(self.routed), list(self.placed))
+
+
+def simulate_cluster(n: int, config: SimConfig, perf: PerfModel, workload: Workload, router: RouterConfig,
+                     length_model: LengthModel | None = None, hop_s: float = 0.0) -> ClusterResult:
+    """Run `workload` through `n` simulated instances of `config` behind the router's placement (`router.policy`)."""
+    model = length_model or LengthModel.load(router.length_model)
+    return RoutedSimulator(instances_config(n, config), perf, workload, router, model, hop_s).run_cluster()
+
+
+def imbalance(decode_tokens: list[int]) -> float:
+    """Max over mean of the instances' decode load (1: perfectly even)."""
+    mean = float(np.mean(decode_tokens))
+    return max(decode_tokens) / mean if mean else 1.0
