@@ -1,18 +1,16 @@
 """What a user meets at the `kvflow` command line: one-line argument errors that come before any heavy
 import, no abbreviated flags, every option's help with its default, --version, a busy port reported
-before the model loads, and the address printed only once the server listens."""
+before the model loads (the address printed only once the server listens: tests/api/test_api_cli.py)."""
 
 from __future__ import annotations
 
 import argparse
 import ast
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 import kvflow
@@ -135,12 +133,6 @@ def test_every_benchmark_flag_has_help(path):
     assert missing == [], f"add_argument without help at lines {missing}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_busy_port_fails_in_one_line_before_the_model_loads():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -151,25 +143,6 @@ def test_busy_port_fails_in_one_line_before_the_model_loads():
     assert r.stderr.strip().splitlines() == [
         f"kvflow serve: error: cannot listen on 127.0.0.1:{port}: Address already in use "
         "(another server is listening there; pick another --port)"]
-
-
-def test_serve_prints_its_address_once_it_listens(tiny_ckpt_dir):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--model", str(tiny_ckpt_dir), "--port", str(port),
-           "--threads", "1", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        lines = []
-        for line in proc.stderr:  # until the address is announced (or the server exits: EOF)
-            lines.append(line)
-            if "serving" in line:
-                break
-        assert lines and f"on http://127.0.0.1:{port}/v1" in lines[-1], "".join(lines)
-        # announced = listening and started: the first request succeeds, no retry
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json() == {"status": "ok"}
-    finally:
-        proc.terminate()
-        assert proc.wait(30) == 0
 
 
 def test_plots_without_matplotlib_say_what_to_install(monkeypatch):

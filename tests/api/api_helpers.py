@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import openai
 from kvflow.api.server import BackgroundServer
 from kvflow.config import EngineConfig
 from kvflow.engine.engine import LLMEngine
+from kvflow.model.tokenizer import Tokenizer
 from kvflow.serving.backend import EngineBackend
 
 MODEL = "tiny"
@@ -31,6 +34,27 @@ def post(server: BackgroundServer, path: str, body, timeout: float = 30) -> http
     return httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"}, timeout=timeout)
 
 
+def sse_events(lines) -> list[dict | str]:
+    """The `data:` events of a server-sent stream's lines: decoded JSON, and the final "[DONE]"."""
+    return [d if (d := line[6:]) == "[DONE]" else json.loads(d) for line in lines if line.startswith("data: ")]
+
+
+def in_flight(server) -> int:
+    """The API's in-flight request gauge, from /metrics of `server` (anything with a `url`)."""
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvflow_api_requests_in_flight "):
+            return int(float(line.split()[1]))
+    raise AssertionError("no in-flight gauge")
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    """`fn()` on a daemon thread: the thread, and a dict that holds its result under "r" once it returned."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", fn()), daemon=True)
+    t.start()
+    return t, out
+
+
 def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -38,6 +62,18 @@ def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+class RecordingTokenizer(Tokenizer):
+    """The checkpoint's real tokenizer, not held: it records how many characters each encode got."""
+
+    def __init__(self, directory) -> None:
+        super().__init__(directory)
+        self.sizes: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.sizes.append(len(text))
+        return super().encode(text)
 
 
 class SlowEngine(LLMEngine):

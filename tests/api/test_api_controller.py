@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import re
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
+from servers import ServeProcess
 
 from kvflow.api.server import BackgroundServer
 from kvflow.controller.controller import Controller
@@ -143,38 +141,15 @@ def test_health_is_degraded_and_requests_queue_while_a_lost_worker_is_replaced(t
         assert ctrl.recovery.recoveries == 1
 
 
-def _serve_one_worker(model, *extra: str) -> tuple[subprocess.Popen, int]:
-    """`kvflow serve` of `model` in colocated depth 1 (stdout and stderr piped together), once healthy;
-    and its worker's pid, from the line the controller logs when it starts the worker."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--model", str(model), "--port", str(port), "--mode", "colocated",
-           "--depth", "1", "--threads", "1", "--served-model-name", "tiny", "--log-level", "info", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line.decode())
-            if m := re.search(r"started worker colocated-0 \(pid (\d+)\)", lines[-1]):
-                worker = int(m.group(1))
-                break
-        else:
-            raise AssertionError("".join(lines))
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return proc, worker
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvflow serve did not come up"
-            time.sleep(0.2)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+@contextmanager
+def _serve_one_worker(model, *extra: str):
+    """`kvflow serve` of `model` in colocated depth 1, once ready, and its worker's pid (from the line the
+    controller logs when it starts the worker)."""
+    with ServeProcess("serve", "--model", str(model), "--mode", "colocated", "--depth", "1", "--threads", "1",
+                      "--served-model-name", "tiny", "--log-level", "info", *extra) as srv:
+        worker = int(srv.wait_for(r"started worker colocated-0 \(pid (\d+)\)").group(1))
+        srv.wait_ready()
+        yield srv, worker
 
 
 def _running(pid: int) -> bool:
@@ -190,27 +165,21 @@ def test_serve_exits_1_when_a_lost_worker_cannot_be_replaced(tiny_ckpt_dir, tmp_
     exit code 1 (here the replacements cannot load the model: its files are gone)."""
     model = tmp_path / "model"
     shutil.copytree(tiny_ckpt_dir, model)
-    proc, worker = _serve_one_worker(model, "--max-restarts", "1")
-    try:
+    with _serve_one_worker(model, "--max-restarts", "1") as (srv, worker):
         shutil.rmtree(model)
         os.kill(worker, signal.SIGKILL)
-        assert proc.wait(180) == 1
-        log = proc.stdout.read().decode()
-        assert "replacement failed" in log and "cannot recover" in log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert srv.wait(180) == 1
+    assert "replacement failed" in srv.log and "cannot recover" in srv.log, srv.log
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
 def test_workers_do_not_outlive_a_killed_server(tiny_ckpt_dir):
     """SIGKILL leaves `kvflow serve` no chance to stop its workers: each notices on its own that the
     controller process is gone and exits (a worker forked by the fork server is not its child)."""
-    proc, worker = _serve_one_worker(tiny_ckpt_dir)
-    proc.kill()
-    proc.wait()
-    deadline = time.monotonic() + 60
-    while _running(worker):
-        assert time.monotonic() < deadline, f"worker {worker} still runs a minute after its server was killed"
-        time.sleep(0.1)
+    with _serve_one_worker(tiny_ckpt_dir) as (srv, worker):
+        srv.proc.kill()
+        srv.proc.wait()
+        deadline = time.monotonic() + 60
+        while _running(worker):
+            assert time.monotonic() < deadline, f"worker {worker} still runs a minute after its server was killed"
+            time.sleep(0.1)

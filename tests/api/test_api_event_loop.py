@@ -9,29 +9,14 @@ import threading
 
 import httpx
 import pytest
-from api_helpers import MODEL, client, tiny_backend, wait_until
+from api_helpers import MODEL, RecordingTokenizer, client, in_flight, in_thread, tiny_backend, wait_until
 from gated import GatedEngine, GatedTokenizer
 
 from kvflow.api.prepare import piece_chars
 from kvflow.api.server import APIConfig, BackgroundServer
-from kvflow.model.tokenizer import Tokenizer
 from kvflow.serving.backend import EngineBackend
 
 HUGE = " ".join(["w7"] * 1_000_000)  # 3 MB, far beyond the 256-token context
-
-
-def _in_flight(srv: BackgroundServer) -> int:
-    for line in httpx.get(f"{srv.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("kvflow_api_requests_in_flight "):
-            return int(float(line.split()[1]))
-    raise AssertionError("no in-flight gauge")
-
-
-def _in_thread(fn) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", fn()), daemon=True)
-    t.start()
-    return t, out
 
 
 @pytest.mark.parametrize("path,body", [
@@ -42,7 +27,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(tiny_ckpt_dir, path, bo
     backend = tiny_backend(tiny_ckpt_dir)
     tok = backend.tokenizer = GatedTokenizer(tiny_ckpt_dir)
     with BackgroundServer(backend, config=APIConfig(max_body_bytes=16 << 20)) as srv:  # over the default limit
-        t, out = _in_thread(lambda: httpx.post(f"{srv.url}{path}", json=body, timeout=120))
+        t, out = in_thread(lambda: httpx.post(f"{srv.url}{path}", json=body, timeout=120))
         assert tok.entered.wait(60), "the huge prompt never reached the tokenizer"
         # the tokenizer is now busy with the huge prompt (held until released): the loop must still answer
         h = httpx.get(f"{srv.url}/health", timeout=10)
@@ -56,18 +41,6 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(tiny_ckpt_dir, path, bo
         assert client(srv).completions.create(model=MODEL, prompt="w5", max_tokens=2, extra_body={"ignore_eos": True}).usage.completion_tokens == 2
 
 
-class RecordingTokenizer(Tokenizer):
-    """The real tokenizer, not held: it only records the size of each text it encodes."""
-
-    def __init__(self, directory) -> None:
-        super().__init__(directory)
-        self.sizes: list[int] = []
-
-    def encode(self, text: str) -> list[int]:
-        self.sizes.append(len(text))
-        return super().encode(text)
-
-
 def test_a_10_mb_prompt_is_refused_after_one_piece_and_a_small_request_is_served(tiny_ckpt_dir):
     """The real tokenizer (no gate) on 10 MB, allowed in by a raised body limit: it is counted piece by piece and
     refused once it passes the context, the rest never tokenized; /health and a small completion are answered."""
@@ -75,7 +48,7 @@ def test_a_10_mb_prompt_is_refused_after_one_piece_and_a_small_request_is_served
     tok = backend.tokenizer = RecordingTokenizer(tiny_ckpt_dir)
     huge = " ".join(["w7"] * 3_400_000)  # 10.2 MB
     with BackgroundServer(backend, config=APIConfig(max_body_bytes=16 << 20)) as srv:
-        t, out = _in_thread(lambda: httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": huge,
+        t, out = in_thread(lambda: httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": huge,
                                                                                    "max_tokens": 2}, timeout=300))
         assert httpx.get(f"{srv.url}/health", timeout=60).json() == {"status": "ok"}
         small = client(srv).completions.create(model=MODEL, prompt="w5 w6", max_tokens=3, extra_body={"ignore_eos": True})
@@ -92,10 +65,10 @@ def test_no_request_waits_on_an_engine_step(tiny_ckpt_dir):
     with BackgroundServer(backend) as srv:
         eng.hold_after(2)
         body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 8, "ignore_eos": True}
-        ta, a = _in_thread(lambda: httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120))
+        ta, a = in_thread(lambda: httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120))
         assert eng.holding.wait(60), "the engine never reached the held step"
-        tb, b = _in_thread(lambda: httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": "w9"}, timeout=120))
-        wait_until(lambda: _in_flight(srv) == 2, 30, "the second request to be in flight")  # its submission is pending
+        tb, b = in_thread(lambda: httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": "w9"}, timeout=120))
+        wait_until(lambda: in_flight(srv) == 2, 30, "the second request to be in flight")  # its submission is pending
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
         eng.release()
         ta.join(120)

@@ -12,7 +12,7 @@ import threading
 
 import httpx
 import pytest
-from api_helpers import MODEL, client, tiny_backend, wait_until
+from api_helpers import MODEL, RecordingTokenizer, client, in_flight, in_thread, tiny_backend, wait_until
 from gated import GATE_TIMEOUT_S
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -32,10 +32,6 @@ def _families(srv: BackgroundServer) -> dict:
     r = httpx.get(f"{srv.url}/metrics", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
     return {f.name: f for f in text_string_to_metric_families(r.text)}
-
-
-def _in_flight(srv: BackgroundServer) -> int:
-    return int(_families(srv)["kvflow_api_requests_in_flight"].samples[0].value)
 
 
 # ------------------------------------------------------------------------------------------- D1, D2: /metrics
@@ -122,32 +118,15 @@ def test_four_10_mb_prompts_get_413_by_default_and_a_small_request_is_answered(t
     assert default_max_body_bytes(256) == 1 << 20 and default_max_body_bytes(1 << 20) == 32 << 20
     huge = {"model": MODEL, "prompt": " ".join(["w7"] * 3_400_000), "max_tokens": 2}  # 10.2 MB
     with BackgroundServer(tiny_backend(tiny_ckpt_dir)) as srv:
-        out: list = []
-        threads = [threading.Thread(target=lambda: out.append(httpx.post(f"{srv.url}/v1/completions", json=huge,
-                                                                         timeout=120)), daemon=True)
-                   for _ in range(4)]
-        for t in threads:
-            t.start()
+        posts = [in_thread(lambda: httpx.post(f"{srv.url}/v1/completions", json=huge, timeout=120)) for _ in range(4)]
         small = client(srv).completions.create(model=MODEL, prompt="w5 w6", max_tokens=3, extra_body={"ignore_eos": True})
         assert small.usage.completion_tokens == 3
-        for t in threads:
+        for t, _ in posts:
             t.join(120)
-        assert [r.status_code for r in out] == [413] * 4
+        assert [out["r"].status_code for _, out in posts] == [413] * 4
 
 
 # ------------------------------------------------------------------------------------------- D3, D4: tokenizing
-class RecordingTokenizer(Tokenizer):
-    """The real tokenizer, recording how many characters each encode got."""
-
-    def __init__(self, directory) -> None:
-        super().__init__(directory)
-        self.sizes: list[int] = []
-
-    def encode(self, text: str) -> list[int]:
-        self.sizes.append(len(text))
-        return super().encode(text)
-
-
 def test_pieces_cut_where_whitespace_begins_and_lose_nothing():
     text = "alpha beta\tgamma " * 1000
     parts = list(pieces([text], 100))
@@ -216,18 +195,13 @@ def test_large_prompts_queue_on_their_own_thread_and_a_small_request_is_answered
     tok = backend.tokenizer = GatedLargeTokenizer(tiny_ckpt_dir, size)
     body = {"model": MODEL, "prompt": "w7 " * 2 * size, "max_tokens": 2}
     with BackgroundServer(backend) as srv:
-        out: list = []
-        threads = [threading.Thread(target=lambda: out.append(httpx.post(f"{srv.url}/v1/completions", json=body,
-                                                                         timeout=120)), daemon=True)
-                   for _ in range(4)]
-        for t in threads:
-            t.start()
+        posts = [in_thread(lambda: httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)) for _ in range(4)]
         assert tok.entered.wait(60), "no large prompt reached the tokenizer"
-        wait_until(lambda: _in_flight(srv) == 4, 30, "all four large prompts to be in flight")
+        wait_until(lambda: in_flight(srv) == 4, 30, "all four large prompts to be in flight")
         small = client(srv).completions.create(model=MODEL, prompt="w5 w6", max_tokens=3, extra_body={"ignore_eos": True})
         assert small.usage.completion_tokens == 3
         assert not tok.release.is_set() and tok.held == 1  # answered while one large prompt is held, three queued
         tok.release.set()
-        for t in threads:
+        for t, _ in posts:
             t.join(120)
-        assert [r.json()["error"]["code"] for r in out] == ["context_length_exceeded"] * 4
+        assert [out["r"].json()["error"]["code"] for _, out in posts] == ["context_length_exceeded"] * 4
