@@ -2,7 +2,7 @@
 route, check and error of `kvflow serve` (the prompt is templated, tokenized and validated here, once).
 
 A request goes to the instance the pool chooses as `/v1/completions` with the prompt as token ids, streamed, with
-`return_token_ids`, through the router's own HTTP client (`kvflow.router.http.SSEClient`). The router keeps the
+`return_token_ids`, through the router's own HTTP client (`kvflow.router.sse.SSEClient`). The router keeps the
 request's output in its own `Request` (the object the engine keeps), fed with the token ids the instance streams: its
 stop checks, detokenizer and held-back text are the engine's, so the client sees what one instance would have sent.
 If the instance fails (connection refused or reset, an error event, its `down` event), the request is re-sent to
@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvflow.model.loader import load_config
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvflow.router.config import RouterConfig
-from kvflow.router.http import HTTPFailed, HTTPStatus, SSEClient
+from kvflow.router.sse import HTTPFailed, HTTPStatus, SSEClient
 from kvflow.router.length import LengthModel
 from kvflow.router.pool import Instance, InstancePool, ModelInfo, NoInstance, probe
 from kvflow.sched.request import Request, RequestOutput

@@ -1,4 +1,4 @@
-"""The router's instance-side HTTP client (`kvflow.router.http.SSEClient`) against real HTTP servers: a FastAPI app
+"""The router's instance-side HTTP client (`kvflow.router.sse.SSEClient`) against real HTTP servers: a FastAPI app
 under uvicorn that streams SSE as `kvflow serve` does, and raw asyncio servers for the misbehaving cases (a
 keep-alive connection closed while idle, a stream cut off before `[DONE]`)."""
 
@@ -12,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvflow.router.http import HTTPFailed, HTTPStatus, SSEClient
+from kvflow.router.sse import HTTPFailed, HTTPStatus, SSEClient
 
 
 def sse_app(gate: asyncio.Event) -> FastAPI:
