@@ -10,9 +10,6 @@ import json
 import logging
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -27,6 +24,7 @@ from kvflow.controller.ray_launcher import Placement, RayConfig, RayLauncher, Ra
 from kvflow.sched.sampling import SamplingParams  # noqa: E402
 
 from conftest import on_loop_thread, run_to_completion, tiny_engine  # noqa: E402
+from servers import ServeProcess  # noqa: E402
 
 PROMPTS = [[5, 6, 7], list(range(10, 41)), [40] * 9, [3, 1, 4, 1, 5, 9, 2, 6], list(range(50, 70)), [11, 12]]
 LENGTHS = [12, 3, 9, 1, 6, 10]
@@ -184,12 +182,6 @@ def test_a_killed_actor_is_detected_and_replaced_by_the_launcher(cluster, tiny_c
     assert new.pid != old.pid and new.node_id == old.node_id  # a new actor, in the same bundle
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _until_available(cpu: float, node_a: float, node_b: float, timeout: float = 60) -> None:
     """Wait until the cluster reports these resources available (its reports lag by up to ~1 s)."""
     deadline = time.monotonic() + timeout
@@ -216,34 +208,17 @@ def test_kvflow_serve_launcher_ray_with_a_plan_file(cluster, tiny_ckpt_dir, tmp_
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(Placement({"colocated-0": StagePlacement(resources={"node_b": 0.25}),
                                           "colocated-1": StagePlacement(resources={"node_a": 0.25})}).to_dict()))
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--model", str(tiny_ckpt_dir), "--served-model-name", "tiny",
-           "--port", str(port), "--mode", "colocated", "--depth", "2", "--threads", "1", "--kv-cache-gb", "0.01",
-           "--launcher", "ray", "--ray-address", c.address, "--placement-strategy", "STRICT_SPREAD", "--plan", str(plan),
-           "--log-level", "warning"]
     _until_available(2.0, 1.0, 1.0)  # the other tests' placement groups are gone
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:  # readiness: poll the server's port (its own event, not a timer of the test's)
-            assert proc.poll() is None, f"kvflow serve exited:\n{proc.stdout.read()}"
-            assert time.monotonic() < deadline, "kvflow serve did not become ready within 180 s"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    with ServeProcess("serve", "--model", str(tiny_ckpt_dir), "--served-model-name", "tiny", "--mode", "colocated",
+                      "--depth", "2", "--threads", "1", "--kv-cache-gb", "0.01", "--launcher", "ray", "--ray-address",
+                      c.address, "--placement-strategy", "STRICT_SPREAD", "--plan", str(plan), "--log-level", "warning") as srv:
+        srv.wait_ready(180)
         # each stage's bundle: one CPU and a quarter of its planned node's resource
         _until_available(0.0, 0.75, 0.75)
-        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
-                                                     "ignore_eos": True}, timeout=120)
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": n,
+                                                         "temperature": 0, "ignore_eos": True}, timeout=120)
         assert r.status_code == 200, r.text
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
+        assert srv.stop() == 0, srv.log
     assert r.json()["choices"][0]["text"].split() == [f"w{t}" for t in expected]
-    assert "Ray placement group (STRICT_SPREAD)" in out, out
+    assert "Ray placement group (STRICT_SPREAD)" in srv.log, srv.log
     _until_available(2.0, 1.0, 1.0)  # the placement group was released
