@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.kv.cache import KVCache
-from kvflow.model import cpu_kernels
+from kvflow.model import cpu_kernels, prompt_attention
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.config import ModelConfig
 from kvflow.model.linear import Linear, choose_small_paths
@@ -106,6 +106,7 @@ class LlamaModel:
                 if "fixed" not in small.values():  # the invariant kernel's copy of the weight, unused
                     lin.invariant = None
         self.scale = cfg.head_dim**-0.5
+        self._group = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         device = layers[0].input_norm.device
         # On CPU with a C++ compiler the layer's elementwise passes run as fused kernels (`cpu_kernels`) and
         # attention (decode rows and prompt chunks) reads K/V in place; otherwise the PyTorch path (see
@@ -126,6 +127,10 @@ class LlamaModel:
         # (decode rows through the prefill kernel); else the fast paths.
         self.batch_invariant = (self.paged_kernel and all(lin.batch_invariant for lin in projections)) or (
             self.triton_norm and all(lin.triton for lin in projections))  # (on CUDA: the Triton kernels)
+        # Fast path only: whole prompts from a length measured at load go to PyTorch's flash attention.
+        self.sdpa_from = (prompt_attention.choose_sdpa_from(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                            layers[0].input_norm.dtype)
+                          if self.paged_kernel and not self.batch_invariant else None)
         prepared = [lin.invariant if self.batch_invariant else lin.packed for lin in projections]
         none = [lin.weight.new_empty(0) for lin in projections]
         self._decode_weights = (
@@ -392,11 +397,14 @@ class LlamaModel:
             return self._triton_attention(layer, q, batch, kv)
         if not batch.prefill and batch.decode_rows.numel():  # all rows decode, in order: no row gather/scatter
             return self._decode_attention(layer, q, batch, kv)
-        if self.paged_kernel:  # every prompt chunk in one call, K/V read in place from the cache
-            out = cpu_kernels.paged_prefill_attention(
-                q, kv.layer_kv(layer), batch.prefill_block_table, batch.prefill_query_start,
-                batch.prefill_query_len, batch.prefill_context_lens, self.scale,
-            )
+        if self.paged_kernel:  # prompt chunks in one call, K/V read in place from the cache ...
+            whole, rest = batch.prompt_split(self.sdpa_from or 1 << 62)
+            out = (cpu_kernels.paged_prefill_attention(q, kv.layer_kv(layer), *rest, self.scale) if rest is not None
+                   else torch.empty_like(q))
+            for i in whole:  # ... but whole prompts of `sdpa_from` tokens or more (fast path) through SDPA
+                s = batch.prefill[i]
+                rows = slice(s.query_start, s.query_start + s.query_len)
+                out[rows] = prompt_attention.attend_chunk(q[rows], k[rows], v[rows], s, self.scale, self._group, None)
         else:
             out = self._sdpa_prefill(layer, q, k, v, batch, kv)
         if batch.decode_rows.numel():
@@ -418,29 +426,10 @@ class LlamaModel:
 
     def _sdpa_prefill(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """The fallback for prompt chunks: one `scaled_dot_product_attention` per sequence, a chunk after
-        cached context over its gathered K/V with a mask -> [T, H, hd] (decode rows left unset)."""
+        cached context over its gathered K/V -> [T, H, hd] (decode rows left unset)."""
         out = torch.empty_like(q)
-        group = self.cfg.num_heads // self.cfg.num_kv_heads
         for s in batch.prefill:
             rows = slice(s.query_start, s.query_start + s.query_len)
-            qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, ql, hd]
-            if s.context_len == s.query_len:  # whole prompt in this chunk: attend to the fresh K/V
-                ks, vs = k[rows], v[rows]
-                mask, causal = None, True
-            else:
-                ks, vs = kv.read(layer, list(s.block_ids), s.context_len)
-                past = s.context_len - s.query_len
-                qpos = torch.arange(s.query_len, device=q.device)[:, None] + past
-                mask = torch.arange(s.context_len, device=q.device)[None, :] <= qpos
-                causal = False
-            o = F.scaled_dot_product_attention(
-                qs,
-                ks.transpose(0, 1).unsqueeze(0),
-                vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=causal,
-                scale=self.scale,
-                enable_gqa=group > 1,
-            )
-            out[rows] = o.squeeze(0).transpose(0, 1)
+            past = None if s.context_len == s.query_len else kv.read(layer, list(s.block_ids), s.context_len)
+            out[rows] = prompt_attention.attend_chunk(q[rows], k[rows], v[rows], s, self.scale, self._group, past)
         return out
