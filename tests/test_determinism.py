@@ -312,11 +312,18 @@ def _bf16_engine_config(ckpt, **kw) -> EngineConfig:
     return EngineConfig(model=str(ckpt), dtype="bfloat16", deterministic=True, block_size=4, **kw)
 
 
-def _engine_tokens(ckpt, prompts, params) -> list[list[int]]:
-    """Each request's tokens from the bf16 engine: whole prompts in one step, room for every request."""
-    engine = LLMEngine.from_config(_bf16_engine_config(ckpt, num_kv_blocks=512))
-    assert engine.model.kernel_variant.startswith("batch-invariant bfloat16")
-    return _generate(engine, prompts, params)
+_ENGINE_TOKENS: dict[str, tuple[str, list[list[int]]]] = {}
+
+
+def _engine_tokens(ckpt, prompts, params) -> tuple[str, list[list[int]]]:
+    """(the bf16 engine's kernel variant, each request's tokens from it: whole prompts in one step, room
+    for every request); computed once per checkpoint and request set (the layouts share them)."""
+    key = repr((str(ckpt), prompts, params))
+    if key not in _ENGINE_TOKENS:
+        engine = LLMEngine.from_config(_bf16_engine_config(ckpt, num_kv_blocks=512))
+        assert engine.model.kernel_variant.startswith("batch-invariant bfloat16")
+        _ENGINE_TOKENS[key] = engine.model.kernel_variant, _generate(engine, prompts, params)
+    return _ENGINE_TOKENS[key]
 
 
 def _cluster(ckpt, kw: dict):
@@ -392,7 +399,7 @@ def test_bf16_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, tiny4_ckpt_dir
     for all of them (preempted requests are recomputed), none of which the engine's run has."""
     ckpt = tiny4_ckpt_dir if kw.get("depth", 0) > 2 else tiny_ckpt_dir
     prompts, params, waves = _layout_requests()
-    expected = _engine_tokens(ckpt, prompts, params)
+    engine_variant, expected = _engine_tokens(ckpt, prompts, params)
     if "host_kv_bytes" in kw:
         kw = dict(kw, host_kv_bytes=kw["host_kv_bytes"] * KVLayout.for_model(tiny_config(), 1, 4, dtype=torch.bfloat16).bytes_per_block)
     cfg = _cluster(ckpt, kw)
@@ -402,7 +409,6 @@ def test_bf16_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, tiny4_ckpt_dir
         assert preemptions > 0, "the small KV pool was meant to force preemption"
     if "host_kv_bytes" in kw:
         assert stats.prefix_cache[(cfg.pipelines()[0].name, "host")].hits > 0, "prefix blocks were meant to come back from host"
-    engine_variant = LLMEngine.from_config(_bf16_engine_config(ckpt, num_kv_blocks=8)).model.kernel_variant
     assert set(variants.values()) == {engine_variant}, variants
 
 
@@ -421,7 +427,7 @@ def test_bf16_a_killed_worker_changes_no_token(tiny_ckpt_dir, tiny4_ckpt_dir, kw
     from test_recovery import PROMPTS, params, run_with_failure
 
     ckpt = tiny4_ckpt_dir if kw.get("depth", 0) > 2 else tiny_ckpt_dir
-    expected = _engine_tokens(ckpt, PROMPTS, [params(i) for i in range(len(PROMPTS))])
+    _, expected = _engine_tokens(ckpt, PROMPTS, [params(i) for i in range(len(PROMPTS))])
     replicated = kw.get("replication") != "none" and kw["mode"] == "colocated"
     streamed, finals, (failures, recoveries, healthy) = run_with_failure(_cluster(ckpt, kw), victim, "kill", 20, replicated)
     assert failures == 1 and recoveries == 1 and healthy
