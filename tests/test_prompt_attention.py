@@ -1,4 +1,4 @@
-"""Whole prompts through PyTorch's SDPA on the fast path (`kvflow.model.prompt_attention`), the paged kernel elsewhere."""
+"""Long prompt chunks through PyTorch's SDPA on the fast path (`kvflow.model.prompt_attention`), the paged kernel elsewhere."""
 
 from __future__ import annotations
 
@@ -37,23 +37,25 @@ def test_measured_choice_is_a_measured_length_and_never_batch_invariant(monkeypa
     assert _model(deterministic=True).sdpa_from is None  # a batch-invariant model keeps one kernel for every row
 
 
-def test_prompt_split_separates_whole_prompts_from_other_chunks():
+def test_prompt_split_separates_long_chunks_from_the_others():
     seqs = [SeqSlice(0, 12, 12, (0, 1, 2)), SeqSlice(12, 5, 5, (3, 4)), SeqSlice(17, 1, 9, (5, 6, 7)),
             SeqSlice(18, 4, 10, (8, 9, 10))]
     batch = ForwardBatch.build(seqs, 4)
-    whole, rest = batch.prompt_split(8)
-    assert whole == [0]  # the 5-token prompt is short, the last chunk has cached context, the decode row is no chunk
+    long, rest = batch.prompt_split(8)
+    assert long == [0]  # the 5-token prompt and the 4-token chunk are short, the decode row is no chunk
     assert rest[2].tolist() == [5, 4] and rest[3].tolist() == [5, 10] and rest[1].tolist() == [12, 18]
     assert rest[0].tolist() == batch.prefill_block_table[1:].tolist()
+    long, rest = batch.prompt_split(5)
+    assert long == [0, 1] and rest[2].tolist() == [4] and rest[0].tolist() == batch.prefill_block_table[2:].tolist()
     assert batch.prompt_split(8) is batch.prompt_split(8)  # once per step, for every layer
     none, everything = batch.prompt_split(1 << 62)
     assert none == [] and everything[0] is batch.prefill_block_table
-    all_whole, nothing = ForwardBatch.build(seqs[:2], 4).prompt_split(2)
-    assert all_whole == [0, 1] and nothing is None
+    every, nothing = batch.prompt_split(2)
+    assert every == [0, 1, 2] and nothing is None
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"])
-def test_whole_prompts_take_sdpa_and_agree_with_the_paged_kernel(monkeypatch, dtype, tol):
+def test_long_chunks_take_sdpa_and_agree_with_the_paged_kernel(monkeypatch, dtype, tol):
     model = _model(deterministic=False, dtype=dtype)
     cfg = model.cfg
     g = torch.Generator().manual_seed(1)
@@ -64,8 +66,9 @@ def test_whole_prompts_take_sdpa_and_agree_with_the_paged_kernel(monkeypatch, dt
         # cached before the step: the third prompt's first 6 tokens, and the first prompt's under other blocks
         kv0 = ForwardBatch.build([SeqSlice(0, 6, 6, (20, 21)), SeqSlice(6, 6, 6, (30, 31))], 4)
         model.forward(torch.tensor(prompts[2][:6] + prompts[0][:6]), kv0, kv)
-        # one step: a whole prompt of 12 (>= 8: SDPA), one of 5 (paged), the rest of the third after its
-        # cached 6 (paged), and a decode row of the first 6
+        calls.clear()
+        # one step: a whole prompt of 12, one of 5, the third's last 4 after its cached 6 (masked, over K/V
+        # gathered from the cache), and a decode row of the first prompt's 6
         seqs = [SeqSlice(0, 12, 12, (0, 1, 2)), SeqSlice(12, 5, 5, (3, 4)), SeqSlice(17, 4, 10, (20, 21, 22)),
                 SeqSlice(21, 1, 7, (30, 31))]
         ids = prompts[0] + prompts[1] + prompts[2][6:] + [prompts[0][6]]
@@ -77,9 +80,9 @@ def test_whole_prompts_take_sdpa_and_agree_with_the_paged_kernel(monkeypatch, dt
     def cache():
         return KVCache(KVLayout.for_model(cfg, 64, 4, dtype=dtype))
 
-    via_sdpa = step(cache(), 8)
-    assert calls == [12] * cfg.num_layers  # only the long whole prompt, once per layer
-    calls.clear()
     via_kernel = step(cache(), None)
     assert calls == []
-    assert (via_sdpa.float() - via_kernel.float()).abs().max().item() < tol
+    for sdpa_from, taken in ((8, [12]), (4, [12, 5, 4])):
+        via_sdpa = step(cache(), sdpa_from)
+        assert calls == taken * cfg.num_layers  # the chunks of sdpa_from tokens or more, once per layer
+        assert (via_sdpa.float() - via_kernel.float()).abs().max().item() < tol

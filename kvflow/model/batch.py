@@ -54,22 +54,21 @@ class ForwardBatch:
     prefill_context_lens: torch.Tensor  # [Sp] long: cached tokens after the step (the chunk is the last)
     _splits: dict = field(default_factory=dict, repr=False, compare=False)  # prompt_split's, per threshold
 
-    def prompt_split(self, whole_from: int) -> tuple[list[int], tuple[torch.Tensor, ...] | None]:
-        """(indices into `prefill` of whole prompts — no cached context before the chunk — of at least
-        `whole_from` tokens; the block table, query starts, query lengths and context lengths of the
-        other prompt chunks, None if there are none), computed once per step for all its layers."""
-        if whole_from not in self._splits:
-            whole = [i for i, s in enumerate(self.prefill) if s.context_len == s.query_len >= whole_from]
+    def prompt_split(self, min_query: int) -> tuple[list[int], tuple[torch.Tensor, ...] | None]:
+        """(indices into `prefill` of the prompt chunks of at least `min_query` tokens; the block table,
+        query starts, query lengths and context lengths of the other chunks, None if there are none),
+        computed once per step for all its layers."""
+        if min_query not in self._splits:
+            long = [i for i, s in enumerate(self.prefill) if s.query_len >= min_query]
             rest = None
-            if len(whole) < len(self.prefill):
-                meta = (self.prefill_block_table, self.prefill_query_start, self.prefill_query_len, self.prefill_context_lens)
-                rest = meta
-                if whole:
-                    keep = torch.tensor([i for i in range(len(self.prefill)) if i not in set(whole)],
-                                        dtype=torch.long, device=self.prefill_query_len.device)
-                    rest = tuple(t.index_select(0, keep) for t in meta)
-            self._splits[whole_from] = (whole, rest)
-        return self._splits[whole_from]
+            if len(long) < len(self.prefill):
+                rest = (self.prefill_block_table, self.prefill_query_start, self.prefill_query_len, self.prefill_context_lens)
+                if long:
+                    keep = torch.tensor(sorted(set(range(len(self.prefill))) - set(long)), dtype=torch.long,
+                                        device=self.prefill_query_len.device)
+                    rest = tuple(t.index_select(0, keep) for t in rest)
+            self._splits[min_query] = (long, rest)
+        return self._splits[min_query]
 
     @property
     def num_tokens(self) -> int:

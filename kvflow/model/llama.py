@@ -127,7 +127,7 @@ class LlamaModel:
         # (decode rows through the prefill kernel); else the fast paths.
         self.batch_invariant = (self.paged_kernel and all(lin.batch_invariant for lin in projections)) or (
             self.triton_norm and all(lin.triton for lin in projections))  # (on CUDA: the Triton kernels)
-        # Fast path only: whole prompts from a length measured at load go to PyTorch's flash attention.
+        # Fast path only: prompt chunks from a length measured at load go to PyTorch's flash attention.
         self.sdpa_from = (prompt_attention.choose_sdpa_from(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                             layers[0].input_norm.dtype)
                           if self.paged_kernel and not self.batch_invariant else None)
@@ -398,13 +398,11 @@ class LlamaModel:
         if not batch.prefill and batch.decode_rows.numel():  # all rows decode, in order: no row gather/scatter
             return self._decode_attention(layer, q, batch, kv)
         if self.paged_kernel:  # prompt chunks in one call, K/V read in place from the cache ...
-            whole, rest = batch.prompt_split(self.sdpa_from or 1 << 62)
+            long, rest = batch.prompt_split(self.sdpa_from or 1 << 62)
             out = (cpu_kernels.paged_prefill_attention(q, kv.layer_kv(layer), *rest, self.scale) if rest is not None
                    else torch.empty_like(q))
-            for i in whole:  # ... but whole prompts of `sdpa_from` tokens or more (fast path) through SDPA
-                s = batch.prefill[i]
-                rows = slice(s.query_start, s.query_start + s.query_len)
-                out[rows] = prompt_attention.attend_chunk(q[rows], k[rows], v[rows], s, self.scale, self._group, None)
+            for i in long:  # ... but chunks of `sdpa_from` tokens or more (fast path) through SDPA
+                self._sdpa_chunk(layer, q, k, v, batch.prefill[i], kv, out)
         else:
             out = self._sdpa_prefill(layer, q, k, v, batch, kv)
         if batch.decode_rows.numel():
@@ -425,11 +423,15 @@ class LlamaModel:
         return out
 
     def _sdpa_prefill(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """The fallback for prompt chunks: one `scaled_dot_product_attention` per sequence, a chunk after
-        cached context over its gathered K/V -> [T, H, hd] (decode rows left unset)."""
+        """The fallback for prompt chunks: `_sdpa_chunk` for each -> [T, H, hd] (decode rows left unset)."""
         out = torch.empty_like(q)
         for s in batch.prefill:
-            rows = slice(s.query_start, s.query_start + s.query_len)
-            past = None if s.context_len == s.query_len else kv.read(layer, list(s.block_ids), s.context_len)
-            out[rows] = prompt_attention.attend_chunk(q[rows], k[rows], v[rows], s, self.scale, self._group, past)
+            self._sdpa_chunk(layer, q, k, v, s, kv, out)
         return out
+
+    def _sdpa_chunk(self, layer: int, q, k, v, s, kv: KVCache, out: torch.Tensor) -> None:
+        """One prompt chunk through SDPA into its rows of `out`: a whole prompt over its fresh K/V, a
+        chunk after cached context over its sequence's K/V gathered from the cache."""
+        rows = slice(s.query_start, s.query_start + s.query_len)
+        past = None if s.context_len == s.query_len else kv.read(layer, list(s.block_ids), s.context_len)
+        out[rows] = prompt_attention.attend_chunk(q[rows], k[rows], v[rows], s, self.scale, self._group, past)

@@ -4,13 +4,14 @@ kvflow's paged CPU kernel (`cpu_kernels.paged_prefill_attention`) attends every 
 one call, reading K/V in place, with one fixed reduction order per row: a token's output is the same
 in a chunk of any length or as a decode row, which is what batch-invariant (`--deterministic`) serving
 needs. Its dot products are vector instructions, though, and on a CPU with matrix units PyTorch's
-flash attention (blocked GEMMs through oneDNN's brgemm, AMX tiles where present) attends a long fresh
-prompt several times faster. Its blocks depend on the sequence's length, so a row's result depends on
-how the prompt was chunked: it is a fast-path choice, never taken by a batch-invariant model.
+flash attention (blocked GEMMs through oneDNN's brgemm, AMX tiles where present) attends a long
+prompt chunk several times faster, even with the chunk's cached context gathered from the cache and
+masked. Its blocks depend on the lengths, so a row's result depends on how the prompt was chunked:
+it is a fast-path choice, never taken by a batch-invariant model.
 
-`choose_sdpa_from` decides, per machine, from which prompt length a whole prompt (a chunk with no
-cached context before it) goes to SDPA; `attend_chunk` is the per-sequence SDPA call, also the fallback
-of every prompt chunk where the paged kernel is not built.
+`choose_sdpa_from` decides, per machine, from which chunk length a prompt chunk goes to SDPA;
+`attend_chunk` is the per-sequence SDPA call, also the fallback of every prompt chunk where the paged
+kernel is not built.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from kvflow.model import cpu_kernels
 from kvflow.model.batch import SeqSlice
 
-# Prompt lengths timed at load; a longer prompt takes the choice of the longest.
+# Prompt lengths timed at load; a longer chunk takes the choice of the longest.
 MEASURED_LENS = (128, 256, 512, 1024)
 _CHOSEN: dict[tuple, int | None] = {}
 
@@ -47,8 +48,8 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: SeqSlice,
 
 
 def choose_sdpa_from(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int | None:
-    """The shortest whole prompt that SDPA attends faster than the paged kernel on this CPU (None:
-    never), timed on one layer at `MEASURED_LENS` (random q/K/V, the paths interleaved, the best of
+    """The shortest prompt chunk that SDPA attends faster than the paged kernel on this CPU (None:
+    never), timed on one layer's whole prompt at `MEASURED_LENS` (random q/K/V, the paths interleaved, the best of
     5 passes after a warm-up: another process can only make a pass slower). SDPA must win at every
     measured length from the chosen one on. `KVFLOW_PROMPT_ATTENTION=paged|sdpa` sets it without
     measuring. Cached per shape, dtype and torch thread count. Call `cpu_kernels.available()` first."""
@@ -56,7 +57,7 @@ def choose_sdpa_from(num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
     if forced:
         if forced not in ("paged", "sdpa"):
             raise ValueError(f"KVFLOW_PROMPT_ATTENTION must be paged or sdpa, not {forced!r}")
-        return None if forced == "paged" else 2
+        return None if forced == "paged" else 2  # (every prompt chunk has 2 tokens or more)
     key = (num_heads, num_kv_heads, head_dim, dtype, torch.get_num_threads())
     if key not in _CHOSEN:
         wins = [_sdpa_faster(n, num_heads, num_kv_heads, head_dim, dtype) for n in MEASURED_LENS]
