@@ -133,6 +133,8 @@ class PipelineExecutor:
                 p.queue.remove(req)
             if req in p.sched.waiting or req in p.sched.running:
                 p.sched.abort(req)
+                if p.role == "token":
+                    self.handoff.freed(p)
         if not req.is_finished:  # queued, handed off, or waiting for a token microbatch
             req.finish("abort")
         self._settle(req)
@@ -169,7 +171,7 @@ class PipelineExecutor:
             if p.role == "token" and out.preempted:
                 for r in out.preempted:  # recomputed by the prompt side, first in line
                     self.queue.appendleft(r)
-                self.version += 1
+                self._blocks_freed(p)
             if out.is_empty and not out.tiers:  # (copies between KV tiers alone make a step: disk loads)
                 p.pending_free += out.freed
                 if out.preempted and p.role != "token":
@@ -234,7 +236,7 @@ class PipelineExecutor:
             self.driver.emit(req)
             if req.is_finished:
                 if p.role != "prompt":
-                    self.version += 1  # its blocks were freed
+                    self._blocks_freed(p)  # its blocks were freed
                 self._settle(req)
         if self.handoff is not None:
             for req in p.sched.take_handoffs():
@@ -254,6 +256,12 @@ class PipelineExecutor:
             self._settle(req)
         else:
             self.dirty.add(self.handoff.join(req))
+
+    def _blocks_freed(self, p: PipelineState) -> None:
+        """Blocks of `p` (a token or colocated pipeline) were freed: what was refused may fit now."""
+        self.version += 1
+        if p.role == "token":
+            self.handoff.freed(p)
 
     def _settle(self, req: Request) -> None:
         """A finished request: free its token-side reservation once no KV is still on its way."""
@@ -312,6 +320,9 @@ class PipelineExecutor:
         again = sorted((r for r in again if id(r) not in seen), key=lambda r: r.arrival_time)
         self._requeue(self.queue, again, requeue_as)
         self.version += 1
+        for p in [lost, *voided]:
+            if p.role == "token":
+                self.handoff.freed(p)
         self.dirty.update(voided)
         return Voided(recompute, redo)
 

@@ -12,6 +12,7 @@ per token stage, or the simulated link's completion time).
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Protocol
@@ -48,6 +49,9 @@ class Handoff:
         self.parked: dict[str, Request] = {}  # sampled (or finished) while its KV is on its way
         self.joined: dict[str, TokenSide] = {}  # microbatch policy: where a request joined a ready queue (maybe left it)
         self._target: tuple[TokenSide | None, int] = (None, 0)
+        self._number = {id(tp): i for i, tp in enumerate(self.token)}
+        self._heap: list[tuple[int, int]] = []  # (-free blocks, number): at least each pool's count, maybe more
+        self._freed: set[int] = set(range(len(self.token)))  # pools whose count may have grown since pushed
 
     # --- prompt side --------------------------------------------------------------------------
 
@@ -63,8 +67,7 @@ class Handoff:
         if entry is None:
             tp, count = self._target
             if tp is None or count >= tp.microbatch or not tp.kv_manager.can_ensure([], self._tokens(tp, req)):
-                free = [t.kv_manager.num_free_blocks for t in self.token]
-                tp, count = self.token[free.index(max(free))], 0  # (the first of the freest)
+                tp, count = self._freest(), 0
             self._target = (tp, count + 1)
             entry = self.tables[rid] = (tp, [])
         tp, table = entry
@@ -73,6 +76,29 @@ class Handoff:
             return False
         self.cached[rid] = hit.num_tokens
         return True
+
+    def freed(self, tp: TokenSide) -> None:
+        """Blocks of `tp`'s pool were given back (a request finished or was preempted there): the
+        executor says so wherever that happens outside the hand-off, which picks the freest pool."""
+        self._freed.add(self._number[id(tp)])
+
+    def _freest(self) -> TokenSide:
+        """The token pipeline with the most free blocks, the first of them on a tie. A heap of counts
+        as last seen: a pool's count only grows through `freed`, where it is pushed again, so each
+        pool's largest entry is at least its count, and a top entry that still holds is the answer."""
+        heap, token = self._heap, self.token
+        if len(heap) > 4 * len(token) + 64:
+            heap.clear()
+            self._freed.update(range(len(token)))
+        for i in self._freed:
+            heapq.heappush(heap, (-token[i].kv_manager.num_free_blocks, i))
+        self._freed.clear()
+        while True:
+            free, i = heap[0]
+            now = token[i].kv_manager.num_free_blocks
+            if -free == now:
+                return token[i]
+            heapq.heapreplace(heap, (-now, i))  # it took blocks since: its entry goes down to its count
 
     @staticmethod
     def _tokens(tp: TokenSide, req: Request) -> int:
@@ -157,12 +183,14 @@ class Handoff:
         if tp is not None and req in tp.ready:  # joined, waiting for a microbatch: it holds its blocks itself
             tp.ready.remove(req)
             tp.kv_manager.release(req.block_ids)
+            self.freed(tp)
             return tp
         entry = self.tables.pop(rid, None)
         self.cached.pop(rid, None)
         if entry is None or not entry[1]:
             return None
         entry[0].kv_manager.release(entry[1])
+        self.freed(entry[0])
         return entry[0]
 
     def forget_kv(self, rid: str) -> None:
@@ -193,4 +221,5 @@ class Handoff:
             if table:
                 tp.kv_manager.release(table)
         self._target = (None, 0)
+        self._freed.update(range(len(self.token)))
         return again

@@ -93,9 +93,10 @@ class Simulator:
         self._events: list[Event] = []  # what dispatching batches caused, collected by `_fill_all`
         self._times: dict[tuple, float] = {}
         self.passes_run_ahead = 0  # passes no event stood for (`steady`)
-        self._decode_times: dict[tuple, dict] = {}  # (depth, role) -> (seqs, context) -> `steady`'s prices
+        self._decode_times: dict[tuple, list] = {}  # (depth, role, seqs) -> by context: `steady`'s prices
         self._idle: set[SimPipeline] = set(self.prompt)  # prompt-side pipelines with a free slot
         self._tried: dict[SimPipeline, int] = {}
+        self._quiet: int | None = None  # a version at which every idle pipeline has tried (none to look at)
         for k, p in enumerate(self.prompt + self.token):
             p.number = k
 
@@ -164,21 +165,38 @@ class Simulator:
 
     def _fill_all(self) -> list[Event]:
         """Let every pipeline that may have something to do fill its free slots (the executor's
-        `fill_all`, skipping idle pipelines whose queue has not changed since they last tried)."""
+        `fill_all`, skipping idle pipelines whose queue has not changed since they last tried).
+        Idle prompt pipelines are offered the queue in order only until the token side refuses
+        (`_watch`): the rest would be refused too, and stay as they are."""
         ex = self.executor
         todo, ex.dirty = ex.dirty, set()
-        if self.queue or self.config.dispatch == "round_robin":
+        version = ex.version
+        refusing = self.config.policy == "microbatch"  # a refusal ends every prompt pipeline's turn
+        idle: list[SimPipeline] = []  # idle prompt pipelines to try, in order
+        if (self.queue or self.config.dispatch == "round_robin") and version != self._quiet:
             for p in self._idle:
-                if p.queue and self._tried.get(p) != ex.version:
-                    todo.add(p)
+                if p.queue and self._tried.get(p) != version and p not in todo:
+                    if refusing and p.role == "prompt":
+                        idle.append(p)
+                    else:
+                        todo.add(p)
         for p in todo:
-            self._tried[p] = ex.version
+            self._tried[p] = version
             if p.ahead is not None and len(p.sched.groups) < p.depth:  # with a free slot, filling it may change its run
                 settle(self, p, self.now, self._rank)
         self._refused = False
-        for p in sorted(todo, key=lambda p: (p.role == "token", p.index)):  # the executor's `fill_all`
-            if not (self._refused and p.role == "prompt" and self.config.policy == "microbatch"):
+        order = sorted(todo, key=_fill_order)  # the executor's `fill_all`
+        if idle:
+            order = heapq.merge(order, sorted(idle, key=_fill_order), key=_fill_order)
+        for p in order:
+            if p in todo:
+                if not (self._refused and p.role == "prompt" and refusing):
+                    ex.fill(p)
+            elif not self._refused:  # (once refused, the idle ones left stay idle, untried: as if refused)
+                self._tried[p] = version
                 ex.fill(p)
+                if len(p.in_flight) == p.depth or p.down:
+                    self._idle.discard(p)
         for p in todo:
             if self.steady and p.role != "prompt" and p.ahead is None:
                 run_ahead(self, p, SAMPLED)
@@ -187,6 +205,8 @@ class Simulator:
                     self._idle.add(p)
                 else:
                     self._idle.discard(p)
+        # (a queue grows, and blocks are freed, only with a new version)
+        self._quiet = version if ex.version == version else None
         events, self._events = self._events, []
         return events
 
@@ -343,6 +363,12 @@ class Simulator:
         p.down = False
         self.executor.dirty.add(p)
         return []
+
+
+def _fill_order(p: SimPipeline) -> tuple[bool, int]:
+    """The executor's `fill_all` order: prompt-side pipelines first (their admission reserves
+    token-side blocks), each side in pipeline order."""
+    return p.role == "token", p.index
 
 
 def simulate(config: SimConfig, perf: PerfModel, workload: Workload, token_perf: PerfModel | None = None) -> SimResult:

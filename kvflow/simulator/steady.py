@@ -10,14 +10,14 @@ token pipeline's hand-off, a request queued for a colocated one; while requests 
 it, a colocated pipeline with a free slot admits at its next return and is not steady).
 
 `run_ahead` places those passes on the pipeline's stage clocks in the order their events would
-have been handled, up to the first pass that will finish a request (or `CHUNK` passes), and gives
-events only to the passes then in flight. The scheduler learns of the passes in between when
-anything next reaches the pipeline (`settle`: at one of those events, or when the executor is
-about to fill the pipeline with a free slot): the passes that returned before that moment are
-applied at once (`Scheduler.run_ahead`), and the pipeline's clocks, busy time and batches in
-flight are what step-by-step simulation would have made them (replayed from the start of the run
-when it is cut short). The batch log, the timeline and
-every decision are those of simulating each pass as an event (tests/simulator/test_steady.py).
+have been handled, up to the first pass that will finish a request (or, with a free slot, `CHUNK`
+passes), and gives events only to the passes then in flight. The scheduler learns of the passes
+in between when anything next reaches the pipeline (`settle`: at one of those events, or when the
+executor is about to fill the pipeline with a free slot): the passes that returned before that
+moment are applied at once (`Scheduler.run_ahead`), and the pipeline's clocks, busy time and
+batches in flight are what step-by-step simulation would have made them (replayed from the start
+of the run when it is cut short). The batch log, the timeline and every decision are those of
+simulating each pass as an event (tests/simulator/test_steady.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from kvflow.simulator.pipeline import SimPipeline
     from kvflow.simulator.simulator import Simulator
 
-CHUNK = 128  # passes run ahead at most before one is an event again (bounds what a join makes void)
+CHUNK = 128  # passes a pipeline with a free slot runs ahead at most (bounds what a join makes void)
+UNBOUNDED = 1 << 62  # a full pipeline: nothing can join it, it runs ahead until a pass finishes a request
 
 
 class _Run:
@@ -87,7 +88,7 @@ def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
     start = _Run([r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows],
                  [r[5] for r in rows], [r[0] for r in rows], p.busy, list(p.stage_free))
     end, returned = start.copy(), []
-    _play(sim, p, end, CHUNK, returned)
+    _play(sim, p, end, CHUNK if n_groups < p.depth else UNBOUNDED, returned)
     if not end.played:
         return
     for i, wire_id in enumerate(end.wire_ids):  # the passes in flight at the stop get events; those they follow are void
@@ -97,40 +98,79 @@ def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
 
 
 def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: list[float] | None) -> None:
-    """Play up to `limit` passes of `run` (stopping before a pass whose return finishes a request),
-    as `Simulator.dispatch` would place them; `returned` collects when each returned."""
-    depth, m = p.depth, len(run.groups)
-    per_stage = depth > 1 and not p.perf.uniform_stages
-    prices = sim._decode_times.setdefault((depth, p.role), {})
-    sizes = [len(g) for g in run.groups]
-    steps, left, context, stage_time, done_at, sent = run.steps, run.left, run.context, run.stage_time, run.done_at, run.sent
-    sf, busy, k = run.stage_free, run.busy, run.played
-    note = returned.append if returned is not None else None
-    while k < limit:
-        i = k % m
-        if steps[i] == left[i]:
-            break  # its return finishes a request: an event
-        t = done_at[i]  # it returns ...
-        busy += stage_time[i]
-        if note is not None:
-            note(t)
-        steps[i] += 1
-        n = sizes[i]  # ... and is sent again at once, one token further
-        c = context[i] = context[i] + n
-        priced = prices.get((n, c))
-        if priced is None:
-            shape = BatchShape(decode_seqs=n, decode_context=c)
-            step = sim._step_time(shape, p)
-            priced = prices[(n, c)] = (step, sim._hop(n, p) if depth > 1 else 0.0,
-                                       [sim._stage_time(shape, p, j) for j in range(depth)] if per_stage else [step] * depth)
-        stage_time[i], hop, stages = priced
-        for j in range(depth):  # `SimPipeline.place`
-            if j:
-                t += hop
-            t = sf[j] = (t if t > sf[j] else sf[j]) + stages[j]
-        done_at[i], sent[i] = t, k
-        k += 1
-    run.busy, run.played = busy, k
+    """Play up to `limit` passes of fresh `run` (stopping before a pass whose return finishes a
+    request), as `Simulator.dispatch` would place them; `returned` collects when each returned.
+
+    How many passes that is follows from each microbatch's `left`, and each pass's price from its
+    microbatch's context (one more token per request per pass), so both are known before the loop:
+    what remains per pass is the tandem-queue recursion of `SimPipeline.place`, in the same
+    floating-point operations in the same order."""
+    assert not run.played, "a run is played from its start"
+    m, depth = len(run.groups), p.depth
+    steps, left, context, stage_time, done_at = run.steps, run.left, run.context, run.stage_time, run.done_at
+    count = min([limit] + [i + (left[i] - steps[i]) * m for i in range(m)])  # pass k returns microbatch k % m
+    if count <= 0:
+        return
+    priced: list = [None] * count
+    for i in range(min(m, count)):
+        turns = len(range(i, count, m))
+        n = len(run.groups[i])
+        priced[i::m] = _prices(sim, p, n, context[i], turns)
+        context[i] += n * turns
+        steps[i] += turns
+    # Pass j is sent as pass j - m returns: `ret` holds when each pass returns (those in flight,
+    # then each played one, appended as the loop goes: its iterator reaches them), `sts` each one's
+    # stage time (counted busy as it returns).
+    ret = done_at[:]
+    sts = stage_time[:]
+    sts += [x[0] for x in priced]
+    busy, sf = run.busy, run.stage_free
+    put = ret.append
+    if depth == 2:
+        a, b = sf
+        for t, st, (_, hop, (s0, s1)) in zip(ret, sts, priced):
+            busy += st
+            a = (t if t > a else a) + s0
+            t = a + hop
+            b = (t if t > b else b) + s1
+            put(b)
+        sf[0], sf[1] = a, b
+    else:
+        for t, st, (_, hop, stages) in zip(ret, sts, priced):
+            busy += st
+            for k in range(depth):
+                if k:
+                    t += hop
+                x = sf[k]
+                t = sf[k] = (t if t > x else x) + stages[k]
+            put(t)
+    for i in range(min(m, count)):
+        last = i + (len(range(i, count, m)) - 1) * m
+        done_at[i], stage_time[i], run.sent[i] = ret[m + last], sts[m + last], last
+    if returned is not None:
+        returned += ret[:count]
+    run.busy, run.played = busy, count
+
+
+def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int) -> list:
+    """(stage time, hop, each stage's time) of `turns` one-token passes of a microbatch of `n`
+    requests whose contexts sum to `context` before the first: `Simulator.dispatch`'s prices,
+    kept per (pipeline depth, role, n) in a list indexed by the context."""
+    line = sim._decode_times.setdefault((p.depth, p.role, n), [])
+    hi = context + turns * n
+    if len(line) <= hi:
+        line += [None] * (hi + 1 - len(line) + len(line) // 2)
+    got = line[context + n:hi + 1:n]
+    if not all(got):
+        depth, per_stage = p.depth, p.depth > 1 and not p.perf.uniform_stages
+        for j, x in enumerate(got):
+            if x is None:
+                c = context + (j + 1) * n
+                shape = BatchShape(decode_seqs=n, decode_context=c)
+                step = sim._step_time(shape, p)
+                got[j] = line[c] = (step, sim._hop(n, p) if depth > 1 else 0.0,
+                                    tuple(sim._stage_time(shape, p, k) for k in range(depth)) if per_stage else (step,) * depth)
+    return got
 
 
 def settle(sim: "Simulator", p: "SimPipeline", now: float, rank: int) -> None:

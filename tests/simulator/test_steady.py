@@ -12,7 +12,8 @@ from sim_helpers import ConstantPerf, PacedPerf
 from kvflow.kv.block_pool import ANONYMOUS, BlockPool, OutOfBlocks
 from kvflow.kv.manager import KVCacheManager
 from kvflow.perf import AnalyticPerfModel, machine, model_shape
-from kvflow.simulator import LengthDist, Layout, PipelineGroup, SimConfig, Simulator, Workload, synthetic
+from kvflow.sched.handoff import Handoff
+from kvflow.simulator import Failure, LengthDist, Layout, PipelineGroup, SimConfig, Simulator, Workload, synthetic
 
 OPT = AnalyticPerfModel(model_shape("opt-66b"), machine("2xA100-80GB"))
 
@@ -68,7 +69,6 @@ def test_no_shortcut_where_a_prefix_may_hit_or_a_failure_replays():
     lay = Layout(PipelineGroup(2, 4))
     assert Simulator(SimConfig(lay, policy="continuous"), OPT, w).caching  # a preempted request hits its own blocks
     assert not Simulator(SimConfig(lay, policy="continuous"), OPT, w).steady
-    from kvflow.simulator import Failure
     failing = Simulator(SimConfig(lay, failures=(Failure(1.0, "prompt", 0, 0),)), OPT, w)
     assert failing.caching and not failing.steady
 
@@ -95,3 +95,31 @@ def test_anonymous_pool_counts():
     assert table == [] and kv.num_free_blocks == 10
     with pytest.raises(ValueError):
         KVCacheManager(10, 4, prefix_caching=True, block_ids=False)
+
+
+@pytest.mark.parametrize("policy, blocks, failure", [("microbatch", 300, None), ("continuous", 120, None),
+                                                     ("microbatch", 300, 30.0)])
+def test_the_freest_token_pool_is_the_scans(policy, blocks, failure, monkeypatch):
+    """The hand-off sends a token microbatch's worth of admissions to the token pool with the most
+    free blocks (the first on a tie): its heap of counts picks the pool a scan of every pool picks,
+    through finishes, token-side preemptions (continuous) and a recovery."""
+    picks = []
+    heap = Handoff._freest
+
+    def checked(self):
+        free = [t.kv_manager.num_free_blocks for t in self.token]
+        tp = heap(self)
+        assert tp is self.token[free.index(max(free))], free
+        picks.append(self.token.index(tp))
+        return tp
+
+    monkeypatch.setattr(Handoff, "_freest", checked)
+    w = synthetic(300, 200, LengthDist(max_len=150), 2.0, seed=5)
+    fail = (Failure(failure, "token", 1, 1),) if failure else ()
+    sim = Simulator(SimConfig(Layout(PipelineGroup(1, 4, 2), PipelineGroup(2, 4, 5)), policy=policy, kv_blocks=blocks,
+                              failures=fail), OPT, w)
+    res = sim.run()
+    assert (res.completions >= 1).all()
+    assert len(picks) > 50 and len(set(picks)) == 5
+    if policy == "continuous":
+        assert sim.executor.preemptions > 0
