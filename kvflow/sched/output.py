@@ -5,16 +5,17 @@ executor (engine, workers, simulator) carries out."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvflow.kv.tiers import TierPlan
 from kvflow.sched.request import Request
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     """`num_new_tokens` tokens of `request`, starting at `start` (its computed count when scheduled).
     `new_block_ids`: blocks this batch added to its table; `full_table`: they are the whole table, which
-    replaces an executor's copy of it (first batch since admission, a preemption or a rewind)."""
+    replaces an executor's copy of it (first batch since admission, a preemption or a rewind).
+    (A named tuple: one is made per request per batch, and a simulated run makes millions.)"""
 
     request: Request
     num_new_tokens: int

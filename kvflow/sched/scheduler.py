@@ -12,7 +12,6 @@ in-flight batch, so `schedule()` never picks a request whose previous batch has 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -128,7 +127,7 @@ class Scheduler:
         base, out = region * self.config.swap_region_blocks, []
         for s in seqs:
             n = len(s.request.block_ids)
-            out.append(dataclasses.replace(s, device_block_ids=tuple(range(base, base + n))))
+            out.append(s._replace(device_block_ids=tuple(range(base, base + n))))
             base += n
         assert base <= (region + 1) * self.config.swap_region_blocks, "a microbatch larger than its device region"
         return out, region
