@@ -4,6 +4,7 @@ is fenced and replaced, every request that lost KV is recomputed, and clients se
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
@@ -29,7 +30,9 @@ def params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=LENGTHS[i], temperature=0, ignore_eos=True)
 
 
+@functools.cache
 def reference(num_layers: int = 2) -> list[list[int]]:
+    """The engine's tokens for PROMPTS (computed once per layer count; callers only compare with them)."""
     eng = tiny_engine(tiny_config(num_layers=num_layers), num_kv_blocks=256, block_size=4)
     reqs = [eng.add_request(p, params(i)) for i, p in enumerate(PROMPTS)]
     final = run_to_completion(eng)
