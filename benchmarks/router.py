@@ -573,13 +573,13 @@ def main() -> None:
                     help="fidelity: Poisson arrivals per second")
     ap.add_argument("--fidelity-prefixes", type=number(int, 1), default=4, help="fidelity: shared prefixes")
     ap.add_argument("--fidelity-prefix-len", type=number(int, 1), default=64, help="fidelity: tokens of each prefix")
-    ap.add_argument("--scale-instances", type=number(int, 1), default=128, help="scale: simulated instances")
-    ap.add_argument("--scale-requests", type=number(int, 1), default=20000, help="scale: requests")
-    ap.add_argument("--scale-rate", type=number(float, 0, low_open=True), default=0.5,
+    ap.add_argument("--scale-instances", type=number(int, 1), default=64, help="scale: simulated instances")
+    ap.add_argument("--scale-requests", type=number(int, 1), default=4000, help="scale: requests")
+    ap.add_argument("--scale-rate", type=number(float, 0, low_open=True), default=0.1,
                     help="scale: Poisson arrivals per instance per second")
     ap.add_argument("--scale-kv-blocks", type=number(int, 1), default=2048, help="scale: KV blocks of 16 tokens per instance")
     ap.add_argument("--scale-ttft-slo", type=number(float, 0, low_open=True), default=2.0, help="scale: TTFT SLO (s)")
-    ap.add_argument("--scale-tpot-slo", type=number(float, 0, low_open=True), default=0.2, help="scale: TPOT SLO (s)")
+    ap.add_argument("--scale-tpot-slo", type=number(float, 0, low_open=True), default=0.5, help="scale: TPOT SLO (s)")
     ap.add_argument("--parts", default="policies,overhead,imbalance,kill",
                     help="which parts to run, comma-separated (of policies, overhead, imbalance, kill, fidelity, scale)")
     ap.add_argument("--out", type=Path, default=RESULTS / "router.json", help="JSON results (the plot beside it)")
@@ -616,7 +616,7 @@ def main() -> None:
         out["scale"] = scale_part(args)
     out["load_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    args.out.write_text(json.dumps(out, indent=1, default=str))
     if "policies" in out:
         plot(out["policies"], args.out.with_suffix(".png"))
         print(f"\n{'policy':14s} {'TTFT p50':>10s} {'TTFT p90':>10s} {'makespan':>9s} {'p50 vs rr':>9s}")
