@@ -395,22 +395,14 @@ async def replay(url: str, w) -> list:
         return await asyncio.gather(*(one(i) for i in range(w.n)))
 
 
-def serving_metrics(arrival, first, finish, out_len) -> dict:
-    """Throughput (output tokens over the makespan), TTFT p50 and TPOT p50, the way `benchmarks/fidelity.py` counts
-    them (times from each request's submission)."""
-    import numpy as np
-
-    arrival, first, finish, out_len = map(np.asarray, (arrival, first, finish, out_len))
-    tpot = (finish - first) / np.maximum(out_len - 1, 1)
-    return {"throughput_tok_s": float(out_len.sum() / (finish.max() - arrival.min())),
-            "ttft_p50_s": float(np.median(first - arrival)), "tpot_p50_s": float(np.median(tpot[out_len > 1]))}
-
-
 FIDELITY_KEYS = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s")
 
 
 def fidelity_part(args) -> dict:
     from dataclasses import replace
+
+    import numpy as np
+    from fidelity import metrics as serving_metrics  # (benchmarks/fidelity.py's: times from each submission)
 
     from kvflow.perf import ProfiledPerfModel
     from kvflow.perf.perf_model import BatchShape
@@ -448,8 +440,9 @@ def fidelity_part(args) -> dict:
                 if bad := [r.error for _, r in results if not r.ok]:
                     raise RuntimeError(f"{pol}: {len(bad)} failed requests: {bad[:3]}")
                 sent = [s for s, _ in results]
-                real = serving_metrics(sent, [s + r.ttft for s, r in results], [s + r.latency for s, r in results],
-                                       [r.output_len for _, r in results])
+                real = serving_metrics(*map(np.asarray, (sent, [s + r.ttft for s, r in results],
+                                                         [s + r.latency for s, r in results],
+                                                         [r.output_len for _, r in results])))
                 runs[pol].append((real, w))
                 print(f"  rep {rep} {pol:13s} real {real['throughput_tok_s']:6.2f} tok/s  TTFT p50 "
                       f"{real['ttft_p50_s'] * 1e3:7.1f} ms  TPOT p50 {real['tpot_p50_s'] * 1e3:6.1f} ms", flush=True)
