@@ -155,7 +155,7 @@ def distserve(requests: int, ttft: float, tpot: float) -> dict:
     with running decodes) against 2 prefill + 1 decode GPUs, and the phases alone. The paper's
     text does not give Fig. 1's SLO values; ours are stated in the output."""
     from kvflow.planner.goodput import search_rate
-    from kvflow.planner.placement import GoodputSpace, PhaseConfig, PlacementSearch
+    from kvflow.planner.placement import GoodputSpace, PlacementSearch
     from kvflow.slo import SLO
 
     perf = AnalyticPerfModel(model_shape("opt-13b"), machine("1xA100-80GB"))
