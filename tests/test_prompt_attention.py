@@ -48,7 +48,7 @@ def test_prompt_split_separates_long_chunks_from_the_others():
     long, rest = batch.prompt_split(5)
     assert long == [0, 1] and rest[2].tolist() == [4] and rest[0].tolist() == batch.prefill_block_table[2:].tolist()
     assert batch.prompt_split(8) is batch.prompt_split(8)  # once per step, for every layer
-    none, everything = batch.prompt_split(1 << 62)
+    none, everything = batch.prompt_split(None)
     assert none == [] and everything[0] is batch.prefill_block_table
     every, nothing = batch.prompt_split(2)
     assert every == [0, 1, 2] and nothing is None

@@ -54,19 +54,16 @@ class ForwardBatch:
     prefill_context_lens: torch.Tensor  # [Sp] long: cached tokens after the step (the chunk is the last)
     _splits: dict = field(default_factory=dict, repr=False, compare=False)  # prompt_split's, per threshold
 
-    def prompt_split(self, min_query: int) -> tuple[list[int], tuple[torch.Tensor, ...] | None]:
-        """(indices into `prefill` of the prompt chunks of at least `min_query` tokens; the block table,
-        query starts, query lengths and context lengths of the other chunks, None if there are none),
-        computed once per step for all its layers."""
+    def prompt_split(self, min_query: int | None) -> tuple[list[int], tuple[torch.Tensor, ...] | None]:
+        """(indices into `prefill` of the prompt chunks of at least `min_query` tokens, none for None;
+        the block table, query starts, query lengths and context lengths of the other chunks, None if
+        there are none), computed once per step for all its layers."""
         if min_query not in self._splits:
-            long = [i for i, s in enumerate(self.prefill) if s.query_len >= min_query]
-            rest = None
-            if len(long) < len(self.prefill):
-                rest = (self.prefill_block_table, self.prefill_query_start, self.prefill_query_len, self.prefill_context_lens)
-                if long:
-                    keep = torch.tensor(sorted(set(range(len(self.prefill))) - set(long)), dtype=torch.long,
-                                        device=self.prefill_query_len.device)
-                    rest = tuple(t.index_select(0, keep) for t in rest)
+            meta = (self.prefill_block_table, self.prefill_query_start, self.prefill_query_len, self.prefill_context_lens)
+            long = [i for i, s in enumerate(self.prefill) if min_query is not None and s.query_len >= min_query]
+            short = [i for i in range(len(self.prefill)) if i not in long]
+            rest = None if not short else meta if not long else tuple(
+                t.index_select(0, torch.tensor(short, dtype=torch.long, device=t.device)) for t in meta)
             self._splits[min_query] = (long, rest)
         return self._splits[min_query]
 

@@ -397,14 +397,13 @@ class LlamaModel:
             return self._triton_attention(layer, q, batch, kv)
         if not batch.prefill and batch.decode_rows.numel():  # all rows decode, in order: no row gather/scatter
             return self._decode_attention(layer, q, batch, kv)
-        if self.paged_kernel:  # prompt chunks in one call, K/V read in place from the cache ...
-            long, rest = batch.prompt_split(self.sdpa_from or 1 << 62)
-            out = (cpu_kernels.paged_prefill_attention(q, kv.layer_kv(layer), *rest, self.scale) if rest is not None
-                   else torch.empty_like(q))
-            for i in long:  # ... but chunks of `sdpa_from` tokens or more (fast path) through SDPA
-                self._sdpa_chunk(layer, q, k, v, batch.prefill[i], kv, out)
-        else:
-            out = self._sdpa_prefill(layer, q, k, v, batch, kv)
+        # Prompt chunks: the paged kernel, all in one call, K/V read in place from the cache; SDPA one chunk
+        # at a time for those of `sdpa_from` tokens or more (fast path), and for all without the kernel.
+        long, rest = batch.prompt_split(self.sdpa_from if self.paged_kernel else 2)
+        out = (cpu_kernels.paged_prefill_attention(q, kv.layer_kv(layer), *rest, self.scale) if rest is not None
+               else torch.empty_like(q))
+        for i in long:
+            self._sdpa_chunk(layer, q, k, v, batch.prefill[i], kv, out)
         if batch.decode_rows.numel():
             qd = q.index_select(0, batch.decode_rows)
             out.index_copy_(0, batch.decode_rows, self._decode_attention(layer, qd, batch, kv))
@@ -420,13 +419,6 @@ class LlamaModel:
         if batch.decode_rows.numel():
             _triton_kernels().paged_attention(q, kv_layer, batch.decode_block_table, batch.decode_rows,
                                              batch.decode_query_len, batch.decode_context_lens, 1, self.scale, out)
-        return out
-
-    def _sdpa_prefill(self, layer: int, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """The fallback for prompt chunks: `_sdpa_chunk` for each -> [T, H, hd] (decode rows left unset)."""
-        out = torch.empty_like(q)
-        for s in batch.prefill:
-            self._sdpa_chunk(layer, q, k, v, s, kv, out)
         return out
 
     def _sdpa_chunk(self, layer: int, q, k, v, s, kv: KVCache, out: torch.Tensor) -> None:
