@@ -160,15 +160,76 @@ def decode_steps(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, 
         eng.step()
         sync(device)
         times.append(time.perf_counter() - t0)
+    fwd = forward_only(eng, device, steps)
     layout = eng.kv_cache.layout
     ctx = 256 + 3 + steps // 2
     kv_bytes = batch * ctx * layout.bytes_per_block // layout.block_size
     result = {"batch": batch, "graphs": graphs and eng.runner.graphs is not None, "step_ms": 1e3 * statistics.median(times),
-              "weight_bytes": eng.model.weight_bytes, "kv_bytes": kv_bytes}
+              "forward_ms": fwd, "weight_bytes": eng.model.weight_bytes, "kv_bytes": kv_bytes}
     del llm, eng
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def forward_only(eng, device: str, steps: int) -> float:
+    """Median time of the step's forward alone (the graph replay, or the eager forward) at the
+    running requests' current contexts, logits included, sampling and scheduling not: the rest of a
+    step is host work. (It rewrites each request's last KV slot with the same values.)"""
+    from kvflow.model.batch import ForwardBatch
+
+    reqs = [r for r in eng.requests.values() if r.output_token_ids]
+    contexts = [(r.num_tokens, list(r.block_ids)) for r in reqs]
+    toks = [r.output_token_ids[-1] for r in reqs]
+    graphs = eng.runner.graphs
+    bs = eng.kv_cache.layout.block_size
+
+    def once() -> None:
+        with torch.inference_mode():
+            if graphs is not None and len(reqs) <= graphs.max_batch:
+                graphs.run(contexts, tokens=toks)
+            else:
+                batch = ForwardBatch.of([(1, c, b) for c, b in contexts], bs, device)
+                eng.model.forward(torch.tensor(toks, device=device), batch, eng.kv_cache)
+
+    once()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        once()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def profile_step(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, path: Path) -> None:
+    """torch.profiler's table (top ops by device and by host time) of 5 decode steps, to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvflow.engine.llm import LLM
+    from kvflow.sched.sampling import SamplingParams
+
+    llm = LLM(str(ckpt), dtype="bfloat16", device=device, enforce_eager=not graphs, max_num_seqs=max(batch, 1))
+    eng = llm.engine
+    for p in prompts([256] * batch, vocab, seed=batch):
+        eng.add_request(p, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    while any(not r.output_token_ids for r in eng.requests.values()):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(5):
+            eng.step()
+        sync(device)
+    key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+    with path.open("a") as f:
+        f.write(f"== batch {batch}, {'graphs' if graphs else 'eager'}, 5 steps\n")
+        f.write(prof.key_averages().table(sort_by=key, row_limit=25) + "\n")
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+    del llm, eng
 
 
 def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: bool) -> dict:
@@ -269,6 +330,8 @@ def main() -> None:
     ap.add_argument("--offline-batch", type=int, default=64, help="requests in the offline run (256 in each)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request in the offline run")
     ap.add_argument("--compile", action="store_true", help="also time transformers with a static cache and torch.compile")
+    ap.add_argument("--profile", action="store_true", help="also write profile-<shape>.txt: 5 decode steps at batch 1 and the "
+                    "largest batch, eager and graphed, under torch.profiler")
     ap.add_argument("--out", type=Path, default=Path("results/gpu"), help="directory for gpu.json and gpu.png")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -293,7 +356,14 @@ def main() -> None:
                     d["floor_ms"] = 1e3 * (d["weight_bytes"] + d["kv_bytes"]) / bw
                     r["decode"].append(d)
                     print(f"[{shape}] decode batch {b:3d} {'graphs' if d['graphs'] else 'eager ':6s} "
-                          f"{d['step_ms']:8.3f} ms  floor {d['floor_ms']:.3f} ms  x{d['step_ms'] / d['floor_ms']:.1f}", flush=True)
+                          f"{d['step_ms']:8.3f} ms (forward {d['forward_ms']:.3f})  floor {d['floor_ms']:.3f} ms  x{d['step_ms'] / d['floor_ms']:.1f}", flush=True)
+            if args.profile:
+                for b in sorted({args.batches[0], args.batches[-1]}):
+                    for graphs in (False, True):
+                        try:
+                            profile_step(ckpt, args.device, b, graphs, vocab, args.out / f"profile-{shape}.txt")
+                        except Exception as e:  # (the profile is a diagnosis: the figures go on without it)
+                            print(f"[{shape}] profile batch {b} failed: {type(e).__name__}: {e}", flush=True)
             r["offline"] = offline(ckpt, args.device, args.offline_batch, args.new_tokens, vocab, args.compile)
             print(f"[{shape}] offline {r['offline']}", flush=True)
             if shape != "1b":  # (the issue's serving figure is the 135M shape's)
