@@ -16,6 +16,7 @@ from kvflow.controller.pipeline import Pipeline, StageHandle
 from kvflow.wire import Hello, Ready, Route, Setup, Shutdown, WireError, WorkerError, decode, encode
 
 log = logging.getLogger(__name__)
+PEER_EXIT_WAIT_S = 2.0  # how long a stream peer's disconnection waits for a process exit to blame instead
 
 
 class StartError(RuntimeError):
@@ -154,6 +155,17 @@ class Workers:
             if now - s.last_heartbeat > self.cfg.heartbeat_timeout_s:
                 return s, f"worker {s.name} stopped sending heartbeats for {now - s.last_heartbeat:.1f}s"
         return None
+
+    def await_exit(self, timeout_s: float = PEER_EXIT_WAIT_S) -> bool:
+        """Wait until some live stage's process has exited (True), or `timeout_s` (False). A worker
+        whose stream peer disconnected reports it at once; the peer's process, if it died, may not be
+        reaped yet, and the dead one is the stage to recover."""
+        deadline = time.monotonic() + timeout_s
+        while not any(s.alive and s.process is not None and s.process.poll() is not None for s in self.stages.values()):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def running(self, *stages: StageHandle) -> bool:
         return all(s.process is None or s.process.poll() is None for s in stages)

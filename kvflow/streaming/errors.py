@@ -49,3 +49,12 @@ class PeerTimeout(PeerError):
 
 class PeerRejected(PeerError):
     """The peer received a chunk but rejected it; the message carries its reason."""
+
+
+def peer_gone(e: BaseException) -> bool:
+    """Whether `e` is, or was raised because of, a peer that disconnected (the chain of causes)."""
+    while e is not None:
+        if isinstance(e, PeerGone):
+            return True
+        e = e.__cause__
+    return False
