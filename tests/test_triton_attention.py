@@ -164,18 +164,18 @@ def test_the_model_on_the_kernel_gives_the_tokens_of_its_cpu_path(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreted on CPU tensors; with a GPU, tests/test_cuda.py runs the model on them")
 def test_the_deterministic_model_on_the_triton_kernels_gives_the_tokens_of_its_cpu_path(monkeypatch):
-    """Every kernel a deterministic model runs on CUDA (attention, projections, RMS norm), interpreted:
-    float32 greedy tokens equal the CPU path's."""
+    """Every kernel a deterministic model runs on CUDA (attention, projections, the fused norms, RoPE
+    + K/V write and SiLU), interpreted: float32 greedy tokens equal the CPU path's."""
     from conftest import run_to_completion, tiny_engine
 
-    from kvflow.model import triton_invariant
+    from kvflow.model import triton_fused, triton_invariant
     from kvflow.sched.sampling import SamplingParams
 
     def tokens(triton_path: bool):
         eng = tiny_engine(max_num_batched_tokens=12, prefill_chunk_size=8)
         if triton_path:
             m = eng.model
-            m.triton_attention, m.triton_norm, m.paged_kernel, m.native_decode, m.cpu_kernels = True, True, False, False, False
+            m.triton_attention, m.fused_ops, m.paged_kernel, m.native_decode, m.cpu_kernels = True, triton_fused, False, False, False
             for lin in [lin for w in m.layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [m._lm_head]:
                 lin.invariant, lin.packed, lin.triton = None, None, True
         params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -184,8 +184,8 @@ def test_the_deterministic_model_on_the_triton_kernels_gives_the_tokens_of_its_c
         return [done[r].token_ids for r in ids]
 
     calls = []
-    for name in ("linear", "rms_norm"):
-        real = getattr(triton_invariant, name)
-        monkeypatch.setattr(triton_invariant, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    for module, name in [(triton_invariant, "linear")] + [(triton_fused, n) for n in ("rms_norm", "add_rms_norm", "rope_write", "silu_mul")]:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     assert tokens(True) == tokens(False)
-    assert {"linear", "rms_norm"} <= set(calls)
+    assert {"linear", "rms_norm", "add_rms_norm", "rope_write", "silu_mul"} <= set(calls)

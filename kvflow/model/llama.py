@@ -56,10 +56,10 @@ def _triton_kernels():
     return triton_attention
 
 
-def _triton_invariant():
-    from kvflow.model import triton_invariant
+def _triton_fused():
+    from kvflow.model import triton_fused
 
-    return triton_invariant
+    return triton_fused
 
 
 class LlamaModel:
@@ -117,7 +117,9 @@ class LlamaModel:
         # On CUDA with Triton, attention reads K/V in place too (`triton_attention`, batch-invariant by
         # construction); the projections there are cuBLAS's, which are not.
         self.triton_attention = device.type == "cuda" and _triton_kernels().available(device)
-        self.triton_norm = deterministic and self.triton_attention  # per-row RMS norm (PyTorch's splits rows by shape)
+        # The layer's elementwise passes (norms, RoPE + K/V write, SiLU) as fused kernels, one row per
+        # program: `cpu_kernels` on CPU, `triton_fused` on CUDA; None runs them op by op in PyTorch.
+        self.fused_ops = cpu_kernels if self.cpu_kernels else _triton_fused() if self.triton_attention else None
         # A step of decode rows only runs its layers in one native call (`cpu_kernels.decode_layers`:
         # the same kernels and projections, bitwise the same result, no Python call per op); False
         # runs them op by op from Python (for comparison; hooks and prompt chunks always do).
@@ -126,7 +128,7 @@ class LlamaModel:
         # Batch-invariant: every projection on the invariant kernel and attention on the paged kernels
         # (decode rows through the prefill kernel); else the fast paths.
         self.batch_invariant = (self.paged_kernel and all(lin.batch_invariant for lin in projections)) or (
-            self.triton_norm and all(lin.triton for lin in projections))  # (on CUDA: the Triton kernels)
+            self.triton_attention and all(lin.triton for lin in projections))  # (on CUDA: the Triton kernels)
         # Fast path only: prompt chunks from a length measured at load go to PyTorch's flash attention.
         self.sdpa_from = (prompt_attention.choose_sdpa_from(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                             layers[0].input_norm.dtype)
@@ -321,14 +323,12 @@ class LlamaModel:
         return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     def _fused(self, *tensors: torch.Tensor) -> bool:
-        """Whether the CPU kernels take these tensors (built, contiguous, one dtype)."""
-        return self.cpu_kernels and all(t.is_contiguous() and t.dtype == tensors[0].dtype for t in tensors)
+        """Whether the fused kernels take these tensors (there are some, contiguous, one dtype)."""
+        return self.fused_ops is not None and all(t.is_contiguous() and t.dtype == tensors[0].dtype for t in tensors)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._fused(x, weight):
-            return cpu_kernels.rms_norm(x, weight, self.cfg.rms_norm_eps)
-        if self.triton_norm:
-            return _triton_invariant().rms_norm(x, weight, self.cfg.rms_norm_eps)
+            return self.fused_ops.rms_norm(x, weight, self.cfg.rms_norm_eps)
         return rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,10 +336,8 @@ class LlamaModel:
         if delta is None:
             return x, self._norm(x, weight)
         if self._fused(delta, x, weight):
-            return delta, cpu_kernels.add_rms_norm(delta, x, weight, self.cfg.rms_norm_eps)
+            return delta, self.fused_ops.add_rms_norm(delta, x, weight, self.cfg.rms_norm_eps)
         x = x + delta
-        if self.triton_norm:
-            return x, _triton_invariant().rms_norm(x, weight, self.cfg.rms_norm_eps)
         return x, rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def _layer(self, layer, lw: LayerWeights, x, delta, batch: ForwardBatch, kv: KVCache, cos, sin, hook):
@@ -350,7 +348,7 @@ class LlamaModel:
         T = x.shape[0]
         kv_layer = kv.layer_kv(layer)
         if self._fused(qkv, cos, sin, kv_layer):  # RoPE in place and the K/V write, one pass
-            cpu_kernels.rope_write(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_layer, batch.slot_mapping)
+            self.fused_ops.rope_write(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_layer, batch.slot_mapping)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(T, cfg.num_heads, cfg.head_dim)
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -368,7 +366,7 @@ class LlamaModel:
         x, h = self._add_norm(x, lw.o(attn.reshape(T, cfg.q_size)), lw.post_norm)
         gate_up = lw.gate_up(h)
         if self._fused(gate_up):
-            return x, lw.down(cpu_kernels.silu_mul(gate_up))
+            return x, lw.down(self.fused_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return x, lw.down(F.silu(gate) * up)
 

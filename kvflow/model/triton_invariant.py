@@ -1,5 +1,5 @@
-"""Batch-invariant GPU ops in Triton: the projection `y = x @ weight.T` and the RMS norm, whose rows
-never depend on the other rows of their input.
+"""A batch-invariant GPU projection in Triton: `y = x @ weight.T`, whose rows never depend on the
+other rows of its input.
 
 cuBLAS picks its GEMM by shape (split-K, tile sizes, stream-K), so the same row multiplied in a
 batch of 3 and of 64 can round differently. Here every call uses the same tiles and no split over
@@ -8,8 +8,8 @@ BLOCK_K, in order, whatever the row count or the row's place (rows of a tile sha
 what `LlamaModel(deterministic=True)` uses on CUDA, with `triton_attention`, so a request's tokens
 do not depend on its batch there either.
 
-PyTorch's own reductions (the RMS norm's mean of squares) likewise choose how to split a row by the
-tensor's shape; `rms_norm` here reduces each row in one program, the same way for any row count.
+(The RMS norm, whose PyTorch reduction also splits rows by shape, runs per row in `triton_fused`,
+on CUDA always.)
 
 The projection gives up some speed on the shapes cuBLAS would split; under `TRITON_INTERPRET=1` it runs on CPU
 tensors for the tests (there, as in `triton_attention`, half-precision dots take float32 copies of
@@ -68,33 +68,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _linear_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                          UPCAST=x.dtype == torch.float32 or interpreted())
-    return y
-
-
-if triton is not None:
-
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps, BLOCK_D: tl.constexpr):
-        row = tl.program_id(0)
-        d = tl.arange(0, BLOCK_D)
-        ok = d < D
-        x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
-        # transformers' order: normalise in float32, round to the input's dtype, then scale (the
-        # product of two such values in float32, rounded once: as PyTorch computes it)
-        normed = (x * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + d, (w * normed).to(y_ptr.dtype.element_ty), mask=ok)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm over the last dim of x [T, D], one program per row."""
-    if x.dim() != 2 or x.shape[1] != weight.shape[0]:
-        raise ValueError(f"rms_norm: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0],)](x, weight, y, x.shape[1], x.stride(0), y.stride(0), eps,
-                                        BLOCK_D=triton.next_power_of_2(x.shape[1]))
     return y
