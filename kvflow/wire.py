@@ -92,18 +92,22 @@ class Step:
     tier_ops: list[list[int]] = field(default_factory=list)  # kv.tiers.TierPlan.to_wire(): done before the forward
     tier_failed: list[int] = field(default_factory=list)  # host slots whose disk block a stage rejected (so far)
     swap_region: int = -1  # microbatch swapping: the device region the step computes in (-1: none)
+    argmax_rows: list[int] = field(default_factory=list)  # rows whose token is their logits' argmax: taken on the last stage
     busy_s: float = 0.0  # compute seconds of the stages before this one (a stage adds its own before forwarding)
 
 
 @dataclass
 class StepResult:
-    """Last stage -> controller: last-token logits of each sequence (tensor frame)."""
+    """Last stage -> controller: last-token logits of each sequence not in the step's `argmax_rows`
+    (tensor frame, in row order), and the argmax of each that is."""
 
     epoch: int
     batch: int
     rids: list[str]
     busy_s: float = 0.0  # compute seconds of the step in every stage of the pipeline, summed
     tier_failed: list[int] = field(default_factory=list)  # host slots whose disk block any stage rejected
+    argmax_rows: list[int] = field(default_factory=list)  # the step's `argmax_rows`, whose tokens are
+    argmax_ids: list[int] = field(default_factory=list)  # these (the tensor holds the other rows)
 
 
 @dataclass
@@ -196,6 +200,7 @@ class WorkerError:
     name: str
     message: str
     epoch: int = -1  # the epoch of the step that failed (-1: not tied to a step)
+    peer_gone: bool = False  # it failed because a peer it streams to disconnected (maybe that peer died)
 
 
 @dataclass

@@ -121,6 +121,28 @@ def test_greedy_rows_are_the_argmax_whatever_shares_the_batch():
     assert sample_requests(logits, [req(greedy) for _ in range(12)]) == logits.argmax(-1).tolist()
 
 
+def test_logits_on_an_accelerator_give_the_hosts_tokens():
+    """Where the logits sit on a GPU, plain greedy rows take their argmax there and the others are
+    sampled on the host (`_device_first`, run here on CPU tensors): the same tokens as the host path
+    for a batch of every kind of row, seeded rows drawing the same numbers."""
+    from kvflow.sched.sampler import _device_first
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 300, generator=g) * 3
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.5),
+             SamplingParams(temperature=0, min_tokens=5, stop_token_ids=(int(logits[2].argmax()),)),
+             SamplingParams(temperature=0.8, top_p=0.9, seed=5), SamplingParams(temperature=0)]
+    batch = [kinds[i % len(kinds)] for i in range(8)]
+
+    def run(sampler):
+        reqs = [req(p, output=[1, 4], rid=f"r{i}") for i, p in enumerate(batch)]
+        return sampler(logits, reqs)
+
+    assert run(_device_first) == run(sample_requests)
+    only_plain = [req(SamplingParams(temperature=0), rid=f"g{i}") for i in range(8)]
+    assert _device_first(logits, only_plain) == logits.argmax(-1).tolist()
+
+
 def test_the_callers_logits_are_left_as_they_were():
     logits = torch.randn(3, 100)
     before = logits.clone()

@@ -42,7 +42,7 @@ from kvflow.model.loader import load_config
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvflow.sched.executor import KVStream, PipelineExecutor
 from kvflow.sched.request import Request, RequestOutput
-from kvflow.sched.sampler import sample_requests
+from kvflow.sched.sampler import argmax_only, sample_requests
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.admission import Limits, validate
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
@@ -250,7 +250,9 @@ class Controller:
             if msg.epoch not in (-1, self.epoch):
                 return  # an error of a step from before a recovery is moot
             epoch = self.epoch
-            self._check_liveness()  # e.g. a prompt worker whose KV peer died: recover the dead one
+            if msg.peer_gone:  # e.g. a prompt worker whose KV peer died: recover the dead one, not this one
+                self.workers.await_exit()
+            self._check_liveness()
             s = self.stages.get(msg.name)
             if epoch == self.epoch and s is not None and s.alive and self.failure is None:
                 self._worker_lost(s, f"worker {msg.name} failed: {msg.message}")
@@ -266,7 +268,7 @@ class Controller:
             return
         p.in_flight[msg.batch].tiers.failed = list(msg.tier_failed)  # disk blocks some stage rejected: recomputed
         p.step_log.append((p.in_flight[msg.batch].num_tokens, msg.busy_s))
-        self.executor.complete(p, msg.batch, logits)
+        self.executor.complete(p, msg.batch, (msg, logits))
 
     def _take_submissions(self) -> None:
         while self.submissions:
@@ -293,13 +295,20 @@ class Controller:
             self.recovery.forget(p, [s.request.request_id for s in out.seqs if s.start == 0] + free)
         kv_out = [KVOut(k.rid, k.start, k.end, k.total, k.dest_blocks, k.cached) for k in streams]
         kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(kv_out))] if kv_out else []
+        argmax = [i for i, s in enumerate(out.seqs) if s.completes_prompt and argmax_only(s.request)]
         self.workers.send(p.stages[0].name, Step(self.epoch, wire_id, seqs, out.token_ids, free, kv_out, kv_plan, out.tiers.to_wire(),
-                                                 swap_region=out.swap_region))
+                                                 swap_region=out.swap_region, argmax_rows=argmax))
 
-    def sample(self, p: Pipeline, out: SchedulerOutput, rows: list[int], logits: torch.Tensor) -> list[int]:
-        toks = sample_requests(logits[rows], [out.seqs[i].request for i in rows])
-        self.generated += len(toks)
-        return toks
+    def sample(self, p: Pipeline, out: SchedulerOutput, rows: list[int], result: tuple[StepResult, torch.Tensor]) -> list[int]:
+        """The last stage took the argmax of the step's `argmax_rows` (sent as ids); the other rows'
+        logits came in row order."""
+        msg, logits = result
+        argmaxed = dict(zip(msg.argmax_rows, msg.argmax_ids))
+        others = [i for i in range(len(out.seqs)) if i not in argmaxed]
+        want = [i for i in rows if i not in argmaxed]
+        sampled = dict(zip(want, sample_requests(logits[[others.index(i) for i in want]], [out.seqs[i].request for i in want])))
+        self.generated += len(rows)
+        return [argmaxed[i] if i in argmaxed else sampled[i] for i in rows]
 
     def emit(self, req: Request) -> None:
         sink = self.sinks.get(req.request_id)

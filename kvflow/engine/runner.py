@@ -54,7 +54,7 @@ class ModelRunner:
         if not rows:
             return {}
         reqs = [out.seqs[i].request for i in rows]
-        return {r.request_id: t for r, t in zip(reqs, sample_requests(logits[rows].cpu(), reqs))}
+        return {r.request_id: t for r, t in zip(reqs, sample_requests(logits if len(rows) == len(out.seqs) else logits[rows], reqs))}
 
     def _graphed(self, out: SchedulerOutput) -> bool:
         """Whether `out` replays a decode graph: graphs built, no layer hook, one new token per request."""

@@ -41,6 +41,8 @@ def sample_requests(logits: torch.Tensor, requests: Sequence[Request]) -> list[i
     n, vocab = logits.shape
     if n == 0:
         return []
+    if logits.device.type != "cpu":
+        return _device_first(logits, requests)
     params = [r.params for r in requests]
     x = logits.float()
     banned = [(i, t) for i, r in enumerate(requests) for t in r.banned_token_ids() if t < vocab]
@@ -62,6 +64,29 @@ def sample_requests(logits: torch.Tensor, requests: Sequence[Request]) -> list[i
     if rows_s:
         for i, t in zip(rows_s, _sample_rows(x if len(rows_s) == n else x[rows_s], [params[i] for i in rows_s],
                                              [requests[i].sampler.generator for i in rows_s])):
+            out[i] = t
+    return out
+
+
+def argmax_only(r: Request) -> bool:
+    """Whether `r`'s next token is the plain argmax of its logits: greedy, no penalty, no id banned now
+    (such a token can be taken wherever the logits are, and only the id moved)."""
+    return r.params.greedy and not r.params.penalized and not r.banned_token_ids()
+
+
+def _device_first(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    """Logits on an accelerator: a plain greedy row (no penalty, no banned id) is an exact argmax, taken
+    there so that only its id crosses to the host; every other row is copied over and sampled as above
+    (the same values either way: the host's argmax and the device's both return the first maximum)."""
+    n = len(requests)
+    plain = [i for i, r in enumerate(requests) if argmax_only(r)]
+    rest = [i for i in range(n) if i not in set(plain)] if len(plain) < n else []
+    out = [0] * n
+    if plain:
+        for i, t in zip(plain, (logits if len(plain) == n else logits[plain]).argmax(dim=-1).tolist()):
+            out[i] = t
+    if rest:
+        for i, t in zip(rest, sample_requests(logits[rest].cpu(), [requests[i] for i in rest])):
             out[i] = t
     return out
 

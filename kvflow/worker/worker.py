@@ -42,6 +42,7 @@ from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
 from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender, send_restore
+from kvflow.streaming.errors import peer_gone
 from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.streaming.swapper import SwapSeq, Swapper
 from kvflow.streaming.tier_store import TierStore
@@ -286,7 +287,7 @@ class Worker:
                     self._step(msg, tensor, prep if prep is not None else self._prepare(msg))
                 except Exception as e:  # report; the controller recovers or fails the batch's requests
                     log.exception("step failed")
-                    self._to_controller(WorkerError(self.name, f"{type(e).__name__}: {e}", msg.epoch))
+                    self._to_controller(WorkerError(self.name, f"{type(e).__name__}: {e}", msg.epoch, peer_gone=peer_gone(e)))
                 finally:
                     if self.swapper is not None:
                         self.swapper.done((msg.epoch, msg.batch))
@@ -380,8 +381,12 @@ class Worker:
         """The step's output (None for a step of tier copies only): its hidden states to the next stage,
         or (last stage) its logits to the controller."""
         if self.model.is_last:
+            rows, ids = (msg.argmax_rows if out is not None else []), []
+            if rows:  # greedy rows: their argmax here, so that only the ids leave the device
+                ids, skip = out[rows].argmax(-1).tolist(), set(rows)
+                out = out[[i for i in range(out.shape[0]) if i not in skip]]
             dt = time.perf_counter() - t0
-            res = StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], msg.busy_s + dt, msg.tier_failed)
+            res = StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], msg.busy_s + dt, msg.tier_failed, rows, ids)
             self.out.send_multipart(encode(res, self.secret, out if out is not None else torch.empty(0)))
         else:
             msg.token_ids = []
