@@ -274,7 +274,8 @@ def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: b
 
 def backends(ckpt: Path, device: str, n: int, new: int, vocab: int) -> dict:
     """Output tok/s of `n` requests of 256 + `new` tokens sent at once to each serving backend (the
-    server's `Backend`, without HTTP): the engine, colocated depth 2, disaggregated (1, 1); bf16."""
+    server's `Backend`, without HTTP): the engine, colocated depth 2 (two microbatches of n/2 in flight,
+    as a pipeline of depth 2 is run), disaggregated (1, 1) (one token microbatch of n); bf16."""
     try:
         import zmq  # noqa: F401  (the pipelines' transport)
     except ImportError:
@@ -290,7 +291,7 @@ def backends(ckpt: Path, device: str, n: int, new: int, vocab: int) -> dict:
     engine = EngineConfig(model=str(ckpt), dtype="bfloat16", device=device, block_size=16, num_kv_blocks=4096,
                           scheduler=SchedulerConfig(max_num_seqs=n))
     layouts = {"engine": lambda: EngineBackend.from_config(engine),
-               "colocated-2": lambda: Controller(ClusterConfig(engine=engine, mode="colocated", depth=2, microbatch_size=n)),
+               "colocated-2": lambda: Controller(ClusterConfig(engine=engine, mode="colocated", depth=2, microbatch_size=-(-n // 2))),
                "disaggregated-1-1": lambda: Controller(ClusterConfig(engine=engine, mode="disaggregated", prompt_depth=1,
                                                                      token_depth=1, microbatch_size=n, prompt_microbatch_size=n))}
     ps = prompts([256] * n, vocab, seed=11)
