@@ -36,6 +36,10 @@ except ImportError:  # no Triton: `available` is False and nothing below is call
 
 BLOCK_Q = 16  # query tokens per program
 BLOCK_N = 32  # keys per tile of the walk over the context
+# No software pipelining of the key walk: each tile's loads hang on a block-table lookup, and on an
+# H200 the pipelined variants (2-3 stages) ran decode calls slower (docs/results.md, 2026-11-27
+# GPU). The same stages for every call: the arithmetic, and so batch invariance, do not depend on it.
+NUM_STAGES = 1
 
 
 def interpreted() -> bool:
@@ -141,5 +145,6 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.
         block_table.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), HEAD_DIM=head_dim,
         BLOCK_Q=BLOCK_Q, BLOCK_N=BLOCK_N, UPCAST=q.dtype == torch.float32 or interpreted(),
+        num_stages=NUM_STAGES,
     )
     return out
