@@ -4,11 +4,7 @@ every instance and however the request was split) and the router's app in a thre
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +18,7 @@ from kvflow.router.app import build_router_app
 from kvflow.router.backend import RouterBackend
 from kvflow.router.config import RouterConfig
 from conftest import save_tiny_checkpoint, tiny_config
+from servers import ServeProcess, free_port
 
 MODEL = "tiny"
 BLOCK = 16  # the instances' KV block size, and the router's prefix-hash block
@@ -33,39 +30,10 @@ def tiny_long_ckpt(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-long-ckpt"), tiny_config(max_position_embeddings=1024))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServeProcess:
-    """One `kvflow serve` instance on a free port."""
-
-    def __init__(self, ckpt: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--model", str(ckpt), "--port", str(self.port),
-               "--threads", "1", "--deterministic", "--block-size", str(BLOCK), "--served-model-name", MODEL,
-               "--log-level", "warning", "--drain-timeout", "2"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
-
-    def wait_ready(self) -> None:
-        wait_healthy(self.proc, self.url)
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+def serve_instance(ckpt: Path) -> ServeProcess:
+    """One `kvflow serve` of the checkpoint on a free port, batch-invariant, KV blocks of BLOCK tokens."""
+    return ServeProcess("serve", "--model", str(ckpt), "--threads", "1", "--deterministic", "--block-size", str(BLOCK),
+                        "--served-model-name", MODEL, "--log-level", "warning", "--drain-timeout", "2")
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> None:
@@ -83,13 +51,13 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> No
 
 
 def start_instances(ckpt: Path, n: int) -> list[ServeProcess]:
-    procs = [ServeProcess(ckpt) for _ in range(n)]  # all start at once; then wait for each
+    procs = [serve_instance(ckpt) for _ in range(n)]  # all start at once; then wait for each
     try:
         for p in procs:
             p.wait_ready()
     except BaseException:
         for p in procs:
-            p.stop()
+            p.stop(timeout=20)
         raise
     return procs
 

@@ -86,7 +86,7 @@ def test_sigkill_mid_stream_loses_nothing(pair, tiny_long_ckpt):
     refs = [complete(pair[1].url, p, MAX_TOKENS) for p in PROMPTS]  # one instance, each request whole: the reference
     cfg = RouterConfig(instances=tuple(by_url), policy="least_load", block_tokens=BLOCK, health_interval_s=0.2)
     with RouterThread(cfg, tiny_long_ckpt) as router:
-        outs, victim = _run_and_fail(router, lambda url: by_url[url].kill())
+        outs, victim = _run_and_fail(router, lambda url: by_url[url].stop(signal.SIGKILL))
         _check(router, outs, refs, victim)
         (survivor,) = set(by_url) - {victim}
         again = complete(router.url, PROMPTS[0], 8)  # the pool goes on with the survivor

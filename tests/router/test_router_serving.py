@@ -15,7 +15,7 @@ import pytest
 from kvflow.api.server import APIConfig
 from kvflow.router.config import RouterConfig
 from kvflow.router.policies import RouteRequest
-from router_helpers import (BLOCK, MODEL, RouterThread, ServeProcess, complete, free_port, metric, start_instances,
+from router_helpers import (BLOCK, MODEL, RouterThread, complete, free_port, metric, serve_instance, start_instances,
                             tiny_long_ckpt, wait_healthy)  # noqa: F401  (a fixture)
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
@@ -127,7 +127,7 @@ def test_load_policies_avoid_busy_instances(instances, tiny_long_ckpt, policy):
 
 
 def test_an_instance_that_joins_is_used_at_once(instances, tiny_long_ckpt):
-    newcomer = ServeProcess(tiny_long_ckpt)
+    newcomer = serve_instance(tiny_long_ckpt)
     try:
         with RouterThread(config(instances[:1], "round_robin"), tiny_long_ckpt) as router:
             complete(router.url, PROMPT, 2)
