@@ -84,7 +84,10 @@ class EngineConfig:
     5% of throughput on prefill-heavy and long-context work where measured (docs/results.md,
     2026-11-26 determinism); off takes the fastest kernel per batch shape.
     `enforce_eager`: on CUDA, run decode steps op by op instead of replaying a CUDA graph captured per
-    batch-size bucket (`kvflow.model.cuda_graphs`; vLLM's flag of the same name). No effect on CPU."""
+    batch-size bucket (`kvflow.model.cuda_graphs`; vLLM's flag of the same name). No effect on CPU.
+    `gpu_memory_utilization` (CUDA only, instead of `kv_cache_memory_gb`): the KV cache gets what is
+    left of this fraction of the device's memory once the weights are loaded and a step of the token
+    budget has been measured (`kvflow.engine.memory`; vLLM's flag of the same name)."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -100,6 +103,7 @@ class EngineConfig:
     disk_kv_path: str | None = None
     deterministic: bool = False
     enforce_eager: bool = False
+    gpu_memory_utilization: float | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self) -> None:
@@ -127,6 +131,15 @@ class EngineConfig:
             raise ValueError("a disk KV tier (disk_kv_bytes) needs a host tier above it (host_kv_bytes)")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.gpu_memory_utilization is not None:
+            u = self.gpu_memory_utilization
+            if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+                raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
+            if not self.device.startswith("cuda"):
+                raise ValueError("gpu_memory_utilization sizes the KV cache from GPU memory: it needs a CUDA device "
+                                 "(on CPU, give kv_cache_memory_gb)")
+            if self.num_kv_blocks is not None:
+                raise ValueError("give either num_kv_blocks or gpu_memory_utilization, not both")
         if self.device.startswith("cuda"):
             import torch
 

@@ -31,12 +31,15 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def engine(device: str, eager: bool = True, dtype: str = "float32", deterministic: bool = False, **sched) -> LLMEngine:
+def engine(device: str, eager: bool = True, dtype: str = "float32", deterministic: bool = False,
+           gpu_memory_utilization: float | None = None, **sched) -> LLMEngine:
     cfg = tiny_config()
     model = LlamaModel.from_state_dict(cfg, tiny_state_dict(cfg), dtype=getattr(torch, dtype), device=device,
                                        deterministic=deterministic)
-    return LLMEngine(model, None, EngineConfig(device=device, dtype=dtype, block_size=16, num_kv_blocks=64, enforce_eager=eager,
-                                               deterministic=deterministic, scheduler=SchedulerConfig(**sched)))
+    blocks = None if gpu_memory_utilization else 64
+    return LLMEngine(model, None, EngineConfig(device=device, dtype=dtype, block_size=16, num_kv_blocks=blocks, enforce_eager=eager,
+                                               deterministic=deterministic, gpu_memory_utilization=gpu_memory_utilization,
+                                               scheduler=SchedulerConfig(**sched)))
 
 
 def greedy(eng: LLMEngine, n: int = 12) -> list[list[int]]:
@@ -86,6 +89,21 @@ def test_a_replayed_graph_gives_the_eager_logits():
     want = eng.model.forward(torch.tensor([4, 9], device="cuda"), ForwardBatch.of([(1, c, b) for c, b in contexts], 16, "cuda"),
                              eng.kv_cache)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kv_cache_takes_what_the_gpu_memory_leaves():
+    """gpu_memory_utilization: the cache gets the fraction of the device's memory less what is in use
+    and a step's measured peak (one GiB over what is held now, here), and serves the same tokens."""
+    from kvflow.engine.memory import RESERVE_BYTES
+
+    free, total = torch.cuda.mem_get_info()
+    util = (total - free + (1 << 30)) / total
+    eng = engine("cuda", gpu_memory_utilization=util)
+    layout = eng.kv_cache.layout
+    budget = layout.num_blocks * layout.bytes_per_block
+    assert 0 < budget <= (1 << 30) - RESERVE_BYTES
+    assert budget > (1 << 30) - RESERVE_BYTES - (64 << 20)  # a tiny model's step takes little
+    assert greedy(eng) == greedy(engine("cuda"))
 
 
 @pytest.mark.parametrize("eager", [True, False])

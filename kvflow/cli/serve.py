@@ -66,6 +66,9 @@ def register(sub) -> None:
     kv = s.add_argument_group("KV cache")
     kv.add_argument("--kv-cache-gb", type=number(float, 0, low_open=True), default=1.0,
                     help="memory for the KV cache (pipeline modes: per stage), GB")
+    kv.add_argument("--gpu-memory-utilization", type=number(float, 0, 1, low_open=True), default=None, metavar="FRACTION",
+                    help="engine mode on CUDA: size the KV cache to what is left of this fraction of the GPU's memory "
+                         "after the weights and one full step (as vLLM; default: none, --kv-cache-gb applies)")
     kv.add_argument("--block-size", type=number(int, 1), default=None,
                     help="tokens per KV block (default: 128 on CPU, where bigger blocks read KV faster; 16 on CUDA)")
     kv.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -190,6 +193,10 @@ def _check_mode(args) -> None:
         raise ValueError("--launcher ray needs --mode colocated or disaggregated")
     if args.launcher == "ray" and args.external_workers:
         raise ValueError("--launcher ray and --external-workers exclude each other")
+    if args.gpu_memory_utilization is not None and args.mode != "engine":
+        raise ValueError("--gpu-memory-utilization sizes the engine's KV cache; the pipeline modes take --kv-cache-gb per stage")
+    if args.gpu_memory_utilization is not None and not args.device.startswith("cuda"):
+        raise ValueError("--gpu-memory-utilization needs --device cuda (on CPU, give --kv-cache-gb)")
     if args.plan is not None and not args.plan.is_file():
         raise ValueError(f"--plan {str(args.plan)!r}: no such file")
 
@@ -215,7 +222,7 @@ def _engine_config(args):
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=block_size,
                           max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_gb,
                           enable_prefix_caching=args.enable_prefix_caching, deterministic=args.deterministic,
-                          host_kv_bytes=args.host_kv_bytes,
+                          host_kv_bytes=args.host_kv_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
                           disk_kv_bytes=args.disk_kv_bytes, disk_kv_path=args.disk_kv_path,
                           scheduler=_scheduler_config(args))
     if args.mode == "engine":

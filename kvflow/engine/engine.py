@@ -13,6 +13,7 @@ import torch
 
 from kvflow.sched.request import Request, RequestOutput
 from kvflow.model import cuda_graphs
+from kvflow.engine import memory
 from kvflow.engine.runner import ModelRunner
 from kvflow.sched.sampling import SamplingParams
 from kvflow.config import EngineConfig
@@ -50,7 +51,12 @@ class LLMEngine:
         mcfg = model.cfg
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         layout = KVLayout.for_model(mcfg, 1, config.block_size, dtype=config.torch_dtype)
-        num_blocks = config.kv_blocks(layout.bytes_per_block)
+        if config.gpu_memory_utilization is None:
+            num_blocks = config.kv_blocks(layout.bytes_per_block)
+        else:  # what the device has left for KV once the weights and a full step are accounted
+            tokens = min(config.scheduler.max_num_batched_tokens, self.max_model_len)
+            mem = memory.measure(model, config.block_size, tokens, config.torch_dtype)
+            num_blocks = memory.kv_budget_bytes(mem, config.gpu_memory_utilization) // layout.bytes_per_block
         layout = KVLayout.for_model(mcfg, num_blocks, config.block_size, dtype=config.torch_dtype)
         self.kv_cache = KVCache(layout, config.device)
         tiers = config.tier_sizes(layout.bytes_per_block)
