@@ -293,7 +293,7 @@ METRIC = re.compile(r"(?<![\w])(kvflow_[a-z0-9_]+)")
 METRIC_SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
 # Other programs' options that pages show on purpose: `ray start`'s (docs/deploy.md), `pip wheel`'s.
 EXTERNAL_FLAGS = frozenset({"--head", "--address", "--node-ip-address", "--num-cpus", "--resources", "--labels",
-                            "--include-dashboard", "--wheel-dir"})
+                            "--include-dashboard", "--wheel-dir", "--dest", "--find-links"})  # (ray's, pip's)
 
 
 def _documented_text(pages: list[Path]) -> str:
