@@ -66,7 +66,7 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output, what the model consumes
         self.sampler = SamplerState.for_params(self.params)
-        self._max_stop_len = max((len(s) for s in self.params.stop), default=0)
+        self._max_stop_len = max(map(len, self.params.stop), default=0)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -127,14 +127,13 @@ class Request:
             return None
         return max(1, min(p.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens))
 
-    def append_tokens(self, token_id: int, count: int) -> None:
-        """`count` calls of `append_token(token_id)` none of which finishes the request
+    def extend_tokens(self, tokens: list[int]) -> None:
+        """`append_token` of each of `tokens` in turn, none of which finishes the request
         (`steps_to_length` said so)."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        more = [token_id] * count
-        self.output_token_ids += more
-        self.token_ids += more
+        self.output_token_ids += tokens
+        self.token_ids += tokens
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED

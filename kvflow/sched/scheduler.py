@@ -76,7 +76,8 @@ class Scheduler:
         """Token role: a request whose KV (all tokens but the last) is already in this pool's blocks."""
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = request.num_tokens - 1
-        self.kv_manager.cache_blocks(request.block_ids, request.token_ids, request.block_hashes, 0, request.num_computed_tokens)
+        if self.kv_manager.prefix_caching:
+            self.kv_manager.cache_blocks(request.block_ids, request.token_ids, request.block_hashes, 0, request.num_computed_tokens)
         self.running.append(request)
         self._full_table.add(request.request_id)
 
@@ -234,7 +235,7 @@ class Scheduler:
             if not any(r.request_id in self.in_flight for r in group):
                 self.groups.remove(group)
                 self.groups.append(group)
-                return [self._whole(r) for r in group]
+                return self._whole(group)
         if len(self.groups) >= self.config.max_in_flight or self.role == "token":
             return []
         group: list[Request] = []
@@ -259,25 +260,34 @@ class Scheduler:
         if not group:
             return []
         self.groups.append(group)
-        return [self._whole(r) for r in group]
+        return self._whole(group)
 
-    def _whole(self, req: Request) -> ScheduledSeq:
-        full = req.request_id in self._full_table
-        self._full_table.discard(req.request_id)
-        return ScheduledSeq(req, req.num_pending_tokens, req.num_computed_tokens, tuple(req.block_ids) if full else (), full)
+    def _whole(self, group: list[Request]) -> list[ScheduledSeq]:
+        """Each request of microbatch `group` with all its pending tokens (its whole table when the
+        executor's copy must be replaced)."""
+        full_table, out = self._full_table, []
+        for r in group:
+            c = r.num_computed_tokens
+            if r.request_id in full_table:
+                full_table.discard(r.request_id)
+                out.append(ScheduledSeq(r, len(r.token_ids) - c, c, tuple(r.block_ids), True))
+            else:
+                out.append(ScheduledSeq(r, len(r.token_ids) - c, c))
+        return out
 
     def steady_steps(self, group: list[Request], token: int) -> int | None:
         """Microbatch policy: how many one-token passes of `group` (the microbatch now in flight
         counted as the first) return before one that finishes a request, if each samples `token`;
         None when a pass of it may do anything else (a prompt chunk, a stop check on text)."""
-        steps = None
+        steps, limit = None, self.max_model_len
         for r in group:
-            if r.num_pending_tokens != 1 or not r.output_token_ids or r.is_finished:
+            if len(r.token_ids) - r.num_computed_tokens != 1 or not r.output_token_ids or r.status is RequestStatus.FINISHED:
                 return None
-            left = r.steps_to_length(token, self.max_model_len)
+            left = r.steps_to_length(token, limit)
             if left is None:
                 return None
-            steps = left if steps is None else min(steps, left)
+            if steps is None or left < steps:
+                steps = left
         return None if steps is None else steps - 1
 
     def run_ahead(self, group: list[Request], steps: int, token: int) -> SchedulerOutput:
@@ -286,16 +296,19 @@ class Scheduler:
         with the `schedule()` that re-sent it after each. Returns the batch now in flight for it,
         as the last of those calls formed it (batch ids are consumed as by `steps` calls)."""
         assert self.config.policy == "microbatch" and steps > 0
+        more = [token] * steps
+        cache = self.kv_manager.cache_blocks if self.kv_manager.prefix_caching else None
         for r in group:
             start = r.num_computed_tokens
-            r.append_tokens(token, steps)
+            r.extend_tokens(more)
             r.num_computed_tokens = start + steps
-            self.kv_manager.cache_blocks(r.block_ids, r.token_ids, r.block_hashes, start, start + steps)
+            if cache is not None:
+                cache(r.block_ids, r.token_ids, r.block_hashes, start, start + steps)
         self.groups.remove(group)
         self.groups.append(group)
         batch_id = next(self._ids) + steps - 1
         self._ids = itertools.count(batch_id + 1)
-        return SchedulerOutput(batch_id, [self._whole(r) for r in group])
+        return SchedulerOutput(batch_id, self._whole(group))
 
     def add_microbatch(self, requests: list[Request]) -> None:
         """Token role with the microbatch policy: requests whose KV is in place run as one microbatch."""
@@ -310,28 +323,36 @@ class Scheduler:
         self.kv_manager.loads_done(out.tiers)
         if out.seqs:
             self._batches -= 1
-        changed = []
-        for s in out.seqs:
-            req = s.request
-            self.in_flight.discard(req.request_id)
-            if req.is_finished:  # aborted while in flight
-                self._remove(req)
+        changed, gone = [], []
+        cache = self.kv_manager.cache_blocks if self.kv_manager.prefix_caching else None
+        in_flight, limit, prompt = self.in_flight, self.max_model_len, self.role == "prompt"
+        for req, n, start, _, _, _ in out.seqs:  # (a ScheduledSeq's fields)
+            rid = req.request_id
+            in_flight.discard(rid)
+            if req.status is RequestStatus.FINISHED:  # aborted while in flight
+                self._release(req)
+                gone.append(req)
                 changed.append(req)
                 continue
-            req.num_computed_tokens = s.end
-            self.kv_manager.cache_blocks(req.block_ids, req.token_ids, req.block_hashes, s.start, s.end)
-            tok = sampled.get(req.request_id)
+            req.num_computed_tokens = start + n
+            if cache is not None:
+                cache(req.block_ids, req.token_ids, req.block_hashes, start, start + n)
+            tok = sampled.get(rid)
             if tok is None:
                 continue
-            reason = req.append_token(tok, self.max_model_len)
+            reason = req.append_token(tok, limit)
             if reason is not None:
                 req.finish(reason)
-                self._remove(req)
-            elif self.role == "prompt":
-                self._remove(req)  # its KV has been streamed to the token side during this batch
+                self._release(req)
+                gone.append(req)
+            elif prompt:
+                self._release(req)  # its KV has been streamed to the token side during this batch
+                gone.append(req)
                 req.status = RequestStatus.WAITING
                 self.handoffs.append(req)
             changed.append(req)
+        if gone:
+            self._drop(gone)
         return changed
 
     def take_handoffs(self) -> list[Request]:
@@ -405,13 +426,17 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     def _remove(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        for g in self.groups:
-            if req in g:
-                g.remove(req)
-        self.groups = [g for g in self.groups if g]
+        self._drop([req])
         self._release(req)
+
+    def _drop(self, reqs: list[Request]) -> None:
+        """Take `reqs` out of the running list and their microbatches (their blocks are not touched)."""
+        ids = {id(r) for r in reqs}
+        self.running[:] = [r for r in self.running if id(r) not in ids]
+        for g in self.groups:
+            if any(id(r) in ids for r in g):
+                g[:] = [r for r in g if id(r) not in ids]
+        self.groups = [g for g in self.groups if g]
 
     def _release(self, req: Request) -> None:
         self._full_table.discard(req.request_id)

@@ -10,8 +10,9 @@ token pipeline's hand-off, a request queued for a colocated one; while requests 
 it, a colocated pipeline with a free slot admits at its next return and is not steady).
 
 `run_ahead` places those passes on the pipeline's stage clocks in the order their events would
-have been handled, up to the first pass that will finish a request (or, with a free slot, `CHUNK`
-passes), and gives events only to the passes then in flight. The scheduler learns of the passes
+have been handled, up to the first pass that will finish a request (with a free slot too: a join
+cuts the run short, and replaying its start and dropping its rest is cheap beside the events it
+saves), and gives events only to the passes then in flight. The scheduler learns of the passes
 in between when anything next reaches the pipeline (`settle`: at one of those events, or when the
 executor is about to fill the pipeline with a free slot): the passes that returned before that
 moment are applied at once (`Scheduler.run_ahead`), and the pipeline's clocks, busy time and
@@ -32,8 +33,7 @@ if TYPE_CHECKING:
     from kvflow.simulator.pipeline import SimPipeline
     from kvflow.simulator.simulator import Simulator
 
-CHUNK = 128  # passes a pipeline with a free slot runs ahead at most (bounds what a join makes void)
-UNBOUNDED = 1 << 62  # a full pipeline: nothing can join it, it runs ahead until a pass finishes a request
+UNBOUNDED = 1 << 62  # a run's length: up to the first pass that finishes a request
 
 
 class _Run:
@@ -76,19 +76,27 @@ def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
     if n_groups < p.depth and p.role != "token" and (p.queue or sched.waiting):
         return  # it admits at its next return
     rows = []
-    for wire_id, out in p.in_flight.items():
-        group = next((g for g in sched.groups if len(g) == len(out.seqs)
-                      and all(r is s.request for r, s in zip(g, out.seqs))), None)
-        left = sched.steady_steps(group, token) if group is not None else None
+    by_head = {id(g[0]): g for g in sched.groups if g}
+    for wire_id, out in p.in_flight.items():  # each batch in flight is exactly one microbatch, and steady
+        seqs = out.seqs
+        group = by_head.get(id(seqs[0].request)) if seqs else None
+        if group is None or len(group) != len(seqs):
+            return
+        context = 0
+        for r, (req, n, start, _, _, _) in zip(group, seqs):
+            if r is not req:
+                return
+            context += start + n
+        left = sched.steady_steps(group, token)
         if left is None:
             return
         pas = p.passes[wire_id]
-        rows.append((pas.done_at, wire_id, group, left, sum(s.end for s in out.seqs), pas.stage_time))
+        rows.append((pas.done_at, wire_id, group, left, context, pas.stage_time))
     rows.sort(key=lambda r: r[0])  # the order they return in
     start = _Run([r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows],
                  [r[5] for r in rows], [r[0] for r in rows], p.busy, list(p.stage_free))
     end, returned = start.copy(), []
-    _play(sim, p, end, CHUNK if n_groups < p.depth else UNBOUNDED, returned)
+    _play(sim, p, end, UNBOUNDED, returned)
     if not end.played:
         return
     for i, wire_id in enumerate(end.wire_ids):  # the passes in flight at the stop get events; those they follow are void
