@@ -93,7 +93,7 @@ class Simulator:
         self._events: list[Event] = []  # what dispatching batches caused, collected by `_fill_all`
         self._times: dict[tuple, float] = {}
         self.passes_run_ahead = 0  # passes no event stood for (`steady`)
-        self._decode_times: dict[tuple, list] = {}  # (depth, role, seqs) -> by context: `steady`'s prices
+        self._decode_times: dict[tuple, tuple] = {}  # (depth, role, seqs) -> by context: `steady`'s prices
         self._idle: set[SimPipeline] = set(self.prompt)  # prompt-side pipelines with a free slot
         self._tried: dict[SimPipeline, int] = {}
         self._quiet: int | None = None  # a version at which every idle pipeline has tried (none to look at)

@@ -119,24 +119,23 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
     count = min([limit] + [i + (left[i] - steps[i]) * m for i in range(m)])  # pass k returns microbatch k % m
     if count <= 0:
         return
-    priced: list = [None] * count
-    for i in range(min(m, count)):
-        turns = len(range(i, count, m))
-        n = len(run.groups[i])
-        priced[i::m] = _prices(sim, p, n, context[i], turns)
-        context[i] += n * turns
-        steps[i] += turns
     # Pass j is sent as pass j - m returns: `ret` holds when each pass returns (those in flight,
     # then each played one, appended as the loop goes: its iterator reaches them), `sts` each one's
     # stage time (counted busy as it returns).
+    priced: list = [None] * count
+    sts = stage_time + priced
+    for i in range(min(m, count)):
+        turns = len(range(i, count, m))
+        n = len(run.groups[i])
+        priced[i::m], sts[m + i::m] = _prices(sim, p, n, context[i], turns)
+        context[i] += n * turns
+        steps[i] += turns
     ret = done_at[:]
-    sts = stage_time[:]
-    sts += [x[0] for x in priced]
     busy, sf = run.busy, run.stage_free
     put = ret.append
     if depth == 2:
         a, b = sf
-        for t, st, (_, hop, (s0, s1)) in zip(ret, sts, priced):
+        for t, st, (hop, (s0, s1)) in zip(ret, sts, priced):
             busy += st
             a = (t if t > a else a) + s0
             t = a + hop
@@ -144,7 +143,7 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
             put(b)
         sf[0], sf[1] = a, b
     else:
-        for t, st, (_, hop, stages) in zip(ret, sts, priced):
+        for t, st, (hop, stages) in zip(ret, sts, priced):
             busy += st
             for k in range(depth):
                 if k:
@@ -160,14 +159,16 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
     run.busy, run.played = busy, count
 
 
-def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int) -> list:
-    """(stage time, hop, each stage's time) of `turns` one-token passes of a microbatch of `n`
-    requests whose contexts sum to `context` before the first: `Simulator.dispatch`'s prices,
-    kept per (pipeline depth, role, n) in a list indexed by the context."""
-    line = sim._decode_times.setdefault((p.depth, p.role, n), [])
+def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int) -> tuple[list, list]:
+    """(hop, each stage's time) and the stage time of `turns` one-token passes of a microbatch of
+    `n` requests whose contexts sum to `context` before the first: `Simulator.dispatch`'s prices,
+    kept per (pipeline depth, role, n) in two lists indexed by the context."""
+    line, times = sim._decode_times.setdefault((p.depth, p.role, n), ([], []))
     hi = context + turns * n
     if len(line) <= hi:
-        line += [None] * (hi + 1 - len(line) + len(line) // 2)
+        more = [None] * (hi + 1 - len(line) + len(line) // 2)
+        line += more
+        times += more
     got = line[context + n:hi + 1:n]
     if not all(got):
         depth, per_stage = p.depth, p.depth > 1 and not p.perf.uniform_stages
@@ -175,10 +176,10 @@ def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int
             if x is None:
                 c = context + (j + 1) * n
                 shape = BatchShape(decode_seqs=n, decode_context=c)
-                step = sim._step_time(shape, p)
-                got[j] = line[c] = (step, sim._hop(n, p) if depth > 1 else 0.0,
+                times[c] = step = sim._step_time(shape, p)
+                got[j] = line[c] = (sim._hop(n, p) if depth > 1 else 0.0,
                                     tuple(sim._stage_time(shape, p, k) for k in range(depth)) if per_stage else (step,) * depth)
-    return got
+    return got, times[context + n:hi + 1:n]
 
 
 def settle(sim: "Simulator", p: "SimPipeline", now: float, rank: int) -> None:
