@@ -75,6 +75,9 @@ def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
         return
     if n_groups < p.depth and p.role != "token" and (p.queue or sched.waiting):
         return  # it admits at its next return
+    for out in p.in_flight.values():  # (a prompt pass in flight: the cheap answer before any microbatch's)
+        if not out.seqs or out.seqs[0].num_new_tokens != 1:
+            return
     rows = []
     by_head = {id(g[0]): g for g in sched.groups if g}
     for wire_id, out in p.in_flight.items():  # each batch in flight is exactly one microbatch, and steady
