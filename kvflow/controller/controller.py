@@ -46,7 +46,7 @@ from kvflow.sched.sampler import argmax_only, sample_requests
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.admission import Limits, validate
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
-from kvflow.serving.backend import BackendStats, BackendUnavailable, drain
+from kvflow.serving.backend import BackendStats, BackendUnavailable, Deliveries, drain
 from kvflow.streaming.connector import plan_handoff
 from kvflow.wire import Heartbeat, KVArrived, KVOut, Replicated, SeqStep, Step, StepResult, WorkerError, new_secret
 
@@ -99,6 +99,7 @@ class Controller:
         # state owned by the loop thread once started
         self.submissions: deque = deque()
         self.sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.deliveries = Deliveries()  # outputs for the event loops, handed over once per turn (controller thread)
         self.reqs: dict[str, Request] = {}  # every request not yet finished, or still holding blocks
         self.failure: str | None = None
         self.generated = 0
@@ -207,6 +208,8 @@ class Controller:
                     self._fail(f"controller error: {type(e).__name__}: {e}")
                 except Exception:  # (the requests were failed first; only the clean-up broke)
                     log.exception("cleaning up after a controller error failed too")
+            finally:
+                self.deliveries.flush()  # the turn's outputs, one hand-over per event loop
 
     def _turn(self) -> None:
         """One turn of the loop: drain the inbox, take submissions, check the workers, schedule."""
@@ -313,8 +316,7 @@ class Controller:
     def emit(self, req: Request) -> None:
         sink = self.sinks.get(req.request_id)
         if sink is not None:
-            loop, q = sink
-            loop.call_soon_threadsafe(q.put_nowait, req.take_output())
+            self.deliveries.add(*sink, req.take_output())
             if req.is_finished:
                 self.sinks.pop(req.request_id, None)
 
