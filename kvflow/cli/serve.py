@@ -235,7 +235,7 @@ def _engine_config(args):
 def _controller(args):
     from kvflow.config import ClusterConfig
     from kvflow.controller.controller import Controller
-    from kvflow.controller.launcher import ExternalLauncher, SubprocessLauncher
+    from kvflow.controller.launcher import ExternalLauncher, SubprocessLauncher, local_gpus
 
     engine = _engine_config(args)
     ray_cfg = None
@@ -263,7 +263,7 @@ def _controller(args):
         print(f"[kvflow] Ray placement group ({launcher.strategy}): {dict(zip(launcher.names, launcher.bundles))}",
               file=sys.stderr)
     else:
-        launcher = ExternalLauncher() if args.external_workers else SubprocessLauncher()
+        launcher = ExternalLauncher() if args.external_workers else SubprocessLauncher(local_gpus(args.device))
     ctrl = Controller(cluster, args.served_model_name, launcher)
     if args.external_workers:
         print(f"[kvflow] controller at {ctrl.address}; start these workers (same model file on each host; they "

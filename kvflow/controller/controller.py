@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from kvflow.config import ClusterConfig
-from kvflow.controller.launcher import Launcher, SubprocessLauncher
+from kvflow.controller.launcher import Launcher, SubprocessLauncher, local_gpus
 from kvflow.controller.pipeline import Pipeline, StageHandle, even_split
 from kvflow.controller.recovery import Recovery
 from kvflow.controller.replica_store import ReplicaStore
@@ -93,7 +93,8 @@ class Controller:
         self.token = self.pipelines[-1] if cfg.mode == "disaggregated" else None
         prompt = self.pipelines[:-1] if self.token is not None else self.pipelines
         self.executor = PipelineExecutor(prompt, [self.token] if self.token is not None else [], self)
-        self.workers = Workers(cfg, self.pipelines, launcher if launcher is not None else SubprocessLauncher(), self.secret)
+        self.workers = Workers(cfg, self.pipelines, launcher if launcher is not None else SubprocessLauncher(local_gpus(ecfg.device)),
+                               self.secret)
         self.recovery = Recovery(self)
         self.stages, self.address = self.workers.stages, self.workers.address
         # state owned by the loop thread once started

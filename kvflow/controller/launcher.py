@@ -4,7 +4,8 @@ A worker needs only the controller's address, its name, the interface it binds a
 secret; everything else (its layers, role, model, dtype, KV settings) arrives in the handshake.
 `SubprocessLauncher` starts local processes (the default): forked from a fork server that has
 imported the worker (torch included) once, so a worker does not pay torch's import again on every
-start and every replacement of a lost worker (docs/results.md, 2026-11-23 launchers);
+start and every replacement of a lost worker (docs/results.md, 2026-11-23 launchers); on a machine
+with several GPUs (`--device cuda`) each worker sees one of them, in turn (`local_gpus`);
 `ExternalLauncher` starts nothing and prints the command to run on each host;
 `kvflow.controller.ray_launcher.RayLauncher` starts each stage as a Ray actor placed on a Ray
 cluster (imported only when asked for). The controller calls
@@ -19,6 +20,7 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Protocol
 
 from kvflow.wire import SECRET_ENV
@@ -83,6 +85,18 @@ class ForkedWorker:
         return self.proc.exitcode
 
 
+def local_gpus(device: str) -> list[str]:
+    """The GPUs local workers spread over: for device "cuda" (no index) with more than one visible,
+    each one's CUDA_VISIBLE_DEVICES entry; else none (every worker uses `device` as given)."""
+    if device != "cuda":
+        return []
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [g.strip() for g in visible.split(",") if g.strip()] if visible is not None else [str(i) for i in range(torch.cuda.device_count())]
+    return ids if len(ids) > 1 else []
+
+
 class SubprocessLauncher:
     """Each worker is a local process. Where the platform has a fork server, workers are forked from
     it: it is started once per controller process (the first `start`) and imports
@@ -94,17 +108,30 @@ class SubprocessLauncher:
     `if __name__ == "__main__":` (`kvflow serve` and the benchmarks do). Elsewhere each worker is a
     fresh interpreter (`python -m kvflow.worker`, the secret in its environment)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpus: Sequence[str] = ()) -> None:
         self._ctx = None
         if "forkserver" in mp.get_all_start_methods():
             self._ctx = mp.get_context("forkserver")
             self._ctx.set_forkserver_preload(["kvflow.worker.worker"])
+        self._gpus = list(gpus)  # (`local_gpus`): each worker sees one of these as its "cuda"
+        self._gpu_of: dict[str, str] = {}
+
+    def worker_env(self, name: str) -> dict[str, str]:
+        """The environment worker `name` starts with: this process's, and with several GPUs, only the
+        next one in turn visible (a restarted worker keeps the GPU its name had), as Ray gives each
+        worker actor its own."""
+        env = dict(os.environ)
+        if self._gpus:
+            gpu = self._gpu_of.setdefault(name, self._gpus[len(self._gpu_of) % len(self._gpus)])
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        return env
 
     def start(self, name: str, controller_addr: str, host: str, secret: bytes) -> WorkerHandle:
+        env = self.worker_env(name)
         if self._ctx is None:
-            return subprocess.Popen(worker_command(name, controller_addr, host), env={**os.environ, SECRET_ENV: secret.hex()})
+            return subprocess.Popen(worker_command(name, controller_addr, host), env={**env, SECRET_ENV: secret.hex()})
         proc = self._ctx.Process(target=_run_forked_worker,
-                                 args=(controller_addr, name, host, secret, dict(os.environ), os.getpid()),
+                                 args=(controller_addr, name, host, secret, env, os.getpid()),
                                  name=f"kvflow-worker-{name}", daemon=True)
         proc.start()
         return ForkedWorker(proc)
