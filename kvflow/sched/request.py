@@ -125,7 +125,8 @@ class Request:
             return None
         if self.detokenizer is not None:
             return None
-        return max(1, min(p.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens))
+        left = min(p.max_tokens - len(self.output_token_ids), max_model_len - len(self.token_ids))
+        return left if left > 1 else 1
 
     def extend_tokens(self, tokens: list[int]) -> None:
         """`append_token` of each of `tokens` in turn, none of which finishes the request
