@@ -233,6 +233,8 @@ class KVCacheManager:
         return new <= self.pool.num_free
 
     def ensure(self, table: list[int], num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        if hit is NO_HIT and len(table) * self.block_size >= num_tokens:
+            return True  # (most decode steps: the table's last block has room; what follows would do nothing)
         if (hit.blocks or hit.promote) and table:
             raise ValueError("a prefix hit starts a table: the table must be empty")
         if not self.can_ensure(table, num_tokens, hit):
