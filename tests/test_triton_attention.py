@@ -132,7 +132,8 @@ def test_rejects_shapes_it_cannot_run():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreted on CPU tensors; with a GPU, tests/test_cuda.py runs the model on them")
-def test_the_model_on_the_kernel_gives_the_tokens_of_its_cpu_path(monkeypatch):
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "fast"])
+def test_the_model_on_the_kernel_gives_the_tokens_of_its_cpu_path(monkeypatch, invariant):
     """Greedy tokens of an engine whose model attends with the Triton kernel (as on CUDA) equal the
     default path's, with chunked prompts, decode rows and prompt chunks in one step, and cached context."""
     from conftest import run_to_completion, tiny_engine
@@ -145,21 +146,23 @@ def test_the_model_on_the_kernel_gives_the_tokens_of_its_cpu_path(monkeypatch):
         calls["decode" if args[6] == 1 else "prefill"] += 1
         return kernel(*args)
 
-    kernel = ta.paged_attention
+    kernel, split = ta.paged_attention, ta.paged_decode
     monkeypatch.setattr(ta, "paged_attention", counted)
+    monkeypatch.setattr(ta, "paged_decode", lambda *a, **k: calls.__setitem__("split", calls.get("split", 0) + 1) or split(*a, **k))
 
     def tokens(triton_path: bool):
         eng = tiny_engine(max_num_batched_tokens=12, prefill_chunk_size=8)
         if triton_path:
             m = eng.model
             m.triton_attention, m.paged_kernel, m.native_decode = True, False, False
+            m.batch_invariant = invariant  # False: decode rows through the split kernel, as on CUDA by default
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         ids = [eng.add_request([5 + i, 17, 3, 40 + i] * (3 + i), params).request_id for i in range(3)]
         done = run_to_completion(eng)
         return [done[r].token_ids for r in ids]
 
     assert tokens(True) == tokens(False)
-    assert calls["prefill"] > 0 and calls["decode"] > 0  # both kinds of rows went through the kernel
+    assert calls["prefill"] > 0 and (calls["decode"] > 0 if invariant else calls["split"] > 0)  # every kind of row went through a kernel
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreted on CPU tensors; with a GPU, tests/test_cuda.py runs the model on them")
@@ -189,3 +192,34 @@ def test_the_deterministic_model_on_the_triton_kernels_gives_the_tokens_of_its_c
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     assert tokens(True) == tokens(False)
     assert {"linear", "rms_norm", "add_rms_norm", "rope_write", "silu_mul"} <= set(calls)
+
+
+@pytest.mark.parametrize("device", [_device_param(d) for d in DEVICES])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3)])
+@pytest.mark.parametrize("parts", [None, 1, 3, 16])
+def test_split_decode_matches_float64(device, dtype, tol, heads, kv_heads, parts):
+    """`paged_decode` (each context cut into slices, merged): decode rows of contexts shorter than one
+    slice per part, not a multiple of the key tile or the block, and long ones, against float64; rows
+    of `out` that are not decode rows are left alone."""
+    bs, head_dim = 16, 32
+    seqs = [(1, 1), (1, 37), (1, 300), (1, 64), (1, 129)]
+    cache = make_cache(64, bs, kv_heads, head_dim, dtype, device)
+    tables, padded = layout(seqs, bs, 64, seed=3)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(len(seqs) + 2, heads, head_dim, generator=g).to(dtype=dtype, device=device)
+    rows = [0, 2, 3, 5, 6]  # decode rows among other rows (a mixed step's)
+    long = dict(dtype=torch.long, device=device)
+    out = torch.full_like(q, 7.0)
+    ta.paged_decode(q, cache, torch.tensor(padded, **long), torch.tensor(rows, **long),
+                    torch.tensor([c for _, c in seqs], **long), 0.125, out, parts=parts)
+    want = reference(q[rows], cache, seqs, tables, bs)
+    torch.testing.assert_close(out[rows].double().cpu(), want.cpu(), rtol=tol, atol=tol)
+    assert (out[[1, 4]] == 7.0).all()
+
+
+def test_split_decode_parts_follow_the_batch_shape():
+    cpu = torch.device("cpu")
+    assert ta.decode_parts(1, 8, cpu) == ta.MAX_DECODE_PARTS  # one sequence: as many slices as allowed
+    assert ta.decode_parts(64, 8, cpu) == 1  # the batch fills the device: no split
+    assert 1 < ta.decode_parts(8, 8, cpu) < ta.MAX_DECODE_PARTS

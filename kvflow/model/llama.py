@@ -408,15 +408,19 @@ class LlamaModel:
         return out
 
     def _triton_attention(self, layer: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Prompt chunks in one kernel call, decode rows in another (the same kernel and tile sizes)."""
+        """Prompt chunks in one kernel call, decode rows in another: the same kernel and tile sizes when
+        batch-invariant, else the split decode kernel (`paged_decode`)."""
         out, kv_layer = torch.empty(q.shape, dtype=q.dtype, device=q.device), kv.layer_kv(layer)
         if batch.prefill:
             _triton_kernels().paged_attention(q, kv_layer, batch.prefill_block_table, batch.prefill_query_start,
                                              batch.prefill_query_len, batch.prefill_context_lens,
                                              max(s.query_len for s in batch.prefill), self.scale, out)
-        if batch.decode_rows.numel():
+        if batch.decode_rows.numel() and self.batch_invariant:
             _triton_kernels().paged_attention(q, kv_layer, batch.decode_block_table, batch.decode_rows,
                                              batch.decode_query_len, batch.decode_context_lens, 1, self.scale, out)
+        elif batch.decode_rows.numel():  # (fast path: contexts split across programs at small batches)
+            _triton_kernels().paged_decode(q, kv_layer, batch.decode_block_table, batch.decode_rows,
+                                          batch.decode_context_lens, self.scale, out)
         return out
 
     def _sdpa_chunk(self, layer: int, q, k, v, s, kv: KVCache, out: torch.Tensor) -> None:

@@ -11,10 +11,13 @@ absolute positions 0, BLOCK_N, 2*BLOCK_N, ... whatever the batch, and a row's re
 on its own query, its own keys and that fixed order (rows of a tile share no reduction; a key tile
 past a row's position is fully masked and leaves its running max, sum and output exactly as they
 were). So a request's tokens do not depend on what else is in its step, nor on how its prompt was
-chunked. There is no split over the key dimension for long contexts: merging partial softmaxes
-would tie a row's rounding to the split, which would have to be fixed per position to stay
-invariant; at the contexts kvflow serves, one program per (sequence, KV head, query tile) keeps
-the GPU busy enough at any batch worth batching.
+chunked. This kernel does not split a row's keys across programs: merging partial softmaxes would
+tie a row's rounding to the split, which would have to be fixed per position to stay invariant.
+
+At small decode batches that leaves most of the GPU idle (one program per sequence and KV head walks
+the whole context), so a model that is not batch-invariant attends its decode rows with
+`paged_decode` instead: each context cut into slices computed by programs of their own and merged
+("flash decoding"), as many slices as fill the device for the batch's shape.
 
 Under `TRITON_INTERPRET=1` the same kernel runs on CPU tensors (slowly), which is how CI tests it.
 The interpreter multiplies half-precision matrices wrongly (it sees their raw bits), so there the
@@ -24,6 +27,7 @@ the float32 sums may differ from the GPU's. float32 dots are IEEE (no TF32) ever
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -114,6 +118,138 @@ if triton is not None:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_part_kernel(
+        q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, ctx_len_ptr, m_ptr, l_ptr, acc_ptr,
+        scale,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tab,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """One decode row's query heads of one KV head over one of PARTS equal slices of its context:
+        the slice's running max, sum and unnormalised output, for `_decode_merge_kernel`."""
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        part = tl.program_id(2)
+        ctx_len = tl.load(ctx_len_ptr + seq)
+        part_len = tl.cdiv(tl.cdiv(ctx_len, PARTS), BLOCK_N) * BLOCK_N  # the sequence's own slices
+        start = part * part_len
+        if start >= ctx_len:
+            return
+        end = tl.minimum(start + part_len, ctx_len)
+        row = tl.load(rows_ptr + seq)
+        g = tl.arange(0, ROWS)
+        g_ok = g < GROUP
+        head = kv_head * GROUP + g
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            key_ok = n < end
+            block = tl.load(table_ptr + seq * stride_tab + n // BLOCK_SIZE, mask=key_ok, other=0)
+            kv_off = block[:, None] * stride_kb + (n % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+            if UPCAST:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(key_ok[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # (every slice holds at least one key: finite)
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        at = (seq * (GROUP * tl.num_programs(1)) + head) * PARTS + part  # [seq, head, part]
+        tl.store(m_ptr + at, m_i, mask=g_ok)
+        tl.store(l_ptr + at, l_i, mask=g_ok)
+        tl.store(acc_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
+
+    @triton.jit
+    def _decode_merge_kernel(m_ptr, l_ptr, acc_ptr, rows_ptr, ctx_len_ptr, out_ptr, stride_ot, stride_oh,
+                             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
+        """One decode row's head: its context's slices combined in order, normalised, stored."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        ctx_len = tl.load(ctx_len_ptr + seq)
+        part_len = tl.cdiv(tl.cdiv(ctx_len, PARTS), BLOCK_N) * BLOCK_N
+        d = tl.arange(0, HEAD_DIM)
+        base = (seq * tl.num_programs(1) + head) * PARTS
+        m = tl.load(m_ptr + base)
+        l_sum = tl.load(l_ptr + base)
+        acc = tl.load(acc_ptr + base * HEAD_DIM + d)
+        for part in range(1, tl.cdiv(ctx_len, part_len)):
+            m_p = tl.load(m_ptr + base + part)
+            m_new = tl.maximum(m, m_p)
+            a, b = tl.exp(m - m_new), tl.exp(m_p - m_new)
+            l_sum = l_sum * a + tl.load(l_ptr + base + part) * b
+            acc = acc * a + tl.load(acc_ptr + (base + part) * HEAD_DIM + d) * b
+            m = m_new
+        row = tl.load(rows_ptr + seq)
+        tl.store(out_ptr + row * stride_ot + head * stride_oh + d, (acc / l_sum).to(out_ptr.dtype.element_ty))
+
+
+MAX_DECODE_PARTS = 16
+
+
+def decode_parts(num_seqs: int, kv_heads: int, device: torch.device) -> int:
+    """How many slices `paged_decode` cuts each context into: enough programs to fill the device
+    twice over (one per sequence, KV head and slice), at most MAX_DECODE_PARTS; 1 once the batch
+    alone fills it. A function of the batch's shape only, so a captured CUDA graph keeps it."""
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
+    return max(1, min(MAX_DECODE_PARTS, -(-2 * sms // max(1, num_seqs * kv_heads))))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, out: torch.Tensor, parts: int | None = None) -> torch.Tensor:
+    """Decode rows (one query token each, at the end of its context) attended with each context
+    split into `parts` slices computed in parallel and merged (split-K, "flash decoding"): at small
+    batches the one-program-per-KV-head walk of `paged_attention` leaves most of the GPU idle. The
+    result depends on how many slices the batch's shape gives, so it is not batch-invariant
+    (`LlamaModel` uses it only when not deterministic). `parts` None: `decode_parts`; 1 runs
+    `paged_attention`."""
+    num_seqs = rows.numel()
+    if num_seqs == 0:
+        return out
+    _, num_blocks, block_size, kv_heads, head_dim = kv_layer.shape
+    heads = q.shape[1]
+    parts = decode_parts(num_seqs, kv_heads, q.device) if parts is None else parts
+    if parts == 1:
+        ones = torch.ones_like(rows)
+        return paged_attention(q, kv_layer, block_table, rows, ones, context_lens, 1, scale, out)
+    if heads % kv_heads or q.stride(-1) != 1 or out.stride(-1) != 1 or kv_layer.stride(-1) != 1:
+        raise ValueError("paged_decode: heads must be a multiple of kv_heads and the last dims contiguous")
+    group = heads // kv_heads
+    f32 = dict(dtype=torch.float32, device=q.device)
+    m = torch.empty(num_seqs, heads, parts, **f32)
+    l_sum = torch.empty(num_seqs, heads, parts, **f32)
+    acc = torch.empty(num_seqs, heads, parts, head_dim, **f32)
+    k_cache, v_cache = kv_layer[0], kv_layer[1]
+    _decode_part_kernel[(num_seqs, kv_heads, parts)](
+        q, k_cache, v_cache, block_table, rows, context_lens, m, l_sum, acc, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N, PARTS=parts, UPCAST=q.dtype == torch.float32 or interpreted(), num_stages=NUM_STAGES,
+    )
+    _decode_merge_kernel[(num_seqs, heads)](m, l_sum, acc, rows, context_lens, out, out.stride(0), out.stride(1),
+                                            HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PARTS=parts)
+    return out
 
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, query_start: torch.Tensor,
