@@ -7,6 +7,8 @@ SmolLM2-135M shape and a Llama-3.2-1B-like shape, bf16, vocab 49,152. For each s
 
 - correctness: float32 greedy tokens (TF32 off) of kvflow and `transformers.generate` for prompts of
   5/37/130/300 random ids, and the bf16 last-token logits of kvflow against transformers' float32;
+- decode attention alone at each batch size (CUDA only): the batch-invariant kernel against the
+  split one, replayed from CUDA graphs;
 - the decode step (`LLMEngine.step`, host work and sampling included) at each batch size, with CUDA
   graphs and eager, beside the floor: weight bytes + the KV bytes a step reads, over the device's
   measured copy bandwidth (bytes read + written by a device-to-device copy, per second);
@@ -232,6 +234,50 @@ def profile_step(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, 
     del llm, eng
 
 
+def attention_kernels(shape: str, batches, context: int = 280, reps: int = 20) -> list[dict]:
+    """Decode attention alone, per batch size: the batch-invariant kernel (`paged_attention`, what a
+    deterministic model runs) against the split one (`paged_decode`, the default), each timed as
+    `reps` launches replayed from one CUDA graph (launch overhead out), bf16, `context` keys per row
+    in scattered 16-token blocks."""
+    from kvflow.model import triton_attention as ta
+
+    hidden, _, _, heads, kv_heads = SHAPES[shape]
+    head_dim, bs = hidden // heads, 16
+    rows = []
+    for b in batches:
+        per = -(-context // bs)
+        g = torch.Generator(device="cuda").manual_seed(b)
+        cache = torch.randn(2, b * per, bs, kv_heads, head_dim, generator=g, device="cuda").to(torch.bfloat16)
+        table = torch.randperm(b * per, generator=g, device="cuda").view(b, per)
+        q = torch.randn(b, heads, head_dim, generator=g, device="cuda").to(torch.bfloat16)
+        idx = torch.arange(b, device="cuda")
+        ctx = torch.full((b,), context, dtype=torch.long, device="cuda")
+        outs = {name: torch.empty_like(q) for name in ("invariant", "split")}
+        calls = {"invariant": lambda: ta.paged_attention(q, cache, table, idx, torch.ones_like(idx), ctx, 1, head_dim**-0.5,
+                                                         outs["invariant"]),
+                 "split": lambda: ta.paged_decode(q, cache, table, idx, ctx, head_dim**-0.5, outs["split"])}
+        row = {"batch": b, "context": context, "parts": ta.decode_parts(b, kv_heads, torch.device("cuda"))}
+        for name, call in calls.items():
+            call()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(reps):
+                    call()
+            times = []
+            for _ in range(10):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / reps)
+            row[f"{name}_us"] = 1e3 * statistics.median(times)
+        row["max_abs_diff"] = float((outs["invariant"].float() - outs["split"].float()).abs().max())
+        rows.append(row)
+    return rows
+
+
 def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: bool) -> dict:
     from transformers import LlamaForCausalLM
 
@@ -358,6 +404,11 @@ def main() -> None:
                     r["decode"].append(d)
                     print(f"[{shape}] decode batch {b:3d} {'graphs' if d['graphs'] else 'eager ':6s} "
                           f"{d['step_ms']:8.3f} ms (forward {d['forward_ms']:.3f})  floor {d['floor_ms']:.3f} ms  x{d['step_ms'] / d['floor_ms']:.1f}", flush=True)
+            if args.device == "cuda":
+                r["attention"] = attention_kernels(shape, args.batches)
+                for a in r["attention"]:
+                    print(f"[{shape}] decode attention batch {a['batch']:3d}: invariant {a['invariant_us']:.1f} us, "
+                          f"split ({a['parts']} parts) {a['split_us']:.1f} us", flush=True)
             if args.profile:
                 for b in sorted({args.batches[0], args.batches[-1]}):
                     for graphs in (False, True):
