@@ -308,9 +308,9 @@ class Controller:
         logits came in row order."""
         msg, logits = result
         argmaxed = dict(zip(msg.argmax_rows, msg.argmax_ids))
-        others = [i for i in range(len(out.seqs)) if i not in argmaxed]
+        at = {i: k for k, i in enumerate(i for i in range(len(out.seqs)) if i not in argmaxed)}  # row -> its logits row
         want = [i for i in rows if i not in argmaxed]
-        sampled = dict(zip(want, sample_requests(logits[[others.index(i) for i in want]], [out.seqs[i].request for i in want])))
+        sampled = dict(zip(want, sample_requests(logits[[at[i] for i in want]], [out.seqs[i].request for i in want])))
         self.generated += len(rows)
         return [argmaxed[i] if i in argmaxed else sampled[i] for i in rows]
 
