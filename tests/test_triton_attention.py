@@ -155,7 +155,7 @@ def test_the_model_on_the_kernel_gives_the_tokens_of_its_cpu_path(monkeypatch, i
         if triton_path:
             m = eng.model
             m.triton_attention, m.paged_kernel, m.native_decode = True, False, False
-            m.batch_invariant = invariant  # False: decode rows through the split kernel, as on CUDA by default
+            m.batch_invariant, m.split_decode = invariant, not invariant  # (fast: the split kernel, as on CUDA by default)
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         ids = [eng.add_request([5 + i, 17, 3, 40 + i] * (3 + i), params).request_id for i in range(3)]
         done = run_to_completion(eng)
@@ -223,3 +223,8 @@ def test_split_decode_parts_follow_the_batch_shape():
     assert ta.decode_parts(1, 8, cpu) == ta.MAX_DECODE_PARTS  # one sequence: as many slices as allowed
     assert ta.decode_parts(64, 8, cpu) == 1  # the batch fills the device: no split
     assert 1 < ta.decode_parts(8, 8, cpu) < ta.MAX_DECODE_PARTS
+
+
+def test_the_split_kernel_is_checked_before_a_model_uses_it():
+    """`split_decode_works` runs it against the per-head kernel once per device (here interpreted)."""
+    assert ta.split_decode_works(torch.device(DEVICES[0]))

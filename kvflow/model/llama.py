@@ -133,6 +133,9 @@ class LlamaModel:
         self.sdpa_from = (prompt_attention.choose_sdpa_from(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                             layers[0].input_norm.dtype)
                           if self.paged_kernel and not self.batch_invariant else None)
+        # Not batch-invariant on CUDA: decode rows through the split-context kernel, if it runs here.
+        self.split_decode = (self.triton_attention and not self.batch_invariant
+                             and _triton_kernels().split_decode_works(device))
         prepared = [lin.invariant if self.batch_invariant else lin.packed for lin in projections]
         none = [lin.weight.new_empty(0) for lin in projections]
         self._decode_weights = (
@@ -415,7 +418,7 @@ class LlamaModel:
             _triton_kernels().paged_attention(q, kv_layer, batch.prefill_block_table, batch.prefill_query_start,
                                              batch.prefill_query_len, batch.prefill_context_lens,
                                              max(s.query_len for s in batch.prefill), self.scale, out)
-        if batch.decode_rows.numel() and self.batch_invariant:
+        if batch.decode_rows.numel() and not self.split_decode:
             _triton_kernels().paged_attention(q, kv_layer, batch.decode_block_table, batch.decode_rows,
                                              batch.decode_query_len, batch.decode_context_lens, 1, self.scale, out)
         elif batch.decode_rows.numel():  # (fast path: contexts split across programs at small batches)

@@ -17,7 +17,8 @@ tie a row's rounding to the split, which would have to be fixed per position to 
 At small decode batches that leaves most of the GPU idle (one program per sequence and KV head walks
 the whole context), so a model that is not batch-invariant attends its decode rows with
 `paged_decode` instead: each context cut into slices computed by programs of their own and merged
-("flash decoding"), as many slices as fill the device for the batch's shape.
+("flash decoding"), as many slices as fill the device for the batch's shape (once
+`split_decode_works` has checked it against this kernel on the device).
 
 Under `TRITON_INTERPRET=1` the same kernel runs on CPU tensors (slowly), which is how CI tests it.
 The interpreter multiplies half-precision matrices wrongly (it sees their raw bits), so there the
@@ -28,6 +29,7 @@ the float32 sums may differ from the GPU's. float32 dots are IEEE (no TF32) ever
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -37,6 +39,8 @@ try:
     import triton.language as tl
 except ImportError:  # no Triton: `available` is False and nothing below is called
     triton = None
+
+log = logging.getLogger(__name__)
 
 BLOCK_Q = 16  # query tokens per program
 BLOCK_N = 32  # keys per tile of the walk over the context
@@ -209,6 +213,29 @@ def decode_parts(num_seqs: int, kv_heads: int, device: torch.device) -> int:
     alone fills it. A function of the batch's shape only, so a captured CUDA graph keeps it."""
     sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
     return max(1, min(MAX_DECODE_PARTS, -(-2 * sms // max(1, num_seqs * kv_heads))))
+
+
+@functools.cache
+def split_decode_works(device: torch.device) -> bool:
+    """Whether `paged_decode` runs on `device` and agrees with `paged_attention` there (float32, a
+    context over several slices; checked once per process and device). A model that is not
+    batch-invariant uses it only then; otherwise it logs why and keeps the one-program-per-head kernel,
+    as a CUDA graph that cannot be captured falls back to eager steps."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        cache = torch.randn(2, 8, 16, 2, 32, generator=g).to(device)
+        q = torch.randn(2, 4, 32, generator=g).to(device)
+        table = torch.tensor([[3, 1, 6, 0, 5], [2, 7, 4, 4, 4]], device=device)
+        rows, ctx = torch.tensor([0, 1], device=device), torch.tensor([77, 40], device=device)
+        split = paged_decode(q, cache, table, rows, ctx, 0.125, torch.zeros_like(q), parts=3)
+        whole = paged_attention(q, cache, table, rows, torch.ones_like(rows), ctx, 1, 0.125, torch.zeros_like(q))
+        if not torch.allclose(split, whole, rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"it differs from paged_attention by {float((split - whole).abs().max()):.3g}")
+        return True
+    except Exception as e:  # a Triton or driver that cannot compile or run it
+        log.warning("split decode attention unavailable on %s (%s: %s); decode rows use the per-head kernel",
+                    device, type(e).__name__, e)
+        return False
 
 
 @functools.cache
