@@ -62,6 +62,41 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _key_tile(q, m_i, l_i, acc, n0, last, pos, table_row_ptr, k_ptr, v_ptr, kv_head, scale,
+                  stride_kb, stride_ks, stride_kh,
+                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+        """One step of the online softmax: keys n0 .. n0 + BLOCK_N - 1 (those below `last`, and for each
+        row those at or before its position `pos`) read in place through the row's block table, folded
+        into the rows' running max `m_i`, sum `l_i` and unnormalised output `acc`."""
+        d = tl.arange(0, HEAD_DIM)
+        n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = n < last
+        block = tl.load(table_row_ptr + n // BLOCK_SIZE, mask=key_ok, other=0)
+        kv_off = block[:, None] * stride_kb + (n % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        visible = (n[None, :] <= pos[:, None]) & key_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key at all
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:  # p rounded to the cache's dtype first, as the half-precision dot below takes it
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+
+if triton is not None:
+
+    @triton.jit
     def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
         scale,
@@ -96,29 +131,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         last = tl.minimum(ctx_len, ctx_len - q_len + (tile + 1) * BLOCK_Q)  # keys this tile's rows can see
         for n0 in range(0, last, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            key_ok = n < last
-            block = tl.load(table_ptr + seq * stride_tab + n // BLOCK_SIZE, mask=key_ok, other=0)
-            kv_off = block[:, None] * stride_kb + (n % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_ptr + kv_off, mask=key_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + kv_off, mask=key_ok[:, None], other=0.0)
-            if UPCAST:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
-            visible = (n[None, :] <= pos[:, None]) & key_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key at all
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if UPCAST:  # p rounded to the cache's dtype first, as the half-precision dot below takes it
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _key_tile(q, m_i, l_i, acc, n0, last, pos, table_ptr + seq * stride_tab, k_ptr, v_ptr, kv_head,
+                                      scale, stride_kb, stride_ks, stride_kh, BLOCK_SIZE, HEAD_DIM, BLOCK_N, UPCAST)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -154,27 +168,10 @@ if triton is not None:
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            key_ok = n < end
-            block = tl.load(table_ptr + seq * stride_tab + n // BLOCK_SIZE, mask=key_ok, other=0)
-            kv_off = block[:, None] * stride_kb + (n % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_ptr + kv_off, mask=key_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + kv_off, mask=key_ok[:, None], other=0.0)
-            if UPCAST:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(key_ok[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # (every slice holds at least one key: finite)
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        pos = tl.full([ROWS], 0, tl.int64) + ctx_len - 1  # (a decode row sees its whole context)
+        for n0 in range(start, end, BLOCK_N):  # (every slice holds a key: the running max is finite)
+            m_i, l_i, acc = _key_tile(q, m_i, l_i, acc, n0, end, pos, table_ptr + seq * stride_tab, k_ptr, v_ptr, kv_head,
+                                      scale, stride_kb, stride_ks, stride_kh, BLOCK_SIZE, HEAD_DIM, BLOCK_N, UPCAST)
         at = (seq * (GROUP * tl.num_programs(1)) + head) * PARTS + part  # [seq, head, part]
         tl.store(m_ptr + at, m_i, mask=g_ok)
         tl.store(l_ptr + at, l_i, mask=g_ok)
