@@ -33,9 +33,8 @@ class DeviceMemory:
 
 def kv_budget_bytes(mem: DeviceMemory, utilization: float, reserve: int = RESERVE_BYTES) -> int:
     """Bytes for the KV cache: utilization x total, less what is in use on the device (by anyone)
-    and what a step needs on top; a clear error when nothing is left."""
-    if not 0.0 < utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    and what a step needs on top (`utilization` as `EngineConfig` checked it); a clear error when
+    nothing is left."""
     in_use = mem.total - mem.free
     budget = int(utilization * mem.total) - in_use - mem.activations - reserve
     if budget <= 0:

@@ -79,8 +79,9 @@ def _device_first(logits: torch.Tensor, requests: Sequence[Request]) -> list[int
     there so that only its id crosses to the host; every other row is copied over and sampled as above
     (the same values either way: the host's argmax and the device's both return the first maximum)."""
     n = len(requests)
-    plain = [i for i, r in enumerate(requests) if argmax_only(r)]
-    rest = [i for i in range(n) if i not in set(plain)] if len(plain) < n else []
+    plain, rest = [], []
+    for i, r in enumerate(requests):
+        (plain if argmax_only(r) else rest).append(i)
     out = [0] * n
     if plain:
         for i, t in zip(plain, (logits if len(plain) == n else logits[plain]).argmax(dim=-1).tolist()):
