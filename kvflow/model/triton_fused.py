@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.model.triton_attention import interpreted, triton
+from kvflow.model.triton_attention import triton
 
 if triton is not None:
     import triton.language as tl
 
 SILU_BLOCK = 1024  # elements of a row of the MLP's intermediate size per program
-
-
-def available(device: torch.device) -> bool:
-    return triton is not None and (device.type == "cuda" or interpreted())
 
 
 if triton is not None:
