@@ -294,7 +294,8 @@ class Scheduler:
         """Microbatch policy: apply `steps` returned passes of microbatch `group` at once (each a
         one-token step of all of it sampling `token`, none finishing one: at most `steady_steps`)
         with the `schedule()` that re-sent it after each. Returns the batch now in flight for it,
-        as the last of those calls formed it (batch ids are consumed as by `steps` calls)."""
+        as the last of those calls formed it (batch ids are consumed as by `steps` calls). The
+        round robin is the caller's (`requeue`): it may apply passes after others were sent."""
         assert self.config.policy == "microbatch" and steps > 0
         more = [token] * steps
         cache = self.kv_manager.cache_blocks if self.kv_manager.prefix_caching else None
@@ -304,11 +305,15 @@ class Scheduler:
             r.num_computed_tokens = start + steps
             if cache is not None:
                 cache(r.block_ids, r.token_ids, r.block_hashes, start, start + steps)
-        self.groups.remove(group)
-        self.groups.append(group)
         batch_id = next(self._ids) + steps - 1
         self._ids = itertools.count(batch_id + 1)
         return SchedulerOutput(batch_id, self._whole(group))
+
+    def requeue(self, groups: list[list[Request]]) -> None:
+        """Microbatch policy: `groups` were re-sent in this order; each goes to the round robin's back."""
+        for g in groups:
+            self.groups.remove(g)
+            self.groups.append(g)
 
     def add_microbatch(self, requests: list[Request]) -> None:
         """Token role with the microbatch policy: requests whose KV is in place run as one microbatch."""

@@ -46,6 +46,7 @@ class SimPipeline(PipelineState):
         self.epoch = 0  # bumped by a failure: passes placed in an older epoch are void
         self.number = 0  # position among all pipelines, prompt side first: orders simultaneous events
         self.ahead = None  # a run ahead not yet applied (`kvflow.simulator.steady.Ahead`)
+        self.lag: dict = {}  # wire id -> its microbatch's passes run ahead, not yet applied (`steady.Behind`)
 
     def place(self, now: float, stage_time: float, hop: float, duration=None) -> list[tuple[float, float]]:
         """Place one pass sent to stage 0 at `now`; return each stage's (start, end). `duration(k,

@@ -36,7 +36,7 @@ from kvflow.simulator.config import PipelineGroup, SimConfig
 from kvflow.simulator.events import PIPELINE, Arrival, Event, KVReady, PassDone, Recovered, WorkerFailure
 from kvflow.simulator.metrics import SimResult
 from kvflow.simulator.pipeline import Pass, SimPipeline
-from kvflow.simulator.steady import run_ahead, settle
+from kvflow.simulator.steady import catch_up, run_ahead, settle
 from kvflow.simulator.workload import Workload
 
 UNLIMITED_CONTEXT = 1 << 40
@@ -316,6 +316,8 @@ class Simulator:
     def on_pass_done(self, now: float, p: SimPipeline, wire_id: int) -> list[Event]:
         if p.ahead is not None:
             settle(self, p, now, PIPELINE + p.number)
+        if p.lag:
+            catch_up(p, wire_id)
         pas = p.passes.pop(wire_id)
         p.busy += pas.stage_time
         out = self.executor.complete(p, wire_id, None)

@@ -14,11 +14,15 @@ have been handled, up to the first pass that will finish a request (with a free 
 cuts the run short, and replaying its start and dropping its rest is cheap beside the events it
 saves), and gives events only to the passes then in flight. The scheduler learns of the passes
 in between when anything next reaches the pipeline (`settle`: at one of those events, or when the
-executor is about to fill the pipeline with a free slot): the passes that returned before that
-moment are applied at once (`Scheduler.run_ahead`), and the pipeline's clocks, busy time and
-batches in flight are what step-by-step simulation would have made them (replayed from the start
-of the run when it is cut short). The batch log, the timeline and every decision are those of
-simulating each pass as an event (tests/simulator/test_steady.py).
+executor is about to fill the pipeline with a free slot): the pipeline's clocks, busy time, round
+robin and batches in flight are then what step-by-step simulation would have made them (replayed
+from the start of the run when it is cut short). A microbatch's own requests are behind until its
+own pass returns (`catch_up`): the passes it returned meanwhile, over any number of runs, are
+applied then at once (`Scheduler.run_ahead`), as nothing reads them before (the executor's
+`complete` reads only the batch that returned, `schedule` only microbatches not in flight, and the
+next run ahead takes up a microbatch that is behind where the last one left it). The batch log,
+the timeline and every decision are those of simulating each pass as an event
+(tests/simulator/test_steady.py).
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ class _Run:
                     list(self.done_at), self.busy, list(self.stage_free))
 
 
+class Behind:
+    """A microbatch's passes returned while running ahead and not yet applied to its requests
+    (`steps`, each sampling `token`), and where the runs left it: passes it may still return
+    without finishing a request, counting the one in flight (`left`), and that pass's context."""
+
+    __slots__ = ("steps", "left", "context", "token")
+
+    def __init__(self, steps: int, left: int, context: int, token: int) -> None:
+        self.steps, self.left, self.context, self.token = steps, left, context, token
+
+
 class Ahead:
     """A run ahead not yet applied: the pipeline when it started (`start`), where the run stopped
     (`end`), when each pass of it returned, and the token every step sampled."""
@@ -78,21 +93,25 @@ def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
     for out in p.in_flight.values():  # (a prompt pass in flight: the cheap answer before any microbatch's)
         if not out.seqs or out.seqs[0].num_new_tokens != 1:
             return
-    rows = []
+    rows, lag = [], p.lag
     by_head = {id(g[0]): g for g in sched.groups if g}
     for wire_id, out in p.in_flight.items():  # each batch in flight is exactly one microbatch, and steady
         seqs = out.seqs
         group = by_head.get(id(seqs[0].request)) if seqs else None
         if group is None or len(group) != len(seqs):
             return
-        context = 0
-        for r, (req, n, start, _, _, _) in zip(group, seqs):
-            if r is not req:
+        behind = lag.get(wire_id)
+        if behind is not None and behind.token == token:  # (steady: where the last run left it)
+            left, context = behind.left, behind.context
+        else:
+            context = 0
+            for r, (req, n, start, _, _, _) in zip(group, seqs):
+                if r is not req:
+                    return
+                context += start + n
+            left = sched.steady_steps(group, token)
+            if left is None:
                 return
-            context += start + n
-        left = sched.steady_steps(group, token)
-        if left is None:
-            return
         pas = p.passes[wire_id]
         rows.append((pas.done_at, wire_id, group, left, context, pas.stage_time))
     rows.sort(key=lambda r: r[0])  # the order they return in
@@ -207,15 +226,33 @@ def settle(sim: "Simulator", p: "SimPipeline", now: float, rank: int) -> None:
     if log is not None:
         for k in range(past):
             log.append([(r.request_id, 1) for r in end.groups[k % m]])
-    sched, in_flight = p.sched, {}
+    in_flight, lag, sent = {}, p.lag, []
     for i in sorted(range(m), key=lambda i: end.sent[i]):  # the scheduler's round robin: last sent, last in line
-        wire_id = end.wire_ids[i]
-        in_flight[wire_id] = sched.run_ahead(end.groups[i], end.steps[i], ahead.token) if end.steps[i] else p.in_flight[wire_id]
+        wire_id, steps = end.wire_ids[i], end.steps[i]
+        if steps:
+            sent.append(end.groups[i])
+            behind = lag.get(wire_id)
+            if behind is not None and behind.token != ahead.token:
+                catch_up(p, wire_id)  # (its passes so far sampled another token)
+            elif behind is not None:
+                steps += behind.steps
+            lag[wire_id] = Behind(steps, end.left[i] - end.steps[i], end.context[i], ahead.token)
+        in_flight[wire_id] = p.in_flight[wire_id]
         if end.steps[i] == ahead.end.steps[i]:
             continue  # its pass now is the one the run stopped at: its event stands
         p.passes[wire_id] = pas = Pass(end.stage_time[i], end.done_at[i])
         sim._events.append(PassDone(end.done_at[i], p, wire_id, pas))
+    p.sched.requeue(sent)
     p.in_flight.clear()
     p.in_flight.update(in_flight)
     if past:
         p.pending_free.clear()  # went with the first pass sent again
+
+
+def catch_up(p: "SimPipeline", wire_id: int) -> None:
+    """Apply to the scheduler the passes that `p`'s microbatch in flight as `wire_id` returned while
+    running ahead (`Behind`): its requests and its batch in flight are then as step by step."""
+    behind = p.lag.pop(wire_id, None)
+    if behind is not None:
+        out = p.in_flight[wire_id]
+        p.in_flight[wire_id] = p.sched.run_ahead([s.request for s in out.seqs], behind.steps, behind.token)
