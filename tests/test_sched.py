@@ -44,6 +44,23 @@ def test_a_request_is_in_at_most_one_batch_in_flight():
     assert a.output_token_ids == [7] and b.output_token_ids == [7]
 
 
+def test_token_ids_are_the_prompt_then_the_output_without_a_copy():
+    """`Request.token_ids` reads the request's own two lists: it indexes and slices like their
+    concatenation (what the model consumes) and sees every token as it is appended."""
+    prompt = [5, 6, 7]
+    r = Request("a", prompt, SamplingParams(max_tokens=4))
+    r.append_token(8, 100)
+    r.extend_tokens([9, 9])
+    whole = prompt + [8, 9, 9]
+    assert r.token_ids.prompt is prompt and r.num_tokens == len(r.token_ids) == 6 and r.token_ids == whole
+    for a, b, step in itertools.product([None, -7, -4, 0, 2, 3, 4, 6, 9], [None, -7, -1, 0, 1, 3, 5, 6, 9], [None, 1, 2, -1]):
+        assert r.token_ids[a:b:step] == whole[a:b:step], (a, b, step)
+    assert [r.token_ids[i] for i in range(-6, 6)] == whole[-6:] + whole
+    with pytest.raises(IndexError):
+        r.token_ids[6]
+    assert prompt == [5, 6, 7]  # the caller's list is never written
+
+
 def test_block_tables_travel_as_deltas():
     s = Scheduler(SchedulerConfig(), KVCacheManager(64, 4), 256)
     r = req("r", 7, max_tokens=8)

@@ -4,7 +4,7 @@ cache (by content hash) until the pool needs them back, least recently used firs
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 
 
 ANONYMOUS = 0  # the id every block of an anonymous pool has (tables of such a pool only count blocks)
@@ -113,12 +113,13 @@ class BlockPool:
     def free(self, ids: Iterable[int]) -> None:
         """Drop one reference to each of `ids`. Pass a request's table last block first, so that the
         end of a prefix is evicted before its beginning (a later block is useless without the earlier)."""
-        ids = list(ids)
-        if self.anonymous:
-            if len(ids) > self.num_blocks - self._num_free:
-                raise ValueError(f"freeing {len(ids)} blocks, {self.num_blocks - self._num_free} are allocated")
-            self._num_free += len(ids)
+        if self.anonymous:  # (a table of copies of ANONYMOUS: only its length counts)
+            n = len(ids) if isinstance(ids, Sized) else sum(1 for _ in ids)
+            if n > self.num_blocks - self._num_free:
+                raise ValueError(f"freeing {n} blocks, {self.num_blocks - self._num_free} are allocated")
+            self._num_free += n
             return
+        ids = list(ids)
         counts: dict[int, int] = {}
         for b in ids:
             counts[b] = counts.get(b, 0) + 1

@@ -273,12 +273,15 @@ class KVCacheManager:
         if not self.prefix_caching:
             return
         bs = self.block_size
+        if start // bs == end // bs and len(hashes) >= end // bs:
+            return  # no block filled up (most decode steps)
         extend_hashes(hashes, token_ids, end // bs, bs)
         for i in range(start // bs, min(end // bs, len(table))):
             self.pool.insert(table[i], hashes[i])
 
     def release(self, table: list[int]) -> None:
-        self.pool.free(reversed(table))  # a prefix's last blocks are evicted before its first
+        # a prefix's last blocks are evicted before its first (an anonymous pool only counts them)
+        self.pool.free(table if self.pool.anonymous else reversed(table))
         table.clear()
 
     def reset_prefix_cache(self) -> None:

@@ -177,7 +177,7 @@ class RouterBackend:
                 return
             flight = self.pool.open(inst, route)
             flight.generated = generated
-            body = request_body(self.model_name, req.token_ids, params, generated)
+            body = request_body(self.model_name, list(req.token_ids), params, generated)
             stream = _stream(self.streams, inst, body)
             try:
                 async for chunk in stream:

@@ -55,7 +55,12 @@ class SchedulerOutput:
     @property
     def token_ids(self) -> list[int]:
         """The ids of the tokens the batch computes, sequence after sequence (a forward pass's input)."""
-        return [t for s in self.seqs for t in s.request.token_ids[s.start:s.end]]
+        ids: list[int] = []
+        for s in self.seqs:
+            r = s.request
+            p = len(r.prompt_token_ids)
+            ids += r.output_token_ids[s.start - p:s.end - p] if s.start >= p else r.token_ids[s.start:s.end]
+        return ids
 
     @property
     def is_empty(self) -> bool:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, overload
 
 from kvflow.sched.sampling import SamplerState, SamplingParams
 from kvflow.model.tokenizer import IncrementalDetokenizer
@@ -41,6 +43,56 @@ class RequestOutput:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
+class TokenIds(Sequence[int]):
+    """A request's prompt followed by its output tokens, read-only, over the request's own two lists
+    (neither is copied: a prompt of thousands of tokens costs nothing per request, and a sampled
+    token is appended once). A slice is a new list; so is anything else that needs one (`list(t)`)."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i):
+        prompt, output = self.prompt, self.output
+        p = len(prompt)
+        if i.__class__ is slice:
+            start, stop = i.start, i.stop
+            if i.step is not None or start is None or stop is None or start < 0 or stop < 0:
+                start, stop, step = i.indices(p + len(output))
+                if step != 1:
+                    return list(self)[i]
+            if start >= p:
+                return output[start - p:stop - p] if stop > p else []
+            if stop <= p:
+                return prompt[start:stop]
+            return prompt[start:] + output[:stop - p]
+        if i < 0:
+            i += p + len(output)
+        if i < 0:
+            raise IndexError("token index out of range")
+        return prompt[i] if i < p else output[i - p]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self.prompt, self.output)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (TokenIds, list, tuple)) and len(self) == len(other) and all(
+            a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"TokenIds({list(self)!r})"
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -64,7 +116,7 @@ class Request:
     _reported_text: int = 0
 
     def __post_init__(self) -> None:
-        self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output, what the model consumes
+        self.token_ids = TokenIds(self.prompt_token_ids, self.output_token_ids)  # what the model consumes
         self.sampler = SamplerState.for_params(self.params)
         self._max_stop_len = max(map(len, self.params.stop), default=0)
 
@@ -74,7 +126,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_pending_tokens(self) -> int:
@@ -97,7 +149,6 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         self.output_token_ids.append(token_id)
-        self.token_ids.append(token_id)
         n_out = len(self.output_token_ids)
         p = self.params
         if n_out >= p.min_tokens:
@@ -125,7 +176,8 @@ class Request:
             return None
         if self.detokenizer is not None:
             return None
-        left = min(p.max_tokens - len(self.output_token_ids), max_model_len - len(self.token_ids))
+        n_out = len(self.output_token_ids)
+        left = min(p.max_tokens - n_out, max_model_len - len(self.prompt_token_ids) - n_out)
         return left if left > 1 else 1
 
     def extend_tokens(self, tokens: list[int]) -> None:
@@ -134,7 +186,6 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.output_token_ids += tokens
-        self.token_ids += tokens
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED

@@ -167,7 +167,8 @@ class Scheduler:
                 break
             if room is not None and blocks_for(need, bs) > room:
                 break
-            if self._reserves() and self._reserved_blocks() + self._full_blocks(req) > self.kv_manager.num_blocks:
+            if (self.config.reserve_kv and self.role == "both"
+                    and self._reserved_blocks() + self._full_blocks(req) > self.kv_manager.num_blocks):
                 break
             if self.admit_hook is not None and not self.admit_hook(req):
                 break
@@ -212,9 +213,6 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._full_table.add(req.request_id)
-
-    def _reserves(self) -> bool:
-        return self.config.reserve_kv and self.role == "both"
 
     def _full_blocks(self, req: Request) -> int:
         """Blocks `req` holds when it has produced all its tokens (prompt + max_tokens, capped at the context)."""
@@ -268,11 +266,12 @@ class Scheduler:
         full_table, out = self._full_table, []
         for r in group:
             c = r.num_computed_tokens
+            n = len(r.prompt_token_ids) + len(r.output_token_ids) - c
             if r.request_id in full_table:
                 full_table.discard(r.request_id)
-                out.append(ScheduledSeq(r, len(r.token_ids) - c, c, tuple(r.block_ids), True))
+                out.append(ScheduledSeq(r, n, c, tuple(r.block_ids), True))
             else:
-                out.append(ScheduledSeq(r, len(r.token_ids) - c, c))
+                out.append(ScheduledSeq(r, n, c))
         return out
 
     def steady_steps(self, group: list[Request], token: int) -> int | None:
@@ -281,7 +280,8 @@ class Scheduler:
         None when a pass of it may do anything else (a prompt chunk, a stop check on text)."""
         steps, limit = None, self.max_model_len
         for r in group:
-            if len(r.token_ids) - r.num_computed_tokens != 1 or not r.output_token_ids or r.status is RequestStatus.FINISHED:
+            if len(r.prompt_token_ids) + len((out := r.output_token_ids)) - r.num_computed_tokens != 1 or not out \
+                    or r.status is RequestStatus.FINISHED:
                 return None
             left = r.steps_to_length(token, limit)
             if left is None:
