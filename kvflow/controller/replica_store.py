@@ -41,7 +41,7 @@ class ReplicaStore:
         def arrived(rids: list[str], spans: list[tuple[int, int]]) -> None:
             self.events.append((pipeline, stage, rids, spans))
 
-        recv = KVReceiver(cache, InStream(rx, secret=self.secret), arrived, self._dropped)
+        recv = KVReceiver(cache, InStream(rx, secret=self.secret), arrived, self._dropped, increments=True)
         recv.start()
         self.caches[key], self.receivers[key], self.addresses[key] = cache, recv, rx.address
         return rx.address

@@ -18,9 +18,11 @@ Split as in vLLM's KV connector, on DéjàVuLib's level-3 primitives:
   arrived; anything unplanned or repeated is rejected.
 
 The same two classes carry the fault-tolerance traffic (`kvflow.worker`): replication (each stage of
-a pipeline sends the KV each step appended to the next stage's replica, `incremental=True`, so the
-receiver expects only the new tokens and reports the replicated total) and, in a recovery, the
-restore of a replica into a replacement's cache.
+a pipeline sends the KV each step appended to the next stage's replica, `KVSender.send_increment`)
+and, in a recovery, the restore of a replica into a replacement's cache. A replica holds the same
+block ids as its source, so an increment names its flat cache slots instead of block tables: one
+self-contained chunk per step, which a receiver writes without per-request state or block tables
+(a request's table would otherwise travel, and be decoded, with every step it is in).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from kvflow.kv.cache import KVCache
-from kvflow.streaming.errors import StreamingError
+from kvflow.streaming.chunk import ChunkDesc, Segment
+from kvflow.streaming.errors import ChunkMismatch, StreamingError
 from kvflow.streaming.primitives import InStream, OutStream, fetch_many, flush
 from kvflow.streaming.region import KVRegion, SeqRegion
 from kvflow.streaming.scatter import KVSink
@@ -84,14 +88,10 @@ class KVSender:
     """
 
     def __init__(self, cache: KVCache, stage: int, outs: dict[int, OutStream], mode: SendMode = "overlap",
-                 pool_size: int = 4, timeout: float = 30.0, incremental: bool = False,
-                 coalesce_bytes: int = COALESCE_BYTES) -> None:
+                 pool_size: int = 4, timeout: float = 30.0, coalesce_bytes: int = COALESCE_BYTES) -> None:
         if mode not in SEND_MODES:
             raise ValueError(f"mode must be one of {SEND_MODES}, got {mode!r}")
         self.cache, self.stage, self.outs, self.mode, self.timeout = cache, stage, outs, mode, timeout
-        # incremental: the receiver expects only [token_start, total) of each request (replication's
-        # per-step appends), not the whole [0, total) (a hand-off, possibly in prefill chunks)
-        self.incremental = incremental
         self.pool_size = pool_size
         self.coalesce_bytes = coalesce_bytes
         lay = cache.layout
@@ -115,9 +115,8 @@ class KVSender:
         """`epoch` travels with the chunks: a receiver drops chunks from before its last reset."""
         self._raise_pending()
         self._requests = [SeqRegion(r.request_id, r.src_blocks, r.token_start, r.token_end) for r in requests]
-        starts = [r.token_start if self.incremental else r.dest_start for r in requests]
-        self._metas = [{"total": r.total, "blocks": list(r.dest_blocks), **({"start": a} if a else {})}
-                       for r, a in zip(requests, starts)]
+        self._metas = [{"total": r.total, "blocks": list(r.dest_blocks), **({"start": r.dest_start} if r.dest_start else {})}
+                       for r in requests]
         self._plan = [t for t in plan if t.src == self.stage]
         self._next = [t.layer_start for t in self._plan]
         self._epoch = epoch
@@ -153,27 +152,37 @@ class KVSender:
         metas = self._metas[t.request_start:t.request_end]
         return {"epoch": self._epoch, "kv": {r.request_id: m for r, m in zip(reqs, metas)}}
 
-    def send_all(self) -> None:
-        """After the step (overlap mode): all planned layers of every transfer, as one chunk each,
-        flushed by the background thread while the next step computes. Replication uses this
-        rather than the layer hook: a decode step appends little KV per layer, and one chunk per
-        step costs one header, checksum and acknowledgement instead of one per layer."""
+    def send_increment(self, segments: Sequence[Segment], slots: Sequence[int], epoch: int) -> None:
+        """Replication, after a step (overlap mode, one destination): the KV of `segments` (tokens
+        [start, end) of each request, at the flat `slots` of this cache, in order), all of this
+        cache's layers, as one chunk flushed by the background thread while the next step computes.
+        One chunk per step rather than one per layer: a decode step appends little KV per layer, and
+        a chunk costs a header, a checksum and an acknowledgement whatever its size. The chunk names
+        the slots (the replica holds the same block ids), not block tables."""
         self._raise_pending()
-        if self.mode != "overlap":
-            raise ValueError("send_all needs the overlap mode (a background thread)")
-        for t in self._plan:
-            self._enqueue(t, t.layer_start, t.layer_end)
+        if self.mode != "overlap" or len(self.outs) != 1:
+            raise ValueError("send_increment needs the overlap mode (a background thread) and one destination")
+        lay = self.cache.layout
+        at = np.asarray(slots, dtype="<i8")
+        desc = ChunkDesc(tuple(segments), lay.layer_start, lay.layer_end, "kv")
+        if desc.num_tokens != len(at):
+            raise ValueError(f"{len(at)} slots for {desc.num_tokens} tokens")
+        self._put(next(iter(self.outs)), desc, torch.from_numpy(at), {"epoch": epoch, "slots": at.tobytes()})
 
     def _enqueue(self, t: Transfer, layer_start: int, layer_end: int) -> None:
         region = KVRegion(tuple(self._requests[t.request_start:t.request_end]), layer_start, layer_end)
+        self._put(t.dst, region.desc, region.slot_tensor(self.cache.layout.block_size), self._meta(t))
+
+    def _put(self, dst: int, desc: ChunkDesc, slots: torch.Tensor, meta: dict) -> None:
+        """Pack `desc`'s layers at `slots` into a pooled staging buffer (so the blocks may be reused as
+        soon as the step returns) and queue it for the background thread."""
         try:
             staging = self._pool.acquire(timeout=self.timeout)
         except TimeoutError:
             self._raise_pending()
             raise StreamingError(f"KV sending fell {self.pool_size} buffers behind for {self.timeout}s") from None
-        lay = self.cache.layout
-        data, event = staging.pack(self.cache, region, region.slot_tensor(lay.block_size, self.cache.device))
-        self._queue.put((staging, t.dst, region, data, event, self._meta(t)))
+        data, event = staging.pack(self.cache, (desc.layer_start, desc.layer_end), slots)
+        self._queue.put((staging, dst, desc, data, event, meta))
 
     def finish(self) -> None:
         """Wait until all KV handed to this sender is sent and acknowledged."""
@@ -209,12 +218,12 @@ class KVSender:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            staging, dst, region, data, event, meta = item
+            staging, dst, desc, data, event, meta = item
             try:
                 if self._error is None:
                     if event is not None:
                         event.synchronize()
-                    h = flush(self.outs[dst], region.desc, data, meta)
+                    h = flush(self.outs[dst], desc, data, meta)
                     self.chunks, self.nbytes = self.chunks + 1, self.nbytes + h.nbytes
             except BaseException as e:  # surfaced on the compute thread at its next call
                 self._error = e
@@ -251,12 +260,15 @@ class KVReceiver:
     rejected and dropped (the sender is told through the acknowledgement). A completed request is
     forgotten, so the same request can be sent again later (recomputed after a preemption).
     `reset(epoch)` (after a failure) forgets every partly received request and from then on drops,
-    unwritten, chunks sent in an older epoch.
+    unwritten, chunks sent in an older epoch. A replica's receiver (`increments=True`) also takes
+    replication increments (`KVSender.send_increment`): each is complete in itself, written at the
+    slots it names and reported at once; any other receiver rejects them.
     """
 
     def __init__(self, cache: KVCache, inp: InStream, on_complete: Callable[[list[str], list[tuple[int, int]]], None],
-                 on_error: Callable[[str], None]) -> None:
+                 on_error: Callable[[str], None], increments: bool = False) -> None:
         self.cache = cache
+        self.increments = increments
         self.inp = inp
         self.on_complete = on_complete
         self.on_error = on_error
@@ -309,23 +321,37 @@ class KVReceiver:
         done = []
         try:
             with chunk, self.lock:  # releasing the chunk acknowledges it (or reports the error)
-                if chunk.header.meta.get("epoch", 0) < self.epoch:
+                meta = chunk.header.meta
+                if meta.get("epoch", 0) < self.epoch:
                     self.stale += 1
                     return
-                self._expect_from(chunk.header.meta)
-                self.sink.write(chunk)
-                self.nbytes += chunk.header.nbytes
-                for seg in chunk.header.desc.segments:
-                    rid = seg.request_id
-                    if rid in self.sink.expected and self.sink.complete_for([rid]):
-                        done.append((rid, self.spans.pop(rid)))
-                        self.sink.forget(rid)
-                        self.tables.pop(rid, None)
+                if "slots" in meta:
+                    done = self._increment(chunk, meta["slots"])
+                else:
+                    self._expect_from(meta)
+                    self.sink.write(chunk)
+                    self.nbytes += chunk.header.nbytes
+                    for seg in chunk.header.desc.segments:
+                        rid = seg.request_id
+                        if rid in self.sink.expected and self.sink.complete_for([rid]):
+                            done.append((rid, self.spans.pop(rid)))
+                            self.sink.forget(rid)
+                            self.tables.pop(rid, None)
         except Exception as e:
             self.on_error(f"KV chunk rejected: {type(e).__name__}: {e}")
             return
         if done:
             self.on_complete([r for r, _ in done], [n for _, n in done])
+
+    def _increment(self, chunk, slots: object) -> list[tuple[str, tuple[int, int]]]:
+        h = chunk.header
+        if not self.increments:
+            raise ChunkMismatch(f"chunk {h.stream}#{h.seq} is a replication increment; this receiver holds no replica")
+        if not isinstance(slots, bytes) or len(slots) % 8:
+            raise ChunkMismatch(f"chunk {h.stream}#{h.seq}: its slots are not a list of 64-bit integers")
+        self.sink.write_at(chunk, np.frombuffer(slots, dtype="<i8").copy())
+        self.nbytes += h.nbytes
+        return [(seg.request_id, (seg.token_start, seg.token_end)) for seg in h.desc.segments]
 
     def close(self) -> None:
         self._stop.set()

@@ -3,6 +3,7 @@ pieces (adjacent blocks coalesced), and packing it into / unpacking it from one 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +31,23 @@ class SeqRegion:
         return Segment(self.request_id, self.token_start, self.token_end)
 
     def slots(self, block_size: int) -> list[int]:
-        if len(self.block_ids) * block_size < self.token_end:
-            raise ValueError(f"{self.request_id!r}: {len(self.block_ids)} blocks cannot hold token {self.token_end - 1}")
-        return [self.block_ids[t // block_size] * block_size + t % block_size for t in range(self.token_start, self.token_end)]
+        return token_slots(self.block_ids, self.token_start, self.token_end, block_size, self.request_id)
+
+
+def token_slots(block_ids: Sequence[int], token_start: int, token_end: int, block_size: int, name: str = "") -> list[int]:
+    """The flat cache slots (block id * block_size + offset) of tokens [token_start, token_end) of a
+    sequence whose KV lives in `block_ids`, in token order; one range per block touched."""
+    if len(block_ids) * block_size < token_end:
+        raise ValueError(f"{name!r}: {len(block_ids)} blocks cannot hold token {token_end - 1}")
+    out: list[int] = []
+    t = token_start
+    while t < token_end:
+        b, off = divmod(t, block_size)
+        base = int(block_ids[b]) * block_size + off
+        n = min(block_size - off, token_end - t)
+        out.extend(range(base, base + n))
+        t += n
+    return out
 
 
 @dataclass(frozen=True)
@@ -117,9 +132,10 @@ def piece_view(cache: KVCache, p: Piece) -> torch.Tensor:
     return flat_layers(cache, p.layer, p.layer + 1)[:, p.kind : p.kind + 1, p.slot : p.slot + p.length]
 
 
-def pack(cache: KVCache, region: KVRegion, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy the region into one dense [layers, 2, tokens, kv_heads, head_dim] tensor (`out` if given)."""
-    src = flat_layers(cache, region.layer_start, region.layer_end)
+def pack(cache: KVCache, layers: tuple[int, int], slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy K and V of `layers` [start, end) at `slots` into one dense [layers, 2, tokens, kv_heads,
+    head_dim] tensor (`out` if given)."""
+    src = flat_layers(cache, *layers)
     if out is None:
         return src.index_select(2, slots)
     torch.index_select(src, 2, slots, out=out)

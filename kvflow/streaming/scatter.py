@@ -77,7 +77,7 @@ def scatter(
             data = room.view(lay.dtype).view(shape)
             torch.index_select(flat_layers(cache, part.layer_start, part.layer_end), 2, slots, out=data)
         else:
-            data, event = staging.pack(cache, part, slots)
+            data, event = staging.pack(cache, (part.layer_start, part.layer_end), slots)
             if event is not None:
                 event.synchronize()
         h = flush(out, part.desc, data, meta)
@@ -134,13 +134,32 @@ class KVSink:
                 return False
         return True
 
-    def _check(self, chunk: Chunk) -> list[tuple[Segment, np.ndarray]]:
+    def _check_shape(self, chunk: Chunk) -> None:
+        """The chunk's dtype, heads, head size and layers fit this cache."""
         lay, h = self.cache.layout, chunk.header
         d = h.desc
         if h.shape[3:] != (lay.num_kv_heads, lay.head_dim) or DTYPE_NAMES[lay.dtype] != h.dtype:
             raise ChunkMismatch(f"chunk {h.stream}#{h.seq} is {h.dtype} {h.shape}; this cache holds {DTYPE_NAMES[lay.dtype]} with heads/dim {(lay.num_kv_heads, lay.head_dim)}")
         if not lay.layer_start <= d.layer_start < d.layer_end <= lay.layer_end:
             raise ChunkMismatch(f"chunk {h.stream}#{h.seq} has layers [{d.layer_start}, {d.layer_end}); this cache holds [{lay.layer_start}, {lay.layer_end})")
+
+    def write_at(self, chunk: Chunk, slots: np.ndarray) -> None:
+        """Copy a chunk into the cache at the flat `slots` it names (a replication increment: the
+        sender's own block ids, which a replica shares), after the same shape checks as `write` and
+        a bounds check of every slot; no expectations and no per-request state are involved."""
+        self._check_shape(chunk)
+        lay, h = self.cache.layout, chunk.header
+        if len(slots) != h.desc.num_tokens:
+            raise ChunkMismatch(f"chunk {h.stream}#{h.seq} names {len(slots)} slots for {h.desc.num_tokens} tokens")
+        if len(slots) and not (0 <= int(slots.min()) and int(slots.max()) < lay.num_blocks * lay.block_size):
+            raise ChunkMismatch(f"chunk {h.stream}#{h.seq} names slots outside this cache's {lay.num_blocks} blocks")
+        d = h.desc
+        unpack(self.cache, d.layer_start, d.layer_end, d.kinds, torch.from_numpy(slots).to(self.cache.device), chunk.data)
+
+    def _check(self, chunk: Chunk) -> list[tuple[Segment, np.ndarray]]:
+        self._check_shape(chunk)
+        lay, h = self.cache.layout, chunk.header
+        d = h.desc
         ls = slice(d.layer_start - lay.layer_start, d.layer_end - lay.layer_start)
         ks = slice(0, 2) if d.kinds == "kv" else slice(int(d.kinds == "v"), int(d.kinds == "v") + 1)
         marks, seen = [], set()

@@ -13,7 +13,7 @@ from kvflow.streaming.region import KVRegion, pack, unpack
 
 
 class Staging:
-    """One grow-only buffer. `pack(cache, region, slots)` returns a host tensor [layers, 2, tokens,
+    """One grow-only buffer. `pack(cache, layers, slots)` returns a host tensor [layers, 2, tokens,
     kv_heads, head_dim] and an event (None on CPU) to `wait()` on before reading it. The tensor
     stays valid until the next `pack` on this Staging."""
 
@@ -31,15 +31,16 @@ class Staging:
             buf = torch.empty(max(nbytes, 2 * buf.numel()), dtype=torch.uint8, device=buf.device, pin_memory=pinned)
         return buf, buf[:nbytes].view(dtype).view(shape)
 
-    def pack(self, cache: KVCache, region: KVRegion, slots: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    def pack(self, cache: KVCache, layers: tuple[int, int], slots: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """K and V of `layers` [start, end) at the cache's flat `slots`, packed."""
         lay = cache.layout
-        shape = (region.layer_end - region.layer_start, 2, int(slots.numel()), lay.num_kv_heads, lay.head_dim)
+        shape = (layers[1] - layers[0], 2, int(slots.numel()), lay.num_kv_heads, lay.head_dim)
         self.host, host = self._view(self.host, lay.dtype, shape, pinned=self.cuda)
         if not self.cuda:
-            pack(cache, region, slots, out=host)
+            pack(cache, layers, slots, out=host)
             return host, None
         self.dev, dev = self._view(self.dev, lay.dtype, shape, pinned=False)
-        pack(cache, region, slots.to(self.device, non_blocking=True), out=dev)
+        pack(cache, layers, slots.to(self.device, non_blocking=True), out=dev)
         # Device -> pinned host on a side stream, so the copy overlaps the next kernels.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
@@ -78,7 +79,7 @@ def transfer(src: KVCache, src_region: KVRegion, dst: KVCache, dst_region: KVReg
     if src_region.num_tokens != dst_region.num_tokens:
         raise ValueError(f"regions of {src_region.num_tokens} and {dst_region.num_tokens} tokens")
     bs = src.layout.block_size
-    data, event = staging.pack(src, src_region, src_region.slot_tensor(bs))
+    data, event = staging.pack(src, (src_region.layer_start, src_region.layer_end), src_region.slot_tensor(bs))
     if event is not None:
         event.synchronize()
     unpack(dst, dst_region.layer_start, dst_region.layer_end, "kv", dst_region.slot_tensor(bs, dst.device), data)

@@ -105,7 +105,7 @@ class TierStore:
         bs = self.cache.layout.block_size
         for s, f in ops:
             region = self._region([s])
-            data, _ = self._host_staging.pack(self.host, region, region.slot_tensor(bs))
+            data, _ = self._host_staging.pack(self.host, (region.layer_start, region.layer_end), region.slot_tensor(bs))
             payload = tensor_bytes(data)
             header = make_header(self._stream, self._seq, self._desc(f), data, None, payload)
             self._seq += 1

@@ -15,8 +15,8 @@ layer has written it (background thread), a token worker receives it into its ca
 are dropped and counted, never raised in a loop.
 
 Replication (a colocated or token pipeline of depth >= 2, `ClusterConfig.replication="ring"`): every
-step, each stage also sends the KV the step appended to the next stage (x+1 mod depth), through a
-second, incremental `KVSender` on its own background thread; the next stage keeps it in a replica
+step, each stage also sends the KV the step appended to the next stage (x+1 mod depth), as one
+increment through a second `KVSender` on its own background thread; the next stage keeps it in a replica
 cache (the previous stage's layers, the same block ids) and reports the replicated token counts
 (`Replicated`). In a recovery the controller has the replica's holder send it back into the
 replacement's cache and the previous stage refill the replica the replacement holds (`Restore`).
@@ -41,9 +41,11 @@ from kvflow.model import cuda_graphs
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
+from kvflow.streaming.chunk import Segment
 from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender, send_restore
 from kvflow.streaming.errors import peer_gone
 from kvflow.streaming.primitives import InStream, OutStream
+from kvflow.streaming.region import token_slots
 from kvflow.streaming.swapper import SwapSeq, Swapper
 from kvflow.streaming.tier_store import TierStore
 from kvflow.streaming.topology import Transfer
@@ -164,7 +166,8 @@ class Worker:
         if self.replica is not None:
             rx = TcpReceiver(self.host)
             replica_addr = rx.address
-            self.replica_rx = KVReceiver(self.replica, InStream(rx, secret=self.secret), self._replicated, self._kv_dropped)
+            self.replica_rx = KVReceiver(self.replica, InStream(rx, secret=self.secret), self._replicated, self._kv_dropped,
+                                         increments=True)
             self.replica_rx.start()
         self._to_controller(Ready(self.name, kv_addr, replica_addr, self.model.kernel_variant))
         self.out = None
@@ -207,7 +210,7 @@ class Worker:
             from kvflow.streaming.transports.tcp import TcpSender
 
             out = OutStream(TcpSender(route.replica_to), f"{self.name}->replica@{self.epoch}", self.secret)
-            self.replicator = KVSender(self.cache, self.spec.stage, {self.spec.stage + 1: out}, mode="overlap", incremental=True)
+            self.replicator = KVSender(self.cache, self.spec.stage, {self.spec.stage + 1: out}, mode="overlap")
 
     def _controller_gone(self) -> bool:
         """Whether the local process that started this worker has exited (a worker must not linger)."""
@@ -355,14 +358,6 @@ class Worker:
                                    k.dest_start) for k in msg.kv_out]
             self.sender.begin(reqs, [Transfer(*t) for t in msg.kv_plan], msg.epoch)
             hook = self.sender.on_layer if self.sender.active else None
-        if self.replicator is not None and msg.seqs:  # what this step appends, to the next stage's replica
-            # (from token 0 when the step carries the whole table: a request new to this pipeline, e.g.
-            # handed off with KV the replica has never seen, or re-sent after a recovery)
-            lay = self.cache.layout
-            reqs = [HandoffRequest(s.rid, 0 if s.full_table else s.start, s.context_len, s.context_len, prep.tables[s.rid],
-                                   prep.tables[s.rid]) for s in msg.seqs]
-            st = self.spec.stage
-            self.replicator.begin(reqs, [Transfer(st, st + 1, lay.layer_start, lay.layer_end, 0, len(reqs), 0, 0)], msg.epoch)
         if prep.graphed:
             out = self.graphs.run(prep.graphed, tokens=msg.token_ids if hidden is None else None, hidden=hidden)
         else:
@@ -372,10 +367,22 @@ class Worker:
         if prep.swap:
             self.swapper.write_back(prep.swap)  # only what this step appended
         self._forward(msg, out, t0)
-        if self.replicator is not None and msg.seqs:
-            self.replicator.send_all()  # one chunk, after the output left: sent while the next step computes
+        if self.replicator is not None:  # after the output left: sent while the next step computes
+            self._replicate(msg, prep.tables)
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
+
+    def _replicate(self, msg: Step, tables: dict[str, list[int]]) -> None:
+        """What this step appended, to the next stage's replica (same block ids): one chunk naming its
+        slots. From token 0 when the step carries the whole table: a request new to this pipeline
+        (handed off with KV the replica has never seen, or re-sent after a recovery)."""
+        bs = self.cache.layout.block_size
+        segs, slots = [], []
+        for s in msg.seqs:
+            a = 0 if s.full_table else s.start
+            segs.append(Segment(s.rid, a, s.context_len))
+            slots += token_slots(tables[s.rid], a, s.context_len, bs, s.rid)
+        self.replicator.send_increment(segs, slots, msg.epoch)
 
     def _forward(self, msg: Step, out: torch.Tensor | None, t0: float) -> None:
         """The step's output (None for a step of tier copies only): its hidden states to the next stage,

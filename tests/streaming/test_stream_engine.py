@@ -7,16 +7,18 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from kvflow.sched.sampling import SamplingParams
 from kvflow.kv.cache import KVLayout
 from kvflow.kv.cache import KVCache
+from kvflow.streaming.chunk import ChunkDesc, Segment
 from kvflow.streaming.connector import KVReceiver, KVSender
 from kvflow.streaming.errors import StreamingError
 from kvflow.streaming.primitives import InStream, OutStream, fetch
-from kvflow.streaming.region import KVRegion, contiguous_pieces
+from kvflow.streaming.region import KVRegion, contiguous_pieces, token_slots
 from kvflow.streaming.scatter import gather, scatter
 from kvflow.streaming.transports import InprocChannel, TcpReceiver, TcpSender
 from kvhelpers import new_sink, random_cache, random_seqs, seq_kv, stream_engine, tiny_engine
@@ -136,3 +138,79 @@ def test_naive_and_buffered_scatter_agree_and_coalesce():
     want = [seq_kv(src, s.block_ids, s.token_start, s.token_end, range(2, 5)) for s in seqs]
     for g in got:
         assert all(torch.equal(a, b) for a, b in zip(g, want))
+
+
+def _receiver_pair(layout: KVLayout, increments: bool):
+    dst = KVCache(layout)
+    rx = TcpReceiver()
+    done, errors, arrived = [], [], threading.Event()
+
+    def complete(rids, spans):
+        done.extend(zip(rids, spans))
+        arrived.set()
+
+    def error(message):
+        errors.append(message)
+        arrived.set()
+
+    receiver = KVReceiver(dst, InStream(rx), complete, error, increments=increments)
+    receiver.start()
+    return dst, rx, receiver, done, errors, arrived
+
+
+def test_replication_increments_land_at_the_slots_they_name():
+    # what a stage replicates after each step: tokens [start, end) of several requests, one chunk
+    # naming the flat slots (the replica shares the block ids); reported at once, no table kept
+    layout = KVLayout(40, 4, 2, 8, 2, 5)
+    src = random_cache(layout, 7)
+    seqs = random_seqs(random.Random(5), 40, 4, [13, 22, 3])
+    dst, rx, receiver, done, errors, arrived = _receiver_pair(layout, increments=True)
+    sender = KVSender(src, 0, {1: OutStream(TcpSender(rx.address))}, mode="overlap")
+    try:
+        for step in ((0, 1), (1, None)):  # [0, start) first, then [start, end): two increments per request
+            segs, slots = [], []
+            for s in seqs:
+                a, b = (0, s.token_start) if step[1] is not None else (s.token_start, s.token_end)
+                if a < b:
+                    segs.append(Segment(s.request_id, a, b))
+                    slots += token_slots(s.block_ids, a, b, layout.block_size)
+            arrived.clear()
+            sender.send_increment(segs, slots, epoch=0)
+            sender.finish()
+            assert arrived.wait(30) and not errors
+        assert sorted(done) == sorted([(s.request_id, (0, s.token_start)) for s in seqs if s.token_start]
+                                      + [(s.request_id, (s.token_start, s.token_end)) for s in seqs])
+        for s in seqs:
+            assert torch.equal(seq_kv(src, s.block_ids, 0, s.token_end, range(2, 5)), seq_kv(dst, s.block_ids, 0, s.token_end, range(2, 5)))
+        assert receiver.tables == {} and receiver.sink.expected == {}  # nothing kept per request
+    finally:
+        receiver.close()
+        sender.close()
+
+
+@pytest.mark.parametrize("case", ["not a replica", "slot outside the cache", "fewer slots than tokens"])
+def test_a_bad_increment_is_rejected_and_writes_nothing(case):
+    layout = KVLayout(40, 4, 2, 8, 2, 5)
+    src = random_cache(layout, 8)
+    dst, rx, receiver, done, errors, arrived = _receiver_pair(layout, increments=case != "not a replica")
+    before = dst.data.clone()
+    sender = KVSender(src, 0, {1: OutStream(TcpSender(rx.address))}, mode="overlap")
+    slots = {"slot outside the cache": [5, 6, 40 * 4], "fewer slots than tokens": [5, 6]}.get(case, [5, 6, 7])
+    try:
+        if case == "fewer slots than tokens":  # the sender refuses it itself; forge it past that check
+            with pytest.raises(ValueError, match="2 slots for 3 tokens"):
+                sender.send_increment([Segment("r", 0, 3)], slots, epoch=0)
+            sender._put(1, ChunkDesc((Segment("r", 0, 3),), 2, 5), torch.tensor([5, 6, 7]),
+                        {"epoch": 0, "slots": np.asarray(slots, dtype="<i8").tobytes()})
+        elif case == "slot outside the cache":  # packing reads the source at valid slots; the header names others
+            sender._put(1, ChunkDesc((Segment("r", 0, 3),), 2, 5), torch.tensor([5, 6, 7]),
+                        {"epoch": 0, "slots": np.asarray(slots, dtype="<i8").tobytes()})
+        else:
+            sender.send_increment([Segment("r", 0, 3)], slots, epoch=0)
+        assert arrived.wait(30)
+        with pytest.raises(StreamingError):  # the sender learns it from the acknowledgement
+            sender.finish()
+        assert done == [] and len(errors) == 1 and torch.equal(dst.data, before)
+    finally:
+        receiver.close()
+        sender.close()
