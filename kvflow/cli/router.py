@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 
 
@@ -28,6 +29,12 @@ def register(sub) -> None:
     r.add_argument("--config", type=existing_path, default=None,
                    help="YAML or JSON file of router settings (instances, policy, placement, health checks); flags "
                         "given here override it, --instance adds to its instances (default: none)")
+    r.add_argument("--launch", type=number(int, 0), default=None, metavar="N",
+                   help="start N kvflow serve instances on this machine (free ports) and keep them running: one that "
+                        "exits is started again (default: --config's, else 0)")
+    r.add_argument("--serve-args", default=None, metavar="ARGS",
+                   help="the launched instances' kvflow serve arguments, one string, e.g. \"--threads 1 --dtype float32\" "
+                        "(--model is the router's --model unless given here; default: --config's, else none)")
     r.add_argument("--policy", default=None, choices=sorted(POLICIES),
                    help="placement policy (default: --config's, else prefix_aware)")
     r.add_argument("--model", type=model_arg, default=None,
@@ -54,12 +61,28 @@ def run_router(args) -> int:
     from kvflow.router.backend import RouterBackend
     from kvflow.router.config import RouterConfig
 
+    launch = {"launch": args.launch, "serve_args": None if args.serve_args is None else tuple(shlex.split(args.serve_args))}
     if args.config is not None:
-        config = RouterConfig.from_file(args.config, policy=args.policy)
+        config = RouterConfig.from_file(args.config, policy=args.policy, **launch)
         if args.instance:
             config = RouterConfig(**{**config.__dict__, "instances": config.instances + tuple(args.instance)})
     else:
-        config = RouterConfig(instances=tuple(args.instance), **({"policy": args.policy} if args.policy else {}))
+        config = RouterConfig(instances=tuple(args.instance), **{k: v for k, v in launch.items() if v is not None},
+                              **({"policy": args.policy} if args.policy else {}))
+    fleet, model = None, args.model
+    if config.launch:
+        from kvflow.router.fleet import FleetConfig, LocalFleet
+
+        serve_args = config.serve_args
+        given = next((a.split("=", 1)[1] if "=" in a else serve_args[i + 1] for i, a in enumerate(serve_args)
+                      if (a == "--model" and i + 1 < len(serve_args)) or a.startswith("--model=")), None)
+        if given is None and model is not None:
+            serve_args = ("--model", model, *serve_args)
+        model = model if model is not None else given  # the router's tokenizer is the instances' model's
+        fleet = LocalFleet(FleetConfig(config.launch, serve_args))
+        config = RouterConfig(**{**config.__dict__, "instances": config.instances + tuple(fleet.start())})
+        print(f"kvflow router: started {config.launch} instance(s) ({', '.join(i.url for i in fleet.instances)}), "
+              f"their logs in {fleet.log_dir}", file=sys.stderr)
     key = args.api_key if args.api_key is not None else (os.environ.get("KVFLOW_API_KEY") or None)
     api = APIConfig(api_key=key, open_paths=tuple(p.strip() for p in args.open_paths.split(",") if p.strip()),
                     drain_timeout_s=args.drain_timeout)
@@ -67,7 +90,11 @@ def run_router(args) -> int:
     handler.setFormatter(logging.Formatter("%(levelname)-9s [%(name)s] %(message)s"))
     logging.getLogger("kvflow").setLevel(args.log_level.upper())
     logging.getLogger("kvflow").addHandler(handler)
-    backend = asyncio.run(RouterBackend.connect(config, args.model, args.wait))
-    print(f"kvflow router: {backend.model_name} over {len(config.instances)} instance(s), policy {config.policy}, "
-          f"on http://{args.host}:{args.port}", file=sys.stderr)
-    return serve_router(backend, args.host, args.port, args.log_level, api)
+    try:
+        backend = asyncio.run(RouterBackend.connect(config, model, args.wait, fleet))
+        print(f"kvflow router: {backend.model_name} over {len(config.instances)} instance(s), policy {config.policy}, "
+              f"on http://{args.host}:{args.port}", file=sys.stderr)
+        return serve_router(backend, args.host, args.port, args.log_level, api)
+    finally:
+        if fleet is not None:  # (after a failed start too: no instance outlives the router)
+            fleet.close()

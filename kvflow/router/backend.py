@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvflow.model.loader import load_config
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvflow.router.config import RouterConfig
+from kvflow.router.fleet import LocalFleet
 from kvflow.router.sse import HTTPFailed, HTTPStatus, SSEClient
 from kvflow.router.length import LengthModel
 from kvflow.router.pool import Instance, InstancePool, ModelInfo, NoInstance, probe
@@ -105,12 +106,16 @@ class RouterBackend:
             self.pool.add_unchecked(url)
         self._started = False
         self._prompt_tokens = self._generated_tokens = 0
+        self.fleet: LocalFleet | None = None  # the instances this router started, if any (`connect`)
+        self._supervisor: asyncio.Task | None = None
 
     @classmethod
-    async def connect(cls, config: RouterConfig, model: str | None = None, wait_s: float = 60.0) -> "RouterBackend":
+    async def connect(cls, config: RouterConfig, model: str | None = None, wait_s: float = 60.0,
+                      fleet: LocalFleet | None = None) -> "RouterBackend":
         """Wait (up to `wait_s`) until one configured instance answers /v1/models, take the model's name and context
         from it, and load the tokenizer of `model` (the checkpoint the instances serve: a GGUF file or a checkpoint
-        directory; None: the embedded default)."""
+        directory; None: the embedded default). `fleet`: the instances the router started (`kvflow.router.fleet`),
+        kept running from now on; the wait ends early, with their logs' last lines, if every one of them gave up."""
         if not config.instances:
             raise ValueError("the router needs at least one instance (--instance URL or `instances` in --config)")
         info: ModelInfo | None = None
@@ -125,25 +130,48 @@ class RouterBackend:
                     except (httpx.HTTPError, KeyError, IndexError, ValueError):
                         continue
                 if info is None:
+                    if fleet is not None:
+                        fleet.supervise()
+                        if all(i.given_up for i in fleet.instances):
+                            raise ValueError("every instance the router started exited:\n" + "\n".join(
+                                f"{i.log_path}:\n{fleet.tail(i)}" for i in fleet.instances))
                     if loop.time() > deadline:
                         raise ValueError(f"no instance answered /v1/models within {wait_s:g} s: {list(config.instances)}")
                     await asyncio.sleep(0.2)
         mcfg, directory = await asyncio.to_thread(load_config, model)
         tokenizer = await asyncio.to_thread(Tokenizer, directory)
         eos = set(mcfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-        return cls(config, info, tokenizer, tuple(sorted(eos)), LengthModel.load(config.length_model))
+        backend = cls(config, info, tokenizer, tuple(sorted(eos)), LengthModel.load(config.length_model))
+        backend.fleet = fleet
+        return backend
 
     # ------------------------------------------------------------------ Backend
     async def start(self) -> None:
         await self.pool.check_all()  # the configured instances that are up are healthy before the first request
         self.pool.start()
+        if self.fleet is not None:
+            self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="kvflow-router-fleet")
         self._started = True
+
+    async def _supervise(self) -> None:
+        """Start again the router's own instances that exited (the health check then brings them back)."""
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                self.fleet.supervise()
+            except Exception:  # one failed start must not stop the supervision
+                log.exception("restarting an instance failed")
 
     async def shutdown(self) -> None:
         self._started = False
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
         await self.pool.stop()
         await self.client.aclose()
         await self.streams.aclose()
+        if self.fleet is not None:  # the instances drain what the router no longer waits for
+            await asyncio.to_thread(self.fleet.close)
 
     def healthy(self) -> bool:
         return self._started and any(i.healthy for i in self.pool.instances.values())

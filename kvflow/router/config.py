@@ -32,6 +32,8 @@ class RouterConfig:
     cached_blocks: int = 1 << 16  # chain entries remembered per instance (least recently sent forgotten first)
     length_model: str = "all"  # which fit of `output_lengths.json` predicts output lengths
     max_resends: int = 3  # how many times one request may move to another instance after a failure
+    launch: int = 0  # `kvflow serve` instances the router starts on this machine and keeps running (`router.fleet`)
+    serve_args: tuple[str, ...] = ()  # their arguments (the fleet adds --host and --port)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instances", tuple(dict.fromkeys(instance_url(u) for u in self.instances)))
@@ -45,6 +47,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_resends < 0:
             raise ValueError(f"max_resends must be >= 0, got {self.max_resends}")
+        if self.launch < 0:
+            raise ValueError(f"launch must be >= 0, got {self.launch}")
+        object.__setattr__(self, "serve_args", tuple(str(a) for a in self.serve_args))
 
     @classmethod
     def from_file(cls, path: Path, **overrides) -> "RouterConfig":
@@ -59,6 +64,7 @@ class RouterConfig:
             raise ValueError(f"{path}: unknown router setting(s) {sorted(unknown)}; known: {sorted(known)}")
         if isinstance(raw.get("placement"), dict):
             raw["placement"] = PolicyConfig(**raw["placement"])
-        if "instances" in raw:
-            raw["instances"] = tuple(raw["instances"])
+        for key in ("instances", "serve_args"):
+            if key in raw:
+                raw[key] = tuple(raw[key])
         return replace(cls(**raw), **{k: v for k, v in overrides.items() if v is not None})

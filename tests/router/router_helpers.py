@@ -30,10 +30,15 @@ def tiny_long_ckpt(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-long-ckpt"), tiny_config(max_position_embeddings=1024))
 
 
+def instance_args(ckpt: Path) -> tuple[str, ...]:
+    """`kvflow serve`'s arguments for the checkpoint: batch-invariant, KV blocks of BLOCK tokens."""
+    return ("--model", str(ckpt), "--threads", "1", "--deterministic", "--block-size", str(BLOCK),
+            "--served-model-name", MODEL, "--log-level", "warning", "--drain-timeout", "2")
+
+
 def serve_instance(ckpt: Path) -> ServeProcess:
-    """One `kvflow serve` of the checkpoint on a free port, batch-invariant, KV blocks of BLOCK tokens."""
-    return ServeProcess("serve", "--model", str(ckpt), "--threads", "1", "--deterministic", "--block-size", str(BLOCK),
-                        "--served-model-name", MODEL, "--log-level", "warning", "--drain-timeout", "2")
+    """One `kvflow serve` of the checkpoint on a free port (`instance_args`)."""
+    return ServeProcess("serve", *instance_args(ckpt))
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> None:
@@ -65,8 +70,8 @@ def start_instances(ckpt: Path, n: int) -> list[ServeProcess]:
 class RouterThread:
     """The router's app (`build_router_app`) under uvicorn in a daemon thread, on a free port."""
 
-    def __init__(self, config: RouterConfig, ckpt: Path, api: APIConfig = APIConfig()) -> None:
-        self.backend = asyncio.run(RouterBackend.connect(config, str(ckpt), wait_s=30))
+    def __init__(self, config: RouterConfig, ckpt: Path, api: APIConfig = APIConfig(), fleet=None, wait_s: float = 30) -> None:
+        self.backend = asyncio.run(RouterBackend.connect(config, str(ckpt), wait_s=wait_s, fleet=fleet))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {"Authorization": f"Bearer {api.api_key}"} if api.api_key else {}

@@ -1,0 +1,83 @@
+"""Instances the router starts itself (`kvflow.router.fleet`, `kvflow router --launch N`): real `kvflow serve`
+processes on free ports; one that is SIGKILLed is started again on its port and rejoins the pool; one that cannot
+start is given up instead of restarted in a loop; none outlives the router."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import threading
+
+import httpx
+import pytest
+
+from kvflow.router.backend import RouterBackend
+from kvflow.router.config import RouterConfig
+from kvflow.router.fleet import FleetConfig, LocalFleet
+from router_helpers import BLOCK, RouterThread, complete, instance_args, tiny_long_ckpt  # noqa: F401
+
+PROMPTS = [random.Random(40 + i).choices(range(5, 96), k=24) for i in range(4)]
+
+
+def _until(cond, timeout: float = 180.0) -> None:
+    """Poll `cond` (the router's or the fleet's state: the event the test waits for) until it holds."""
+    tick = threading.Event()
+    for _ in range(int(timeout / 0.1)):
+        if cond():
+            return
+        tick.wait(0.1)
+    assert cond()
+
+
+def _serving(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_the_router_starts_its_instances_and_starts_a_killed_one_again(tiny_long_ckpt):
+    fleet = LocalFleet(FleetConfig(2, instance_args(tiny_long_ckpt)))
+    urls = fleet.start()
+    try:
+        cfg = RouterConfig(instances=tuple(urls), policy="round_robin", block_tokens=BLOCK, health_interval_s=0.2)
+        router = RouterThread(cfg, tiny_long_ckpt, fleet=fleet, wait_s=180)
+    except BaseException:
+        fleet.close()
+        raise
+    with router:
+        _until(lambda: all(i["healthy"] for i in router.instances().values()) and len(router.instances()) == 2)
+        refs = [complete(router.url, p, 12)["token_ids"] for p in PROMPTS]  # round robin: both instances answer
+        assert set(router.routed().values()) == {2}
+        victim = fleet.instances[0]
+        old = victim.proc
+        old.send_signal(signal.SIGKILL)
+        _until(lambda: victim.starts == 2 and victim.proc.pid != old.pid)  # started again, on its port
+        assert old.wait(10) == -signal.SIGKILL and victim.url == urls[0]
+        _until(lambda: _serving(victim.url) and router.instances()[victim.url]["healthy"])
+        before = router.routed()[victim.url]
+        again = [complete(router.url, p, 12)["token_ids"] for p in PROMPTS]
+        assert again == refs and router.routed()[victim.url] == before + 2  # it serves again, the same tokens
+    assert all(i.proc.poll() is not None for i in fleet.instances)  # the router's shutdown stopped them
+
+
+def test_an_instance_that_cannot_start_is_given_up_with_its_log(tiny_long_ckpt):
+    fleet = LocalFleet(FleetConfig(1, ("--threads", "-1"), max_restarts=1))
+    urls = fleet.start()
+    try:
+        with pytest.raises(ValueError, match="every instance the router started exited") as e:
+            asyncio.run(RouterBackend.connect(RouterConfig(instances=tuple(urls)), str(tiny_long_ckpt), wait_s=120,
+                                              fleet=fleet))
+    finally:
+        fleet.close()
+    (inst,) = fleet.instances
+    assert inst.given_up and inst.starts == 2  # started, started again once, then given up
+    assert "--threads" in str(e.value)  # the instance's own error, from its log
+
+
+@pytest.mark.parametrize("bad", [{"count": 0}, {"serve_args": ("--port", "9000")}, {"serve_args": ("--host=0.0.0.0",)},
+                                 {"max_restarts": -1}])
+def test_fleet_config_rejects_what_is_not_its_users_to_choose(bad):
+    with pytest.raises(ValueError):
+        FleetConfig(**{"count": 1, **bad})
