@@ -23,6 +23,7 @@ import gc
 import heapq
 import itertools
 import math
+import operator
 from collections import deque
 
 from kvflow.kv.manager import KVCacheManager
@@ -185,18 +186,18 @@ class Simulator:
             if p.ahead is not None and len(p.sched.groups) < p.depth:  # with a free slot, filling it may change its run
                 settle(self, p, self.now, self._rank)
         self._refused = False
-        order = sorted(todo, key=_fill_order)  # the executor's `fill_all`
-        if idle:
-            order = heapq.merge(order, sorted(idle, key=_fill_order), key=_fill_order)
-        for p in order:
-            if p in todo:
-                if not (self._refused and p.role == "prompt" and refusing):
-                    ex.fill(p)
-            elif not self._refused:  # (once refused, the idle ones left stay idle, untried: as if refused)
-                self._tried[p] = version
+        idle.sort(key=_INDEX)  # (all of role "prompt": `_fill_order` is their index)
+        k = 0  # the idle ones go in between, in the executor's `fill_all` order
+        for p in sorted(todo, key=_fill_order) + [None]:
+            while k < len(idle) and not self._refused and (p is None or _fill_order(idle[k]) < _fill_order(p)):
+                q = idle[k]  # (once refused, the idle ones left stay idle, untried: as if refused)
+                k += 1
+                self._tried[q] = version
+                ex.fill(q)
+                if len(q.in_flight) == q.depth or q.down:
+                    self._idle.discard(q)
+            if p is not None and not (self._refused and p.role == "prompt" and refusing):
                 ex.fill(p)
-                if len(p.in_flight) == p.depth or p.down:
-                    self._idle.discard(p)
         for p in todo:
             if self.steady and p.role != "prompt" and p.ahead is None:
                 run_ahead(self, p, SAMPLED)
@@ -365,6 +366,9 @@ class Simulator:
         p.down = False
         self.executor.dirty.add(p)
         return []
+
+
+_INDEX = operator.attrgetter("index")
 
 
 def _fill_order(p: SimPipeline) -> tuple[bool, int]:
