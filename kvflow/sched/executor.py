@@ -231,7 +231,7 @@ class PipelineExecutor:
         if out is None:
             return None
         rows = [i for i, (req, n, start, _, _, _) in enumerate(out.seqs)  # (`completes_prompt`, unfinished)
-                if start + n == req.num_tokens and not req.is_finished]
+                if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and not req.is_finished]
         sampled = {}
         if rows:
             toks = self.driver.sample(p, out, rows, result)

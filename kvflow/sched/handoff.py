@@ -106,7 +106,7 @@ class Handoff:
         token it may ever hold (a token microbatch never grows its tables, as the policy reserves a
         request's whole KV up front)."""
         if tp.sched.config.policy == "microbatch":
-            return max(req.num_tokens, req.num_prompt_tokens + req.params.max_tokens)
+            return len(req.prompt_token_ids) + max(len(req.output_token_ids), req.params.max_tokens)
         return req.num_tokens
 
     def table(self, rid: str) -> list[int]:

@@ -131,7 +131,7 @@ class Request:
     @property
     def num_pending_tokens(self) -> int:
         """Tokens still to be run through the model before the next one can be sampled."""
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -163,7 +163,7 @@ class Request:
                 if hits:
                     self.text = self.text[: min(hits)]
                     return "stop"
-        if n_out >= p.max_tokens or self.num_tokens >= max_model_len:
+        if n_out >= p.max_tokens or len(self.prompt_token_ids) + n_out >= max_model_len:
             return "length"
         return None
 
