@@ -35,6 +35,17 @@ def register(sub) -> None:
     r.add_argument("--serve-args", default=None, metavar="ARGS",
                    help="the launched instances' kvflow serve arguments, one string, e.g. \"--threads 1 --dtype float32\" "
                         "(--model is the router's --model unless given here; default: --config's, else none)")
+    r.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                   help="size the launched instances between MIN and MAX for the measured load: the fewest that meet "
+                        "--ttft-slo/--tpot-slo in the simulated cluster (needs --launch and --scale-profile; default: off)")
+    r.add_argument("--scale-profile", type=existing_path, default=None, metavar="FILE",
+                   help="`kvflow profile` JSON of one instance as launched: the simulated instances' step times "
+                        "(default: none; required by --autoscale)")
+    r.add_argument("--ttft-slo", type=number(float, 0, low_open=True), default=2.0, help="autoscaling: TTFT target, s")
+    r.add_argument("--tpot-slo", type=number(float, 0, low_open=True), default=0.2,
+                   help="autoscaling: time per output token target, s")
+    r.add_argument("--scale-interval", type=number(float, 0, low_open=True), default=10.0,
+                   help="autoscaling: seconds between decisions (the load is measured over the last 60 s)")
     r.add_argument("--policy", default=None, choices=sorted(POLICIES),
                    help="placement policy (default: --config's, else prefix_aware)")
     r.add_argument("--model", type=model_arg, default=None,
@@ -61,6 +72,24 @@ def run_router(args) -> int:
     from kvflow.router.backend import RouterBackend
     from kvflow.router.config import RouterConfig
 
+    scaling = None
+    if args.autoscale is not None:
+        from kvflow.router.config import ScalingConfig
+
+        lo, sep, hi = args.autoscale.partition(":")
+        if not (sep and lo.isdigit() and hi.isdigit()):
+            raise ValueError(f"--autoscale is MIN:MAX, e.g. 1:4, got {args.autoscale!r}")
+        if args.scale_profile is None:
+            raise ValueError("--autoscale needs --scale-profile (a `kvflow profile` of one instance)")
+        scaling = ScalingConfig(int(lo), int(hi), args.ttft_slo, args.tpot_slo, interval_s=args.scale_interval)
+        from kvflow.perf.profiled import ProfiledPerfModel
+
+        try:  # (read before any instance starts)
+            perf = ProfiledPerfModel.from_json(args.scale_profile)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"--scale-profile {args.scale_profile}: not a `kvflow profile` file ({type(e).__name__}: {e})") from None
+        if args.launch is None:
+            args.launch = scaling.min_instances
     launch = {"launch": args.launch, "serve_args": None if args.serve_args is None else tuple(shlex.split(args.serve_args))}
     if args.config is not None:
         config = RouterConfig.from_file(args.config, policy=args.policy, **launch)
@@ -69,6 +98,8 @@ def run_router(args) -> int:
     else:
         config = RouterConfig(instances=tuple(args.instance), **{k: v for k, v in launch.items() if v is not None},
                               **({"policy": args.policy} if args.policy else {}))
+    if scaling is not None and not config.launch:
+        raise ValueError("--autoscale needs instances the router starts (--launch N, N >= 1)")
     fleet, model = None, args.model
     if config.launch:
         from kvflow.router.fleet import FleetConfig, LocalFleet
@@ -92,6 +123,10 @@ def run_router(args) -> int:
     logging.getLogger("kvflow").addHandler(handler)
     try:
         backend = asyncio.run(RouterBackend.connect(config, model, args.wait, fleet))
+        if scaling is not None:
+            from kvflow.router.scaling import instance_config
+
+            backend.scale(scaling, perf, instance_config(backend.max_model_len))
         print(f"kvflow router: {backend.model_name} over {len(config.instances)} instance(s), policy {config.policy}, "
               f"on http://{args.host}:{args.port}", file=sys.stderr)
         return serve_router(backend, args.host, args.port, args.log_level, api)

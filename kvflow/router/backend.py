@@ -27,15 +27,18 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvflow.model.loader import load_config
+from kvflow.perf.perf_model import PerfModel
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvflow.router.config import RouterConfig
 from kvflow.router.fleet import LocalFleet
+from kvflow.router.scaling import Autoscaler, LoadMeter, ScalingConfig
 from kvflow.router.sse import HTTPFailed, HTTPStatus, SSEClient
 from kvflow.router.length import LengthModel
 from kvflow.router.pool import Instance, InstancePool, ModelInfo, NoInstance, probe
 from kvflow.sched.request import Request, RequestOutput
 from kvflow.sched.sampling import SamplingParams
 from kvflow.serving.backend import BackendStats, BackendUnavailable
+from kvflow.simulator.config import SimConfig
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,8 @@ class RouterBackend:
         self._started = False
         self._prompt_tokens = self._generated_tokens = 0
         self.fleet: LocalFleet | None = None  # the instances this router started, if any (`connect`)
+        self.autoscaler: Autoscaler | None = None  # sizes the fleet (`scale`)
+        self.meter: LoadMeter | None = None
         self._supervisor: asyncio.Task | None = None
 
     @classmethod
@@ -153,14 +158,41 @@ class RouterBackend:
             self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="kvflow-router-fleet")
         self._started = True
 
+    def scale(self, cfg: ScalingConfig, perf: PerfModel, instance: SimConfig) -> None:
+        """Size the fleet for the measured load from now on (`kvflow.router.scaling`): `perf` and `instance` are one
+        instance's step times and scheduler, as the simulated cluster runs them. Call before `start`."""
+        if self.fleet is None:
+            raise ValueError("scaling needs instances the router started (--launch)")
+        self.meter = LoadMeter(cfg.window_s)
+        fixed = sum(1 for u in self.pool.instances if u not in {i.url for i in self.fleet.instances})
+        self.autoscaler = Autoscaler(cfg, perf, instance, self.config, self.fleet, self.pool, self.meter, fixed)
+
     async def _supervise(self) -> None:
-        """Start again the router's own instances that exited (the health check then brings them back)."""
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            try:
-                self.fleet.supervise()
-            except Exception:  # one failed start must not stop the supervision
-                log.exception("restarting an instance failed")
+        """Start again the router's own instances that exited (the health check then brings them back), and size the
+        fleet every `ScalingConfig.interval_s` when scaling (the simulated trials on a thread)."""
+        loop = asyncio.get_running_loop()
+        next_decision = loop.time() + (self.autoscaler.cfg.interval_s if self.autoscaler else 0.0)
+        trials = None
+        if self.autoscaler is not None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            from kvflow.router.scaling import instances_needed
+
+            trials = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            while True:
+                await asyncio.sleep(self.config.health_interval_s)
+                try:
+                    self.fleet.supervise()
+                    if trials is not None and loop.time() >= next_decision:
+                        self.autoscaler.step(await loop.run_in_executor(trials, instances_needed, *self.autoscaler.trial()))
+                        next_decision = loop.time() + self.autoscaler.cfg.interval_s
+                except Exception:  # one failed start or decision must not stop the supervision
+                    log.exception("supervising the router's instances failed")
+        finally:
+            if trials is not None:
+                trials.shutdown(wait=False, cancel_futures=True)
 
     async def shutdown(self) -> None:
         self._started = False
@@ -193,6 +225,8 @@ class RouterBackend:
         route = self.pool.route(req.token_ids, params.max_tokens)
         failed: set[str] = set()
         self._prompt_tokens += len(prompt_token_ids)
+        if self.meter is not None:  # the load the autoscaler sizes the fleet for
+            self.meter.arrived()
         while True:
             generated = len(req.output_token_ids)
             try:
@@ -225,6 +259,8 @@ class RouterBackend:
                         if chunk.finish_reason is not None:  # the instance is done too: read its [DONE] before the
                             async for _ in stream:  # last output (the API closes this generator after it), so the
                                 pass  # connection goes back to the pool; else closing the stream aborts it there
+                        if self.meter is not None:
+                            self.meter.finished(len(prompt_token_ids), len(req.output_token_ids))
                         yield req.take_output()
                         return
                     if chunk.token_ids:

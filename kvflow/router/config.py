@@ -1,5 +1,6 @@
 """`RouterConfig`: the instances behind the router, its placement policy and how it checks instances (frozen,
-validated); `from_file` reads the same fields from a YAML or JSON file (`kvflow router --config`)."""
+validated); `from_file` reads the same fields from a YAML or JSON file (`kvflow router --config`). `ScalingConfig`:
+how the router sizes the instances it starts."""
 
 from __future__ import annotations
 
@@ -68,3 +69,29 @@ class RouterConfig:
             if key in raw:
                 raw[key] = tuple(raw[key])
         return replace(cls(**raw), **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """How the router sizes the instances it started (`kvflow.router.scaling`; `kvflow router --autoscale`)."""
+
+    min_instances: int = 1
+    max_instances: int = 4
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.2
+    attainment: float = 0.9  # share of requests that must meet both SLOs
+    window_s: float = 60.0  # the load measured over this past window
+    interval_s: float = 10.0  # a decision every this many seconds
+    scale_down_after: int = 3  # consecutive answers for fewer instances before one is retired
+    trial_requests: int = 200  # requests one simulated trial replays
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_instances <= self.max_instances:
+            raise ValueError(f"need 1 <= min_instances <= max_instances, got {self.min_instances}, {self.max_instances}")
+        for name in ("ttft_slo_s", "tpot_slo_s", "window_s", "interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
+        if self.scale_down_after < 1 or self.trial_requests < 10:
+            raise ValueError("scale_down_after must be >= 1 and trial_requests >= 10")

@@ -61,6 +61,7 @@ class LocalInstance:
     starts: int = 0
     restarts: deque[float] = field(default_factory=deque)  # monotonic times of recent restarts
     given_up: bool = False
+    retired: bool = False  # stopped on purpose (scaled down): not started again
 
 
 def free_port(host: str) -> int:
@@ -87,14 +88,32 @@ class LocalFleet:
 
     def start(self) -> list[str]:
         """Start every instance (not waiting for them to load); their URLs."""
+        return [i.url for i in self.grow(self.config.count)]
+
+    def grow(self, k: int) -> list[LocalInstance]:
+        """Start `k` more instances, each on a new free port."""
         host = self.config.host
         shown = f"[{host}]" if ":" in host else host
-        for i in range(self.config.count):
-            port = free_port(host)
+        new = []
+        for _ in range(k):
+            port, i = free_port(host), len(self.instances)
             inst = LocalInstance(i, port, f"http://{shown}:{port}", self.log_dir / f"instance-{i}.log")
             self.instances.append(inst)
             self._spawn(inst)
-        return [i.url for i in self.instances]
+            new.append(inst)
+        return new
+
+    @property
+    def active(self) -> list[LocalInstance]:
+        """The instances kept running (neither retired nor given up), oldest first."""
+        return [i for i in self.instances if not i.retired and not i.given_up]
+
+    def retire(self, inst: LocalInstance) -> None:
+        """Stop an instance for good: SIGTERM, on which `kvflow serve` drains its open requests and exits."""
+        inst.retired = True
+        if inst.proc is not None and inst.proc.poll() is None:
+            inst.proc.terminate()
+        log.info("instance %d (%s) retired", inst.index, inst.url)
 
     def command(self, inst: LocalInstance) -> list[str]:
         return [sys.executable, "-m", "kvflow.cli.main", "serve", *self.config.serve_args,
@@ -114,7 +133,7 @@ class LocalFleet:
         restarted = []
         now = time.monotonic()
         for inst in self.instances:
-            if inst.given_up or inst.proc is None or (code := inst.proc.poll()) is None:
+            if inst.given_up or inst.retired or inst.proc is None or (code := inst.proc.poll()) is None:
                 continue
             while inst.restarts and now - inst.restarts[0] > self.config.restart_window_s:
                 inst.restarts.popleft()
