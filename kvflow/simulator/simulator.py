@@ -23,7 +23,6 @@ import gc
 import heapq
 import itertools
 import math
-import operator
 from collections import deque
 
 from kvflow.kv.manager import KVCacheManager
@@ -173,29 +172,26 @@ class Simulator:
         todo, ex.dirty = ex.dirty, set()
         version = ex.version
         refusing = self.config.policy == "microbatch"  # a refusal ends every prompt pipeline's turn
-        idle: list[SimPipeline] = []  # idle prompt pipelines to try, in order
-        if (self.queue or self.config.dispatch == "round_robin") and version != self._quiet:
+        walk = (self.queue or self.config.dispatch == "round_robin") and version != self._quiet
+        lazy = refusing and self.prompt[0].role == "prompt"  # idle ones tried in order until one is refused
+        if walk and not lazy:
             for p in self._idle:
                 if p.queue and self._tried.get(p) != version and p not in todo:
-                    if refusing and p.role == "prompt":
-                        idle.append(p)
-                    else:
-                        todo.add(p)
+                    todo.add(p)
         for p in todo:
             self._tried[p] = version
             if p.ahead is not None and len(p.sched.groups) < p.depth:  # with a free slot, filling it may change its run
                 settle(self, p, self.now, self._rank)
         self._refused = False
-        idle.sort(key=_INDEX)  # (all of role "prompt": `_fill_order` is their index)
-        k = 0  # the idle ones go in between, in the executor's `fill_all` order
+        idle = self._idle_in_order(todo, version) if walk and lazy else iter(())
+        q = next(idle, None)  # the idle ones go in between, in the executor's `fill_all` order
         for p in sorted(todo, key=_fill_order) + [None]:
-            while k < len(idle) and not self._refused and (p is None or _fill_order(idle[k]) < _fill_order(p)):
-                q = idle[k]  # (once refused, the idle ones left stay idle, untried: as if refused)
-                k += 1
+            while q is not None and (p is None or _fill_order(q) < _fill_order(p)):
                 self._tried[q] = version
                 ex.fill(q)
                 if len(q.in_flight) == q.depth or q.down:
                     self._idle.discard(q)
+                q = None if self._refused else next(idle, None)  # (the rest stay idle, untried: as if refused)
             if p is not None and not (self._refused and p.role == "prompt" and refusing):
                 ex.fill(p)
         for p in todo:
@@ -210,6 +206,14 @@ class Simulator:
         self._quiet = version if ex.version == version else None
         events, self._events = self._events, []
         return events
+
+    def _idle_in_order(self, todo: set[SimPipeline], version: int):
+        """Idle prompt pipelines (not in `todo`) with requests queued for them that have not tried
+        at `version`, in pipeline order, found as they are asked for."""
+        idle, tried = self._idle, self._tried
+        for q in self.prompt:
+            if q in idle and q.queue and tried.get(q) != version and q not in todo:
+                yield q
 
     def _watch(self, hook):
         """The prompt schedulers' admission hook (the hand-off's reservation), noting a refusal: the
@@ -366,9 +370,6 @@ class Simulator:
         p.down = False
         self.executor.dirty.add(p)
         return []
-
-
-_INDEX = operator.attrgetter("index")
 
 
 def _fill_order(p: SimPipeline) -> tuple[bool, int]:
