@@ -101,7 +101,10 @@ def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
         if group is None or len(group) != len(seqs):
             return
         behind = lag.get(wire_id)
-        if behind is not None and behind.token == token:  # (steady: where the last run left it)
+        if behind is not None and behind.token != token:
+            catch_up(p, wire_id)  # (its passes so far sampled another token)
+            seqs, behind = p.in_flight[wire_id].seqs, None
+        if behind is not None:  # (steady: where the last run left it)
             left, context = behind.left, behind.context
         else:
             context = 0
