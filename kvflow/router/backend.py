@@ -237,8 +237,7 @@ class RouterBackend:
                 req.finish("error", f"{e}; {generated} tokens were generated")
                 yield req.take_output()
                 return
-            flight = self.pool.open(inst, route)
-            flight.generated = generated
+            flight = self.pool.open(inst, route, generated)
             body = request_body(self.model_name, list(req.token_ids), params, generated)
             stream = _stream(self.streams, inst, body)
             try:
@@ -252,7 +251,7 @@ class RouterBackend:
                     reason = reason or _instance_finish(chunk.finish_reason)
                     if reason:
                         req.finish(reason)
-                    flight.generated = len(req.output_token_ids)
+                    self.pool.advance(inst, flight, len(req.output_token_ids))
                     if req.is_finished:
                         whole = self.pool.route(req.token_ids, 0, route.block_hashes)
                         self.pool.remember(inst, whole.block_hashes)  # its output's blocks too

@@ -30,11 +30,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Flight:
-    """One request open on one instance, as placement counts it."""
+    """One request open on one instance, as placement counts it (`generated` moves through `InstancePool.advance`)."""
 
     prompt_len: int
     predicted: float
     generated: int = 0
+
+    @property
+    def work(self) -> tuple[float, float]:
+        """(predicted output tokens left, predicted KV tokens): its share of its instance's totals."""
+        return max(self.predicted - self.generated, 0.0), self.prompt_len + max(self.predicted, float(self.generated))
 
 
 @dataclass(frozen=True)
@@ -57,12 +62,21 @@ class Instance:
     down: asyncio.Event = field(default_factory=asyncio.Event)
     routed_total: int = 0
     failures_total: int = 0  # times taken out
+    # the flights' `work`, summed as flights open, advance and close (`state` is read for every instance at every
+    # placement: a sum over each one's flights there made placement cost grow with instances x requests open)
+    decode_left: float = 0.0
+    kv_tokens: float = 0.0
 
     def state(self) -> InstanceState:
-        return InstanceState(
-            self.url, self.waiting, self.running, len(self.flights), self.cached.keys(),
-            sum(max(f.predicted - f.generated, 0.0) for f in self.flights),
-            sum(f.prompt_len + max(f.predicted, f.generated) for f in self.flights))
+        return InstanceState(self.url, self.waiting, self.running, len(self.flights), self.cached.keys(),
+                             self.decode_left, self.kv_tokens)
+
+    def _count(self, flight: Flight, sign: int) -> None:
+        left, kv = flight.work
+        self.decode_left += sign * left
+        self.kv_tokens += sign * kv
+        if not self.flights:  # (no drift left over from the additions and subtractions)
+            self.decode_left = self.kv_tokens = 0.0
 
 
 class NoInstance(Exception):
@@ -143,15 +157,28 @@ class InstancePool:
         self.turn += 1
         return chosen
 
-    def open(self, inst: Instance, route: RouteRequest) -> Flight:
-        flight = Flight(route.prompt_len, route.predicted_output)
+    def open(self, inst: Instance, route: RouteRequest, generated: int = 0) -> Flight:
+        """A request placed on `inst` (`generated`: tokens it already has, when it moved here after a failure)."""
+        flight = Flight(route.prompt_len, route.predicted_output, generated)
         inst.flights.add(flight)
+        inst._count(flight, 1)
         inst.routed_total += 1
         self.remember(inst, route.block_hashes)
         return flight
 
+    def advance(self, inst: Instance, flight: Flight, generated: int) -> None:
+        """The request now has `generated` output tokens."""
+        if flight in inst.flights:
+            inst._count(flight, -1)
+            flight.generated = generated
+            inst._count(flight, 1)
+        else:
+            flight.generated = generated
+
     def close(self, inst: Instance, flight: Flight) -> None:
-        inst.flights.discard(flight)
+        if flight in inst.flights:
+            inst.flights.discard(flight)
+            inst._count(flight, -1)
 
     def remember(self, inst: Instance, block_hashes: Sequence[bytes]) -> None:
         """The instance now likely caches these blocks: most recently used first to stay in the bounded record."""

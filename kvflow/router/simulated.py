@@ -116,7 +116,7 @@ class RoutedSimulator(Simulator):
         inst, flight, route = self.open_flights[i]
         generated = len(req.output_token_ids)
         self.decode_tokens[self.members[inst.url]] += generated - flight.generated
-        flight.generated = generated
+        self.pool.advance(inst, flight, generated)
         if req.is_finished:
             self.pool.close(inst, flight)
             self.pool.remember(inst, self.pool.route(req.token_ids, 0, route.block_hashes).block_hashes)
