@@ -200,4 +200,9 @@ def _backend_families(s: BackendStats) -> list[Metric]:
                   pool_tier, ((p, t, c.hit_rate) for (p, t), c in pc)),
         _labelled(CounterMetricFamily, "kvflow_prefix_cache_evictions_total", "Cached blocks evicted to make room",
                   pool_tier, ((p, t, c.evictions) for (p, t), c in pc)),
+        *([] if s.kv_free_tokens is None or not s.kv_capacity_tokens else [
+            _gauge("kvflow_kv_free_tokens", "KV tokens free for decoding requests (free and evictable cached blocks)",
+                   s.kv_free_tokens),
+            _gauge("kvflow_kv_cache_usage", "Share of the decoding pools' KV blocks in use (0-1)",
+                   1.0 - s.kv_free_tokens / s.kv_capacity_tokens)]),
     ]

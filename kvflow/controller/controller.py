@@ -150,6 +150,7 @@ class Controller:
 
     def stats(self) -> BackendStats:
         rec, stages = self.recovery, self.stages.values()
+        decoding = [self.token] if self.token is not None else self.pipelines  # where a request's KV grows
         return BackendStats(
             # (submissions: arrived, not yet taken by the loop, e.g. while it replaces a worker)
             waiting_requests=self.executor.num_waiting + len(self.submissions),
@@ -171,6 +172,8 @@ class Controller:
             resumed_requests_total=rec.resumed,
             recomputed_tokens_total=rec.recomputed_tokens,
             prefix_cache={(p.name, tier): c for p in self.pipelines for tier, c in p.kv_manager.tier_stats().items()},
+            kv_free_tokens=sum(p.kv_manager.num_free_blocks * p.kv_manager.block_size for p in decoding),
+            kv_capacity_tokens=sum(p.kv_manager.capacity_tokens for p in decoding),
         )
 
     @property

@@ -10,6 +10,9 @@ so a simulator can run the very code the router runs.
   `balance_abs` requests over the idlest and more than `balance_rel` times its load — the least loaded.
 - `length_aware` (TetriInfer, Aladdin): the instance with the least predicted decode work still to do (the predicted
   output tokens its requests have left, `LengthModel`), ties by predicted KV tokens, then load.
+
+With `PolicyConfig.kv_room`, every policy but round robin chooses among the instances with KV room for the request
+(`with_kv_room`), when any has.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class InstanceState:
     # or a live view of the router's record (read during one decision, never copied: it holds up to 64k entries)
     predicted_decode_tokens: float = 0.0  # predicted output tokens its in-flight requests have left
     predicted_kv_tokens: float = 0.0  # predicted KV (prompt + output) of its in-flight requests
+    # KV tokens free on it: its last scrape's count less the predicted KV of the requests sent there since
+    # (None: the instance does not say)
+    free_kv_tokens: float | None = None
 
     @property
     def load(self) -> int:
@@ -62,6 +68,9 @@ class PolicyConfig:
     cache_threshold: float = 0.5  # prefix_aware: cached share of the prompt above which the cache wins
     balance_abs: int = 4  # prefix_aware: imbalanced when max load - min load exceeds this ...
     balance_rel: float = 1.5  # ... and max load exceeds this times min load
+    # every policy but round robin chooses among the instances with KV room for the request (`with_kv_room`) when
+    # any has: off by default, since it trades prefix hits for fewer waits for blocks (docs/results.md)
+    kv_room: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -99,6 +108,15 @@ def prefix_aware(req: RouteRequest, instances: Sequence[InstanceState], cfg: Pol
 
 def length_aware(req: RouteRequest, instances: Sequence[InstanceState], cfg: PolicyConfig, turn: int) -> int:
     return _argmin(instances, lambda s: (s.predicted_decode_tokens, s.predicted_kv_tokens, s.load))
+
+
+def with_kv_room(req: RouteRequest, instances: Sequence[InstanceState]) -> list[int]:
+    """The instances with room in their KV for the request's prompt and predicted output (one that does not say
+    counts as having room); all of them when none has: placement then chooses among these, so that a request is
+    not sent where it would wait for blocks, or preempt others, while another instance has them free."""
+    need = req.prompt_len + req.predicted_output
+    room = [i for i, s in enumerate(instances) if s.free_kv_tokens is None or s.free_kv_tokens >= need]
+    return room or list(range(len(instances)))
 
 
 POLICIES: dict[str, Policy] = {"round_robin": round_robin, "least_load": least_load, "prefix_aware": prefix_aware,

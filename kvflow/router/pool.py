@@ -3,7 +3,7 @@ placement decision over them (`route`, then `choose` by the configured policy of
 
 An instance joins (`add`: from the config, or `POST /router/instances` at runtime) once its /v1/models names the
 pool's model, and is a candidate from its next `choose` on. A periodic check reads each instance's /metrics (its
-health gauge and queue lengths; /health where /metrics is not readable); `failure_threshold` failed checks in a row
+health gauge, queue lengths and free KV tokens; /health where /metrics is not readable); `failure_threshold` failed checks in a row
 take it out, as does one failed stream (`fail`: connection refused or reset). An instance that is out keeps being
 checked, and one good check brings it back with an empty cache record (it may have restarted). Taking an instance
 out sets its `down` event, which the streams open on it watch, so that requests stuck on a hung instance move too.
@@ -23,7 +23,7 @@ import httpx
 from kvflow.kv.prefix_hash import extend_hashes
 from kvflow.router.config import RouterConfig, instance_url
 from kvflow.router.length import LengthModel
-from kvflow.router.policies import POLICIES, InstanceState, RouteRequest
+from kvflow.router.policies import POLICIES, InstanceState, RouteRequest, with_kv_room
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,16 @@ class Instance:
     # placement: a sum over each one's flights there made placement cost grow with instances x requests open)
     decode_left: float = 0.0
     kv_tokens: float = 0.0
+    free_kv_tokens: float | None = None  # as its last scrape said (None: it does not say)
+    kv_since_scrape: float = 0.0  # predicted KV of the requests sent here since that scrape
 
     def state(self) -> InstanceState:
+        free = None if self.free_kv_tokens is None else self.free_kv_tokens - self.kv_since_scrape
         return InstanceState(self.url, self.waiting, self.running, len(self.flights), self.cached.keys(),
-                             self.decode_left, self.kv_tokens)
+                             self.decode_left, self.kv_tokens, free)
+
+    def scraped(self, waiting: int, running: int, free_kv_tokens: float | None) -> None:
+        self.waiting, self.running, self.free_kv_tokens, self.kv_since_scrape = waiting, running, free_kv_tokens, 0.0
 
     def _count(self, flight: Flight, sign: int) -> None:
         left, kv = flight.work
@@ -153,6 +159,10 @@ class InstancePool:
         if not candidates:
             raise NoInstance(f"no healthy instance ({len(self.instances)} in the pool, {len(exclude)} failed this request)")
         states = [i.state() for i in candidates]
+        if self.config.placement.kv_room and self.config.policy != "round_robin":  # (the baseline stays blind)
+            room = with_kv_room(route, states)
+            if len(room) < len(states):
+                candidates, states = [candidates[i] for i in room], [states[i] for i in room]
         chosen = candidates[self.policy(route, states, self.config.placement, self.turn)]
         self.turn += 1
         return chosen
@@ -162,6 +172,7 @@ class InstancePool:
         flight = Flight(route.prompt_len, route.predicted_output, generated)
         inst.flights.add(flight)
         inst._count(flight, 1)
+        inst.kv_since_scrape += flight.work[1]
         inst.routed_total += 1
         self.remember(inst, route.block_hashes)
         return flight
@@ -196,7 +207,7 @@ class InstancePool:
             gauges = scrape(m.text) if m.status_code == 200 else {}
             if "kvflow_backend_healthy" in gauges:  # one read: health (as /health judges it) and queue lengths
                 ok = gauges["kvflow_backend_healthy"] == 1
-                inst.waiting, inst.running = (int(gauges.get(name, 0)) for name in QUEUE_GAUGES)
+                inst.scraped(*(int(gauges.get(name, 0)) for name in QUEUE_GAUGES), gauges.get(KV_GAUGE))
             else:  # /metrics behind a key the router lacks, or not a kvflow instance's page
                 ok = (await self.client.get(f"{inst.url}/health", timeout=timeout)).status_code == 200
             if ok and not inst.healthy:  # back (or up for the first time): the same model?
@@ -238,7 +249,8 @@ class InstancePool:
 
 
 QUEUE_GAUGES = ("kvflow_num_requests_waiting", "kvflow_num_requests_running")
-CHECKED = ("kvflow_backend_healthy", *QUEUE_GAUGES)
+KV_GAUGE = "kvflow_kv_free_tokens"
+CHECKED = ("kvflow_backend_healthy", *QUEUE_GAUGES, KV_GAUGE)
 
 
 def scrape(text: str, names: tuple[str, ...] = CHECKED) -> dict[str, float]:

@@ -6,7 +6,7 @@ router's own `InstancePool` (`route`, `choose`, `open`, `close`, `remember`, the
 `kvflow.router.policies`: the code `RouterBackend.generate` runs) decides where each arriving request goes. The pool
 learns what the router learns: its own count of the requests open on each instance and their predicted work left
 (`Flight`s, updated at every token), the prompts and outputs it sent there (the cache record), and each instance's
-`waiting` / `running` as a health check reads them every `RouterConfig.health_interval_s` (here: at the first arrival
+`waiting` / `running` and free KV tokens as a health check reads them every `RouterConfig.health_interval_s` (here: at the first arrival
 after each interval).
 
 Not modelled: failures and re-sends, and the router's own time on a request (`hop_s`: a fixed delay before a request
@@ -87,14 +87,15 @@ class RoutedSimulator(Simulator):
         return [i] * self.prompt_len[i]
 
     def _scrape(self, now: float) -> None:
-        """The health check's read of each instance's queue lengths (its /metrics)."""
+        """The health check's read of each instance's queue lengths and free KV (its /metrics)."""
         if now - self._scraped < self.router.health_interval_s:
             return
         self._scraped = now
         for url, k in self.members.items():
             p = self.prompt[k]
-            inst = self.pool.instances[url]
-            inst.waiting, inst.running = len(p.queue) + len(p.sched.waiting), len(p.sched.running)
+            kv = p.kv_manager
+            self.pool.instances[url].scraped(len(p.queue) + len(p.sched.waiting), len(p.sched.running),
+                                             kv.num_free_blocks * kv.block_size)
 
     def on_arrival(self, now: float, first: int) -> list[Event]:
         self._scrape(now)

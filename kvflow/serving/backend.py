@@ -57,6 +57,10 @@ class BackendStats:
     recomputed_tokens_total: int = 0
     # (block pool, tier) -> its prefix cache's counters; pools: "engine", or the controller's pipelines
     prefix_cache: dict[tuple[str, str], PrefixCacheStats] = field(default_factory=dict)
+    # KV of the pools a request decodes in (the engine's; a controller's colocated or token pipelines), in tokens:
+    # room for new tokens (free and evictable cached blocks) and all of it; None where there is no such pool
+    kv_free_tokens: int | None = None
+    kv_capacity_tokens: int | None = None
 
 
 class Backend(Protocol):
@@ -227,6 +231,8 @@ class EngineBackend:
             worker_busy_seconds={"engine": self._busy},
             workers_alive={"engine": self.healthy()},
             prefix_cache={("engine", tier): c for tier, c in self.engine.kv_manager.tier_stats().items()},
+            kv_free_tokens=self.engine.kv_manager.num_free_blocks * self.engine.kv_manager.block_size,
+            kv_capacity_tokens=self.engine.kv_manager.capacity_tokens,
         )
 
     def _post(self, job: Callable[[], None]) -> None:

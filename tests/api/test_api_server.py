@@ -104,6 +104,8 @@ def test_models_health_and_metrics(server):
                  "kvflow_api_requests_in_flight"):
         assert name in values
     assert values['kvflow_http_requests_total{code="200",endpoint="/v1/completions"}'] >= 1
+    # the engine's KV: idle now, so every block is free or evictable (what the router's placement reads)
+    assert values["kvflow_kv_free_tokens"] > 0 and values["kvflow_kv_cache_usage"] == 0.0
 
 
 def test_model_retrieve_and_unknown_model(server):

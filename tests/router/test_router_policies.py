@@ -15,7 +15,7 @@ from kvflow.router.backend import ROUTER_ONLY, request_body
 from kvflow.router.config import RouterConfig
 from kvflow.router.length import DATA, LengthModel, bucket
 from kvflow.router.policies import (InstanceState, PolicyConfig, RouteRequest, least_load, length_aware,
-                                    prefix_aware, round_robin)
+                                    prefix_aware, round_robin, with_kv_room)
 from kvflow.router.pool import InstancePool, ModelInfo, scrape
 from kvflow.sched.sampling import SamplingParams
 from kvflow.serving.backend import BackendStats
@@ -141,6 +141,8 @@ def test_health_and_queue_lengths_are_read_from_an_instances_metrics():
     assert scrape(text) == {"kvflow_backend_healthy": 1.0, "kvflow_num_requests_waiting": 3.0,
                             "kvflow_num_requests_running": 2.0}
     assert scrape(APIMetrics().render(BackendStats(), healthy=False).decode())["kvflow_backend_healthy"] == 0.0
+    text = APIMetrics().render(BackendStats(kv_free_tokens=300, kv_capacity_tokens=1200), healthy=True).decode()
+    assert scrape(text)["kvflow_kv_free_tokens"] == 300.0 and "kvflow_kv_cache_usage 0.75" in text
     assert scrape("") == {}  # not a kvflow instance's page: the check asks /health instead
 
 
@@ -151,3 +153,33 @@ def test_pool_route_extends_a_known_chain_and_caps_the_prediction():
     assert whole.block_hashes == hashes(PROMPT + [5, 6, 7, 8], 4) and whole.prompt_len == 25
     assert pool.route(PROMPT + [5, 6, 7, 8, 9], None, hashes(PROMPT, 4)) == whole  # extended, not recomputed
     assert pool.route(PROMPT, 40).predicted_output == 40.0 and pool.route(PROMPT).predicted_output == 100.0
+
+
+def test_placement_skips_instances_without_kv_room_while_another_has_it():
+    need = RouteRequest(100, (), 50.0)  # 150 KV tokens
+    insts = [InstanceState("a", free_kv_tokens=120), InstanceState("b"), InstanceState("c", free_kv_tokens=150)]
+    assert with_kv_room(need, insts) == [1, 2]  # b does not say: room assumed
+    assert with_kv_room(need, [insts[0], InstanceState("d", free_kv_tokens=10)]) == [0, 1]  # none has: all
+    # the pool: the instance holding the prompt's prefix is full, so prefix-aware placement goes elsewhere
+    model = LengthModel.fit("t", [(20, 8)] * 30)
+    for policy, want in (("prefix_aware", "http://b:1"), ("round_robin", "http://a:1")):
+        pool = InstancePool(RouterConfig(block_tokens=4, policy=policy, placement=PolicyConfig(kv_room=True)),
+                            ModelInfo("m", 64), None, model)
+        for url in ("http://a:1", "http://b:1"):
+            pool.add_unchecked(url)
+            pool.instances[url].healthy = True
+        a, b = pool.instances["http://a:1"], pool.instances["http://b:1"]
+        pool.remember(a, hashes(PROMPT, 4))
+        a.scraped(0, 1, free_kv_tokens=24.0)
+        b.scraped(0, 0, free_kv_tokens=1000.0)
+        assert pool.choose(pool.route(PROMPT, 8)).url == want  # 20 + 8 tokens do not fit in a's 24
+        if policy == "round_robin":  # the baseline stays blind to it
+            continue
+        a.scraped(0, 1, free_kv_tokens=40.0)  # room again: the cache wins
+        assert pool.choose(pool.route(PROMPT, 8)).url == "http://a:1"
+        flight = pool.open(a, pool.route(PROMPT, 8))  # what the router sent since the scrape counts against it
+        assert a.state().free_kv_tokens == 40.0 - 28.0
+        pool.close(a, flight)
+        a.scraped(0, 1, free_kv_tokens=24.0)
+        pool.config = dataclasses.replace(pool.config, placement=PolicyConfig())  # off (the default): the cache wins
+        assert pool.choose(pool.route(PROMPT, 8)).url == "http://a:1"
