@@ -64,6 +64,16 @@ def register(sub) -> None:
     r.set_defaults(func=run_router)
 
 
+def _flag(args: tuple[str, ...], name: str) -> str | None:
+    """The value of `name` among command-line `args` ("--name value" or "--name=value"), None if not given."""
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def run_router(args) -> int:
     import asyncio
 
@@ -105,12 +115,14 @@ def run_router(args) -> int:
         from kvflow.router.fleet import FleetConfig, LocalFleet
 
         serve_args = config.serve_args
-        given = next((a.split("=", 1)[1] if "=" in a else serve_args[i + 1] for i, a in enumerate(serve_args)
-                      if (a == "--model" and i + 1 < len(serve_args)) or a.startswith("--model=")), None)
+        given = _flag(serve_args, "--model")
         if given is None and model is not None:
             serve_args = ("--model", model, *serve_args)
         model = model if model is not None else given  # the router's tokenizer is the instances' model's
-        fleet = LocalFleet(FleetConfig(config.launch, serve_args))
+        from kvflow.controller.launcher import local_gpus
+
+        gpus = tuple(local_gpus(_flag(serve_args, "--device") or "cpu"))  # several: one instance per GPU, in turn
+        fleet = LocalFleet(FleetConfig(config.launch, serve_args, gpus=gpus))
         config = RouterConfig(**{**config.__dict__, "instances": config.instances + tuple(fleet.start())})
         print(f"kvflow router: started {config.launch} instance(s) ({', '.join(i.url for i in fleet.instances)}), "
               f"their logs in {fleet.log_dir}", file=sys.stderr)

@@ -8,7 +8,8 @@ the health check brings it back with an empty cache record, as it would any rest
 keeps exiting (more than `max_restarts` times within `restart_window_s`: a bad argument, a missing checkpoint) is
 given up, with its log's last lines in the router's log, rather than restarted in a loop.
 
-Each instance's output goes to `instance-<i>.log` in `log_dir` (a fresh temporary directory by default, named at
+On a machine with several GPUs (`gpus`, from `kvflow.controller.launcher.local_gpus`) each instance sees one of them, in
+turn. Each instance's output goes to `instance-<i>.log` in `log_dir` (a fresh temporary directory by default, named at
 start). On Linux an instance is also asked to stop when the router process dies (parent-death signal), so that
 killing the router does not leave its instances serving.
 """
@@ -16,6 +17,7 @@ killing the router does not leave its instances serving.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -39,9 +41,11 @@ class FleetConfig:
     max_restarts: int = 3  # restarts of one instance within `restart_window_s` before it is given up
     restart_window_s: float = 300.0
     log_dir: str | None = None  # None: a new temporary directory
+    gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES entries: instance i sees gpus[i mod len] alone (`local_gpus`)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "serve_args", tuple(self.serve_args))
+        object.__setattr__(self, "gpus", tuple(str(g) for g in self.gpus))
         if self.count < 1:
             raise ValueError(f"count must be >= 1, got {self.count}")
         if self.max_restarts < 0 or not self.restart_window_s > 0:
@@ -119,12 +123,20 @@ class LocalFleet:
         return [sys.executable, "-m", "kvflow.cli.main", "serve", *self.config.serve_args,
                 "--host", self.config.host, "--port", str(inst.port)]
 
+    def env(self, inst: LocalInstance) -> dict[str, str]:
+        """This process's environment; with several GPUs, only the instance's own one visible (a restarted instance
+        keeps it)."""
+        env = dict(os.environ)
+        if self.config.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.gpus[inst.index % len(self.config.gpus)]
+        return env
+
     def _spawn(self, inst: LocalInstance) -> None:
         with open(inst.log_path, "ab") as out:
             out.write(f"--- start {inst.starts + 1}: {' '.join(self.command(inst))}\n".encode())
             out.flush()
             inst.proc = subprocess.Popen(self.command(inst), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                         env=self.env(inst), preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         inst.starts += 1
         log.info("instance %d started on %s (pid %d, log %s)", inst.index, inst.url, inst.proc.pid, inst.log_path)
 

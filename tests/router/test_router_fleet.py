@@ -5,6 +5,7 @@ start is given up instead of restarted in a loop; none outlives the router."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import signal
 import threading
@@ -14,7 +15,7 @@ import pytest
 
 from kvflow.router.backend import RouterBackend
 from kvflow.router.config import RouterConfig
-from kvflow.router.fleet import FleetConfig, LocalFleet
+from kvflow.router.fleet import FleetConfig, LocalFleet, LocalInstance
 from router_helpers import BLOCK, RouterThread, complete, instance_args, tiny_long_ckpt  # noqa: F401
 
 PROMPTS = [random.Random(40 + i).choices(range(5, 96), k=24) for i in range(4)]
@@ -81,3 +82,10 @@ def test_an_instance_that_cannot_start_is_given_up_with_its_log(tiny_long_ckpt):
 def test_fleet_config_rejects_what_is_not_its_users_to_choose(bad):
     with pytest.raises(ValueError):
         FleetConfig(**{"count": 1, **bad})
+
+
+def test_each_instance_sees_one_gpu_in_turn_and_keeps_it(tmp_path):
+    fleet = LocalFleet(FleetConfig(3, gpus=("0", "1"), log_dir=str(tmp_path)))
+    insts = [LocalInstance(i, 9000 + i, f"http://127.0.0.1:{9000 + i}", tmp_path / f"instance-{i}.log") for i in range(3)]
+    assert [fleet.env(i)["CUDA_VISIBLE_DEVICES"] for i in insts] == ["0", "1", "0"]
+    assert LocalFleet(FleetConfig(1, log_dir=str(tmp_path))).env(insts[0]) == dict(os.environ)  # one GPU or none: as is
