@@ -115,12 +115,9 @@ class Autoscaler:
         its own, so that the simulated trials do not hold the event loop's interpreter)."""
         return (self.meter.rate(), *self.meter.mix(), self.cfg, self.perf, self.instance, self.router, self.fixed)
 
-    def decide(self) -> int:
-        return instances_needed(*self.trial())
-
-    def step(self, want: int | None = None) -> int:
-        """One decision (`want`: its answer, when computed elsewhere, e.g. on a thread), applied; the fleet's size."""
-        want = self.decide() if want is None else want
+    def step(self, want: int) -> int:
+        """Apply one answer of `instances_needed(*self.trial())` (the router computes it in a process of its own);
+        the fleet's size after it."""
         have = len(self.fleet.active)
         if want > have:
             self.lower = 0

@@ -129,3 +129,14 @@ def metric(url: str, name: str) -> dict[tuple, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return {tuple(v for _, v in sorted(s.labels.items())): s.value
             for f in text_string_to_metric_families(text) for s in f.samples if s.name == name}
+
+
+def until(cond, timeout: float = 180.0) -> None:
+    """Poll `cond` (the router's or its instances' state: the event a test waits for) until it holds, failing after
+    `timeout` seconds; the tick only paces the polling."""
+    tick = threading.Event()
+    for _ in range(int(timeout / 0.1)):
+        if cond():
+            return
+        tick.wait(0.1)
+    assert cond()

@@ -8,7 +8,6 @@ import asyncio
 import os
 import random
 import signal
-import threading
 
 import httpx
 import pytest
@@ -16,19 +15,10 @@ import pytest
 from kvflow.router.backend import RouterBackend
 from kvflow.router.config import RouterConfig
 from kvflow.router.fleet import FleetConfig, LocalFleet, LocalInstance
-from router_helpers import BLOCK, RouterThread, complete, instance_args, tiny_long_ckpt  # noqa: F401
+from router_helpers import BLOCK, RouterThread, complete, instance_args, tiny_long_ckpt, until  # noqa: F401
 
 PROMPTS = [random.Random(40 + i).choices(range(5, 96), k=24) for i in range(4)]
 
-
-def _until(cond, timeout: float = 180.0) -> None:
-    """Poll `cond` (the router's or the fleet's state: the event the test waits for) until it holds."""
-    tick = threading.Event()
-    for _ in range(int(timeout / 0.1)):
-        if cond():
-            return
-        tick.wait(0.1)
-    assert cond()
 
 
 def _serving(url: str) -> bool:
@@ -48,15 +38,15 @@ def test_the_router_starts_its_instances_and_starts_a_killed_one_again(tiny_long
         fleet.close()
         raise
     with router:
-        _until(lambda: all(i["healthy"] for i in router.instances().values()) and len(router.instances()) == 2)
+        until(lambda: all(i["healthy"] for i in router.instances().values()) and len(router.instances()) == 2)
         refs = [complete(router.url, p, 12)["token_ids"] for p in PROMPTS]  # round robin: both instances answer
         assert set(router.routed().values()) == {2}
         victim = fleet.instances[0]
         old = victim.proc
         old.send_signal(signal.SIGKILL)
-        _until(lambda: victim.starts == 2 and victim.proc.pid != old.pid)  # started again, on its port
+        until(lambda: victim.starts == 2 and victim.proc.pid != old.pid)  # started again, on its port
         assert old.wait(10) == -signal.SIGKILL and victim.url == urls[0]
-        _until(lambda: _serving(victim.url) and router.instances()[victim.url]["healthy"])
+        until(lambda: _serving(victim.url) and router.instances()[victim.url]["healthy"])
         before = router.routed()[victim.url]
         again = [complete(router.url, p, 12)["token_ids"] for p in PROMPTS]
         assert again == refs and router.routed()[victim.url] == before + 2  # it serves again, the same tokens

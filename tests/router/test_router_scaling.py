@@ -6,7 +6,6 @@ in a row."""
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 
@@ -14,7 +13,7 @@ from kvflow.perf import AnalyticPerfModel, machine, model_shape
 from kvflow.router.config import RouterConfig, ScalingConfig
 from kvflow.router.fleet import FleetConfig, LocalFleet
 from kvflow.router.scaling import LoadMeter, instance_config, instances_needed
-from router_helpers import BLOCK, RouterThread, complete, instance_args, tiny_long_ckpt  # noqa: F401
+from router_helpers import BLOCK, RouterThread, complete, instance_args, tiny_long_ckpt, until  # noqa: F401
 
 PERF = AnalyticPerfModel(model_shape("smollm2-135m"), machine("1xCPU"))
 PROMPTS = [random.Random(i).randint(50, 400) for i in range(100)]
@@ -50,14 +49,6 @@ def test_more_load_needs_more_instances_and_nothing_needs_the_minimum():
     assert instances_needed(1.0, PROMPTS, OUTPUTS, SCALING, PERF, inst, router, fixed=2) == max(1, answers[2] - 2)
 
 
-def _until(cond, timeout: float = 180.0) -> None:
-    tick = threading.Event()
-    for _ in range(int(timeout / 0.1)):
-        if cond():
-            return
-        tick.wait(0.1)  # (polling the router's state for the event)
-    assert cond()
-
 
 def test_the_autoscaler_starts_an_instance_and_retires_it_after_answers_in_a_row(tiny_long_ckpt):
     fleet = LocalFleet(FleetConfig(1, instance_args(tiny_long_ckpt)))
@@ -76,7 +67,7 @@ def test_the_autoscaler_starts_an_instance_and_retires_it_after_answers_in_a_row
         assert router.backend.meter.rate() > 0 and router.backend.meter.mix() == ([24], [10])  # the router measured it
         assert router.on_loop(lambda: scaler.step(2)) == 2  # more: at once
         new = fleet.active[1]
-        _until(lambda: router.instances().get(new.url, {}).get("healthy", False))
+        until(lambda: router.instances().get(new.url, {}).get("healthy", False))
         assert [complete(router.url, prompt, 10)["token_ids"] for _ in range(2)] == [ref, ref]
         assert router.routed()[new.url] == 1  # round robin: the new instance served one of them
         assert router.on_loop(lambda: scaler.step(1)) == 2  # one answer for fewer: kept
