@@ -146,7 +146,7 @@ async def start(backend: Backend, prepared: Prepared, request_id: str, request: 
                 drain: Drain) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
     """Submit and wait for the first output. A ValueError from the backend is the client's fault (400, naming
     the field it is about); `BackendUnavailable` is a 503."""
-    agen = backend.generate(prepared.prompt_token_ids, prepared.params, request_id)
+    agen = backend.generate(prepared.prompt_token_ids, prepared.params, request_id, prepared.kv_source)
     try:
         first = await race(anext(agen), drain, request)
     except ValueError as e:

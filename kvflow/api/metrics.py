@@ -200,6 +200,10 @@ def _backend_families(s: BackendStats) -> list[Metric]:
                   pool_tier, ((p, t, c.hit_rate) for (p, t), c in pc)),
         _labelled(CounterMetricFamily, "kvflow_prefix_cache_evictions_total", "Cached blocks evicted to make room",
                   pool_tier, ((p, t, c.evictions) for (p, t), c in pc)),
+        _counter("kvflow_kv_pulled_blocks_total", "KV blocks pulled from the instance that computed the prompt",
+                 s.kv_pulled_blocks),
+        _counter("kvflow_kv_pull_missed_blocks_total", "KV blocks asked for in a pull that were not there (recomputed)",
+                 s.kv_pull_missed_blocks),
         *([] if s.kv_free_tokens is None or not s.kv_capacity_tokens else [
             _gauge("kvflow_kv_free_tokens", "KV tokens free for decoding requests (free and evictable cached blocks)",
                    s.kv_free_tokens),

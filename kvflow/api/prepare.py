@@ -38,6 +38,7 @@ class Prepared:
     prompt_param: str  # the field a backend's complaint about the prompt is reported against
     max_tokens_param: str = "max_tokens"  # the field the client sent max_tokens in
     return_token_ids: bool = False  # completions only: answer with the token ids beside the text
+    kv_source: str | None = None  # completions only: an instance to pull the prompt's KV from (`kv_transfer_params`)
 
 
 def piece_chars(max_model_len: int) -> int:
@@ -180,8 +181,10 @@ def _prepared(req: SamplingFields, ids: list[int], max_tokens: int | None, limit
         params = sampling_params(req, max_tokens, ids, limits)
     except InvalidRequest as e:
         raise invalid_request(e, prompt_param, max_tokens_param) from e
+    completion = isinstance(req, CompletionRequest)
+    kv = req.kv_transfer_params if completion else None
     return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), prompt_param,
-                    max_tokens_param, isinstance(req, CompletionRequest) and req.return_token_ids)
+                    max_tokens_param, completion and req.return_token_ids, kv.source if kv is not None else None)
 
 
 def prepare_completion(req: CompletionRequest, model_name: str, tokenizer: Tokenizer, max_model_len: int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from urllib.parse import urlparse
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
@@ -98,9 +99,29 @@ class SamplingFields(_Body):
         return [_text(v, f"stop[{i}]") for i, v in enumerate(value)]
 
 
+class KVTransferParams(_Body):
+    """Extension (vLLM's field name, our own content): where the prompt's KV was computed — the base URL of the
+    instance to pull its blocks from (the router's prefill instance), http(s)://host:port."""
+
+    source: Text
+
+    @field_validator("source")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        u = urlparse(value)
+        if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query or u.fragment:
+            raise PydanticCustomError("kv_source", "must be an instance's base URL, http(s)://host:port")
+        try:
+            u.port
+        except ValueError:
+            raise PydanticCustomError("kv_source", "has a bad port") from None
+        return value.rstrip("/")
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]  # checked by `_prompt`
     return_token_ids: bool = False  # extension (as vLLM): each choice also carries its `token_ids` (the router needs them)
+    kv_transfer_params: KVTransferParams | None = None
     echo: bool = False
     logprobs: int | None = None
     suffix: Text | None = None

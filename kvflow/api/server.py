@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvflow.api import generation as gen
 from kvflow.api.drain import CANCEL_GRACE_S, Drain
-from kvflow.api.errors import APIError, install_error_handlers, unavailable
+from kvflow.api.errors import APIError, bad_request, install_error_handlers, unavailable
 from kvflow.api.metrics import CONTENT_TYPE, APIMetrics
 from kvflow.api.middleware import APIKeyAuth, BodyLimit, StatusCounter, default_max_body_bytes
 from kvflow.api.prepare import Prepared, piece_chars, prepare_chat, prepare_completion, prompt_chars
@@ -207,6 +207,20 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
             stats = None
         extra = getattr(backend, "metric_families", None)  # optional: a backend with metrics of its own (the router)
         return Response(metrics.render(stats, healthy(), extra() if extra else ()), media_type=CONTENT_TYPE)
+
+    if hasattr(backend, "kv_blocks"):  # an engine: other instances may pull its prompts' KV (the router's P/D pools)
+        from kvflow.streaming.kv_pull import PULL_PATH
+
+        @app.post(PULL_PATH, include_in_schema=False)
+        async def kv_pull(request: Request) -> Response:
+            body = await request.body()
+            try:  # a copy out of the KV cache: off the event loop
+                parts = await asyncio.to_thread(backend.kv_blocks, body)
+            except ValueError as e:
+                raise bad_request(str(e), "hashes") from None
+            if parts is None:
+                return Response(status_code=204)  # none of them here (any more)
+            return Response(b"".join(parts), media_type="application/octet-stream")
 
     return app
 

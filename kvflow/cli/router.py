@@ -26,6 +26,12 @@ def register(sub) -> None:
     r.add_argument("--instance", action="append", type=url, default=[], metavar="URL",
                    help="base URL of a kvflow serve instance, e.g. http://127.0.0.1:8001; repeat for each "
                         "(default: none besides --config's)")
+    r.add_argument("--prefill", action="append", type=url, default=[], metavar="URL",
+                   help="an instance of the prefill pool (P/D pools: prompts run there, the rest of each request on a "
+                        "--decode instance, which pulls the prompt's KV; both engines with --host-kv-bytes); repeat "
+                        "(default: none)")
+    r.add_argument("--decode", action="append", type=url, default=[], metavar="URL",
+                   help="an instance of the decode pool (see --prefill); repeat (default: none)")
     r.add_argument("--config", type=existing_path, default=None,
                    help="YAML or JSON file of router settings (instances, policy, placement, health checks); flags "
                         "given here override it, --instance adds to its instances (default: none)")
@@ -103,10 +109,12 @@ def run_router(args) -> int:
     launch = {"launch": args.launch, "serve_args": None if args.serve_args is None else tuple(shlex.split(args.serve_args))}
     if args.config is not None:
         config = RouterConfig.from_file(args.config, policy=args.policy, **launch)
-        if args.instance:
-            config = RouterConfig(**{**config.__dict__, "instances": config.instances + tuple(args.instance)})
+        config = RouterConfig(**{**config.__dict__, "instances": config.instances + tuple(args.instance),
+                                 "prefill": config.prefill + tuple(args.prefill),
+                                 "decode": config.decode + tuple(args.decode)})
     else:
-        config = RouterConfig(instances=tuple(args.instance), **{k: v for k, v in launch.items() if v is not None},
+        config = RouterConfig(instances=tuple(args.instance), prefill=tuple(args.prefill), decode=tuple(args.decode),
+                              **{k: v for k, v in launch.items() if v is not None},
                               **({"policy": args.policy} if args.policy else {}))
     if scaling is not None and not config.launch:
         raise ValueError("--autoscale needs instances the router starts (--launch N, N >= 1)")
@@ -139,7 +147,7 @@ def run_router(args) -> int:
             from kvflow.router.scaling import instance_config
 
             backend.scale(scaling, perf, instance_config(backend.max_model_len))
-        print(f"kvflow router: {backend.model_name} over {len(config.instances)} instance(s), policy {config.policy}, "
+        print(f"kvflow router: {backend.model_name} over {len(config.roles())} instance(s), policy {config.policy}, "
               f"on http://{args.host}:{args.port}", file=sys.stderr)
         return serve_router(backend, args.host, args.port, args.log_level, api)
     finally:

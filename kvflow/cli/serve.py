@@ -349,7 +349,8 @@ def run_serve(args) -> int:
         from kvflow.serving.backend import EngineBackend
 
         config = _engine_config(args)
-        backend = EngineBackend.from_config(config, args.served_model_name)  # the engine built on its own thread
+        # the engine built on its own thread
+        backend = EngineBackend.from_config(config, args.served_model_name, api_config.api_key)
     else:
         backend = _controller(args)
     port = sock.getsockname()[1]

@@ -185,7 +185,9 @@ class Controller:
         """Inbox messages dropped: not authentic, undecodable, or results from before a recovery."""
         return self.workers.dropped_messages + self.stale_results
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       kv_source: str | None = None) -> AsyncIterator[RequestOutput]:
+        """`kv_source` is not used: a pipeline's KV lives in its workers, which pull nothing (the prompt is computed)."""
         if self.failure is not None or self._stop.is_set():  # (during a recovery requests queue)
             raise BackendUnavailable(self.failure or "the server is shutting down")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)

@@ -106,7 +106,10 @@ class LLMEngine:
             raise ValueError("a prompt must be a string or a list of token ids")
         return ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    kv_source: str | None = None) -> Request:
+        """`kv_source`: the base URL of another instance that computed this prompt (the router's prefill instance):
+        its full blocks are pulled from there before admission, where this engine has a host tier to pull into."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
@@ -117,6 +120,7 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
         req = Request(rid, self.encode_prompt(prompt), params, self.eos_token_ids, detok)
+        req.kv_source = kv_source if self.runner.tiers is not None else None
         validate(req, self.limits, [self.kv_manager])
         self.scheduler.add(req)
         self.requests[rid] = req

@@ -50,6 +50,9 @@ class BlockPool:
         self._free: deque[int] = deque() if anonymous else deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, LRU first
         self.evictions = 0
+        # per block, times it stopped holding its registered content (evicted, or forgotten by `clear`): a reader
+        # copying a cached block outside the owner's thread (`kvflow.streaming.kv_pull`) checks it did not change
+        self.generation = [0] * num_blocks
         # called with (block, hash) as a cached block is evicted, before anyone can write it (lower tiers)
         self.on_evict: Callable[[int, bytes], None] | None = None
 
@@ -92,6 +95,7 @@ class BlockPool:
                 h = self.hash_of.pop(b)
                 del self.by_hash[h]
                 self.evictions += 1
+                self.generation[b] += 1
                 if self.on_evict is not None:
                     self.on_evict(b, h)
             self.ref[b] = 1
@@ -156,6 +160,8 @@ class BlockPool:
         return True
 
     def clear(self) -> None:
+        for b in self.hash_of:
+            self.generation[b] += 1
         self.by_hash.clear()
         self.hash_of.clear()
         self._free.extend(self._cached)

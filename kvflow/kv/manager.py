@@ -60,8 +60,9 @@ class KVCacheManager:
 
     Tiers: a cached device block that is evicted is demoted to the host pool (its LRU victim to the
     disk pool); `match` continues the hash chain in the host pool, and `ensure` promotes those blocks
-    into new device blocks; `prefetch` loads a waiting request's blocks found on disk into the host
-    pool (True while such a load is pending: admit it once it has returned, `loads_done`).
+    into new device blocks; `prefetch` loads a waiting request's blocks found on disk, or held by another
+    instance, into the host pool (True while such a load is pending: admit it once it has returned,
+    `loads_done`). `cached_run` / `still_holds`: the device blocks another instance may pull.
 
     `block_ids=False` (no prefix caching): tables only count their blocks (`BlockPool`'s anonymous
     mode), for an executor that never addresses KV (the simulator).
@@ -86,6 +87,7 @@ class KVCacheManager:
             self.pool.on_evict = self._demote
         self.queries = 0
         self.hits = 0
+        self.pulled = [0, 0]  # blocks pulled from other instances: [failed (not held there, or lost), loaded]
 
     @property
     def num_blocks(self) -> int:
@@ -146,10 +148,12 @@ class KVCacheManager:
             n += 1
         return PrefixHit(tuple(blocks), n * self.block_size, len(token_ids), tuple(promote))
 
-    def prefetch(self, token_ids: Sequence[int], hashes: list[bytes], max_tokens: int) -> bool:
-        """Plan disk -> host loads of the blocks of a waiting request's prefix that only the disk tier
-        holds (up to the first block no tier holds). True while a load of its prefix is pending."""
-        if self.disk is None or not self.prefix_caching:
+    def prefetch(self, token_ids: Sequence[int], hashes: list[bytes], max_tokens: int, source: str | None = None) -> bool:
+        """Plan loads into the host tier of the blocks of a waiting request's prefix that no tier here holds up to
+        the first block none holds: from the disk tier, and (`source`: the URL of another instance that computed
+        them) pulled from that instance (`kvflow.streaming.kv_pull`), which may no longer hold them (the load then
+        fails and they are recomputed). True while a load of its prefix is pending."""
+        if self.host is None or (self.disk is None and source is None):
             return False
         pending = False
         for _, h in self._chain(token_ids, hashes, max_tokens):
@@ -162,22 +166,29 @@ class KVCacheManager:
             if self.host.is_loading(h):
                 pending = True
                 continue
-            f = self.disk.lookup(h)
-            if f is None:
+            f = self.disk.lookup(h) if self.disk is not None else None
+            if f is None and source is None:
                 break
             got = self._host_alloc(h, loading=True)
             if got is None:  # the host tier is full of this step's blocks: the rest is recomputed
                 break
-            self.disk.pin(f)
-            self.plan.from_disk.append((f, got))
-            self._from_disk.add(got)
+            if f is None:
+                self.plan.from_remote.append((source, h, got))
+            else:
+                self.disk.pin(f)
+                self.plan.from_disk.append((f, got))
+                self._from_disk.add(got)
             pending = True
         return pending
 
     def loads_done(self, plan: TierPlan) -> None:
-        """An executor performed `plan`: its disk -> host loads become findable, or (listed in
-        `plan.failed`: corrupted or truncated) are dropped from both tiers, to be recomputed."""
+        """An executor performed `plan`: its loads into the host tier become findable, or (listed in
+        `plan.failed`: corrupted, truncated, or not held by the instance pulled from) are dropped, to be recomputed."""
         failed = set(plan.failed)
+        for _, _, s in plan.from_remote:
+            if self.host is not None and s in self.host.loading:
+                self.host.loaded(s, s not in failed)
+                self.pulled[s not in failed] += 1
         for f, s in plan.from_disk:
             if self.host is None or s not in self.host.loading:
                 continue  # forgotten meanwhile (reset)
@@ -222,6 +233,26 @@ class KVCacheManager:
         slot = self._host_alloc(h)
         if slot is not None:
             self.plan.to_host.append((block, slot))
+
+    def cached_run(self, hashes: Sequence[bytes]) -> list[tuple[int, int]]:
+        """(device block, its generation) of the leading `hashes` this pool holds, for a copy made outside the owner's
+        thread, which checks each block's generation again afterwards (`BlockPool.generation`)."""
+        out = []
+        for h in hashes:
+            b = self.pool.by_hash.get(h)
+            if b is None:
+                break
+            out.append((b, self.pool.generation[b]))
+        return out
+
+    def still_holds(self, hashes: Sequence[bytes], run: Sequence[tuple[int, int]]) -> int:
+        """How many of `run`'s leading blocks (from `cached_run(hashes)`) still hold their content, unchanged since."""
+        n = 0
+        for h, (b, g) in zip(hashes, run):
+            if self.pool.hash_of.get(b) != h or self.pool.generation[b] != g:
+                break
+            n += 1
+        return n
 
     def missing_blocks(self, table: list[int], num_tokens: int) -> int:
         return max(0, blocks_for(num_tokens, self.block_size) - len(table))

@@ -7,7 +7,9 @@ A full block evicted from the device pool is demoted to the host pool (device ->
 evicted from the host pool is demoted to the disk pool (host -> disk). A waiting request whose hash
 chain continues in the host pool is admitted with those blocks promoted (host -> device); one whose
 chain continues on disk has them loaded into the host pool first (disk -> host, verified by checksum
-at the executor; `TierPlan.failed` reports rejected blocks, which are dropped and recomputed).
+at the executor; `TierPlan.failed` reports rejected blocks, which are dropped and recomputed). A request
+whose prompt another instance computed (a prefill instance of the router's P/D pools) has the blocks no
+tier here holds pulled from that instance into the host pool the same way (`from_remote`; engine only).
 """
 
 from __future__ import annotations
@@ -27,20 +29,24 @@ class TierPlan:
     """One step's copies between tiers, performed by the executor before the step's forward, in the
     order of `PHASES` (a slot is used by at most one op of a step, so this order is always safe):
     to_disk [(host slot, disk slot)], to_host [(device block, host slot)], from_disk [(disk slot,
-    host slot)], to_device [(host slot, device block)]. `failed`: host slots of `from_disk` whose
-    block was rejected on reading (checksum, truncation) — filled in by the executor."""
+    host slot)], to_device [(host slot, device block)]; then from_remote [(instance URL, block hash,
+    host slot)], pulled from another instance (an engine's plan only: never sent to a worker).
+    `failed`: host slots of `from_disk` or `from_remote` whose block was rejected on reading
+    (checksum, truncation) or not held by the instance — filled in by the executor."""
 
     to_disk: list[tuple[int, int]] = field(default_factory=list)
     to_host: list[tuple[int, int]] = field(default_factory=list)
     from_disk: list[tuple[int, int]] = field(default_factory=list)
     to_device: list[tuple[int, int]] = field(default_factory=list)
+    from_remote: list[tuple[str, bytes, int]] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.to_disk or self.to_host or self.from_disk or self.to_device)
+        return bool(self.to_disk or self.to_host or self.from_disk or self.to_device or self.from_remote)
 
     def to_wire(self) -> list[list[int]]:
         """[phase index, src, dst] triples (msgpack-friendly)."""
+        assert not self.from_remote, "pulls from another instance are an engine's, never a worker's"
         return [[i, a, b] for i, ph in enumerate(PHASES) for a, b in getattr(self, ph)]
 
     @classmethod

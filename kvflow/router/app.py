@@ -2,8 +2,9 @@
 the API key, the drain) plus the pool's admin routes, behind the same key:
 
 - `GET /router/instances`: each instance's URL, health, queue and requests open there;
-- `POST /router/instances` `{"url": ...}`: an instance joins (used from the next request on; 400 if it does not
-  answer /v1/models with the pool's model);
+- `POST /router/instances` `{"url": ..., "role": ...}`: an instance joins (used from the next request on; 400 if it
+  does not answer /v1/models with the pool's model), in its role (mixed by default, or prefill / decode);
+- `POST /router/instances/role` `{"url": ..., "role": ...}`: an instance changes role, draining first;
 - `DELETE /router/instances` `{"url": ...}`: no more requests go there (those open there finish).
 """
 
@@ -19,6 +20,7 @@ from kvflow.router.backend import RouterBackend
 
 class InstanceBody(BaseModel):
     url: str
+    role: str | None = None
 
 
 def build_router_app(backend: RouterBackend, config: APIConfig = APIConfig()) -> FastAPI:
@@ -28,17 +30,30 @@ def build_router_app(backend: RouterBackend, config: APIConfig = APIConfig()) ->
     @app.get("/router/instances")
     async def instances() -> dict:
         return {"policy": backend.config.policy, "instances": [
-            {"url": i.url, "healthy": i.healthy, "waiting": i.waiting, "running": i.running,
+            {"url": i.url, "role": i.role, "next_role": i.next_role, "healthy": i.healthy, "waiting": i.waiting,
+             "running": i.running,
              "in_flight": len(i.flights), "routed_total": i.routed_total, "failures_total": i.failures_total}
             for i in pool.instances.values()]}
 
     @app.post("/router/instances")
     async def join(body: InstanceBody) -> dict:
         try:
-            inst = await pool.add(body.url)
+            inst = await pool.add(body.url, body.role)
         except ValueError as e:
             raise bad_request(str(e), "url") from e
-        return {"url": inst.url, "healthy": inst.healthy}
+        return {"url": inst.url, "role": inst.role, "healthy": inst.healthy}
+
+    @app.post("/router/instances/role")
+    async def role(body: InstanceBody) -> dict:
+        if body.role is None:
+            raise bad_request("a role is needed: mixed, prefill or decode", "role")
+        try:
+            inst = pool.set_role(body.url, body.role)
+        except ValueError as e:
+            raise bad_request(str(e), "role") from e
+        except KeyError:
+            raise APIError(404, f"no instance {body.url} in the pool", "invalid_request_error", "url", "not_found") from None
+        return {"url": inst.url, "role": inst.role, "next_role": inst.next_role}
 
     @app.delete("/router/instances")
     async def leave(body: InstanceBody) -> dict:

@@ -12,6 +12,13 @@ continues exactly as it would have on batch-invariant instances (a seeded sample
 generator starts afresh; presence and frequency penalties count only the tokens after the move). A stop string that
 spans the move is still found (by the router's `Request`; the stream on the instance is then closed, which aborts
 it).
+
+P/D pools (`RouterConfig.prefill` / `decode`, or roles set at runtime): while both pools have a healthy instance, a
+request first goes to a prefill instance with `max_tokens` 1 — its first token streams to the client from there — and
+then, with that token, to a decode instance, told in `kv_transfer_params` where the prompt ran: the decode instance
+pulls the prompt's full KV blocks from the prefill instance (`kvflow.streaming.kv_pull`) and computes only the rest of
+its last block. A greedy request's tokens are those one instance gives (batch-invariant instances); a seeded sampled
+one continues with a fresh generator, as after a failover.
 """
 
 from __future__ import annotations
@@ -105,8 +112,8 @@ class RouterBackend:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.health_timeout_s, connect=config.connect_timeout_s))
         self.streams = SSEClient(config.connect_timeout_s)  # the requests themselves (`client`: health checks)
         self.pool = InstancePool(config, model, self.client, length_model)
-        for url in config.instances:
-            self.pool.add_unchecked(url)
+        for url, role in config.roles().items():
+            self.pool.add_unchecked(url, role)
         self._started = False
         self._prompt_tokens = self._generated_tokens = 0
         self.fleet: LocalFleet | None = None  # the instances this router started, if any (`connect`)
@@ -121,14 +128,14 @@ class RouterBackend:
         from it, and load the tokenizer of `model` (the checkpoint the instances serve: a GGUF file or a checkpoint
         directory; None: the embedded default). `fleet`: the instances the router started (`kvflow.router.fleet`),
         kept running from now on; the wait ends early, with their logs' last lines, if every one of them gave up."""
-        if not config.instances:
+        if not config.roles():
             raise ValueError("the router needs at least one instance (--instance URL or `instances` in --config)")
         info: ModelInfo | None = None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         async with httpx.AsyncClient() as client:
             while info is None:
-                for url in config.instances:
+                for url in config.roles():
                     try:
                         info = await probe(client, url, config.health_timeout_s)
                         break
@@ -141,7 +148,7 @@ class RouterBackend:
                             raise ValueError("every instance the router started exited:\n" + "\n".join(
                                 f"{i.log_path}:\n{fleet.tail(i)}" for i in fleet.instances))
                     if loop.time() > deadline:
-                        raise ValueError(f"no instance answered /v1/models within {wait_s:g} s: {list(config.instances)}")
+                        raise ValueError(f"no instance answered /v1/models within {wait_s:g} s: {list(config.roles())}")
                     await asyncio.sleep(0.2)
         mcfg, directory = await asyncio.to_thread(load_config, model)
         tokenizer = await asyncio.to_thread(Tokenizer, directory)
@@ -218,8 +225,8 @@ class RouterBackend:
                             running_requests=sum(len(i.flights) for i in insts),
                             prompt_tokens_total=self._prompt_tokens, generated_tokens_total=self._generated_tokens)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       kv_source: str | None = None) -> AsyncIterator[RequestOutput]:
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
                       IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
         route = self.pool.route(req.token_ids, params.max_tokens)
@@ -227,10 +234,15 @@ class RouterBackend:
         self._prompt_tokens += len(prompt_token_ids)
         if self.meter is not None:  # the load the autoscaler sizes the fleet for
             self.meter.arrived()
+        kv_source: str | None = None  # P/D pools: the prefill instance that ran the prompt (its KV is pulled from there)
         while True:
             generated = len(req.output_token_ids)
+            # P/D pools, while both have an instance: the prompt (and first token) on a prefill instance, the rest on
+            # a decode instance; else the whole request on a mixed (or decode) instance
+            prefill = not generated and kv_source is None and bool(self.pool.serving("prefill") and self.pool.serving("decode"))
+            roles = ("prefill",) if prefill else ("decode", "mixed") if kv_source else ("mixed", "decode")
             try:
-                inst = self.pool.choose(route, failed)
+                inst = self.pool.choose(route, failed, roles)
             except NoInstance as e:
                 if not generated:
                     raise BackendUnavailable(str(e)) from None
@@ -239,7 +251,12 @@ class RouterBackend:
                 return
             flight = self.pool.open(inst, route, generated)
             body = request_body(self.model_name, list(req.token_ids), params, generated)
+            if prefill:
+                body.update(max_tokens=1, min_tokens=min(body["min_tokens"], 1))
+            elif kv_source is not None and kv_source != inst.url:
+                body["kv_transfer_params"] = {"source": kv_source}
             stream = _stream(self.streams, inst, body)
+            handed = False  # the prefill instance gave the first token: on to a decode instance
             try:
                 async for chunk in stream:
                     reason = None
@@ -248,7 +265,8 @@ class RouterBackend:
                         self._generated_tokens += 1
                         if reason:
                             break
-                    reason = reason or _instance_finish(chunk.finish_reason)
+                    handed = prefill and not reason and chunk.finish_reason == "length" and len(req.output_token_ids) > 0
+                    reason = reason or (None if handed else _instance_finish(chunk.finish_reason))
                     if reason:
                         req.finish(reason)
                     self.pool.advance(inst, flight, len(req.output_token_ids))
@@ -264,7 +282,12 @@ class RouterBackend:
                         return
                     if chunk.token_ids:
                         yield req.take_output()
-                raise InstanceFailed("the stream ended before the request finished")
+                    if handed:
+                        async for _ in stream:  # its [DONE]
+                            pass
+                        break
+                if not handed:
+                    raise InstanceFailed("the stream ended before the request finished")
             except InstanceRefused as e:
                 if e.status < 500 and not generated:
                     raise ValueError(e.args[0]) from None  # the request itself: 400 (or 404) to the client
@@ -274,6 +297,11 @@ class RouterBackend:
             finally:
                 await stream.aclose()
                 self.pool.close(inst, flight)
+            if handed:
+                kv_source = inst.url
+                self.pool.handoffs_total += 1
+                route = self.pool.route(req.token_ids, params.max_tokens - len(req.output_token_ids), route.block_hashes)
+                continue
             failed.add(inst.url)
             if len(failed) > self.config.max_resends:
                 if not req.output_token_ids:
@@ -306,6 +334,9 @@ class RouterBackend:
                          lambda i: i.routed_total),
             per_instance(CounterMetricFamily, "kvflow_router_instance_failures_total", "Times the instance was taken out",
                          lambda i: i.failures_total),
+            CounterMetricFamily("kvflow_router_handoffs_total",
+                                "Requests moved from a prefill instance to a decode instance after their first token",
+                                value=self.pool.handoffs_total),
             CounterMetricFamily("kvflow_router_failovers_total", "Requests re-sent to another instance after a failure",
                                 value=self.pool.failovers_total),
             CounterMetricFamily("kvflow_router_resent_tokens_total",

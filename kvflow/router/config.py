@@ -12,6 +12,11 @@ from urllib.parse import urlparse
 from kvflow.router.policies import POLICIES, PolicyConfig
 
 
+# An instance's role in the pool: "mixed" runs whole requests; with P/D pools a request's prompt runs on a "prefill"
+# instance (its first token) and the rest on a "decode" instance, which pulls the prompt's KV from it.
+ROLES = ("mixed", "prefill", "decode")
+
+
 def instance_url(url: str) -> str:
     """An instance's base URL, checked and without a trailing slash: http(s)://host:port."""
     parsed = urlparse(url)
@@ -23,6 +28,10 @@ def instance_url(url: str) -> str:
 @dataclass(frozen=True)
 class RouterConfig:
     instances: tuple[str, ...] = ()  # base URLs of `kvflow serve` instances (more may join at runtime)
+    # P/D pools (Splitwise, DistServe): instances that run only prompts, and instances that decode after pulling the
+    # prompt's KV from them; `instances` are the mixed pool (whole requests). Engines with a host tier (--host-kv-bytes)
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
     policy: str = "prefix_aware"
     placement: PolicyConfig = field(default_factory=PolicyConfig)
     health_interval_s: float = 1.0  # how often each instance's /health and /metrics are read
@@ -37,7 +46,11 @@ class RouterConfig:
     serve_args: tuple[str, ...] = ()  # their arguments (the fleet adds --host and --port)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "instances", tuple(dict.fromkeys(instance_url(u) for u in self.instances)))
+        for name in ("instances", "prefill", "decode"):
+            object.__setattr__(self, name, tuple(dict.fromkeys(instance_url(u) for u in getattr(self, name))))
+        if twice := (set(self.instances) & set(self.prefill)) | (set(self.instances) & set(self.decode)) | (
+                set(self.prefill) & set(self.decode)):
+            raise ValueError(f"an instance has one role (mixed, prefill or decode): {sorted(twice)}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {sorted(POLICIES)}")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s"):
@@ -52,6 +65,11 @@ class RouterConfig:
             raise ValueError(f"launch must be >= 0, got {self.launch}")
         object.__setattr__(self, "serve_args", tuple(str(a) for a in self.serve_args))
 
+    def roles(self) -> dict[str, str]:
+        """Every configured instance's URL and its role (`ROLES`)."""
+        return {**dict.fromkeys(self.instances, "mixed"), **dict.fromkeys(self.prefill, "prefill"),
+                **dict.fromkeys(self.decode, "decode")}
+
     @classmethod
     def from_file(cls, path: Path, **overrides) -> "RouterConfig":
         """The file's fields (`placement` a mapping of `PolicyConfig`'s), then `overrides` that are not None."""
@@ -65,7 +83,7 @@ class RouterConfig:
             raise ValueError(f"{path}: unknown router setting(s) {sorted(unknown)}; known: {sorted(known)}")
         if isinstance(raw.get("placement"), dict):
             raw["placement"] = PolicyConfig(**raw["placement"])
-        for key in ("instances", "serve_args"):
+        for key in ("instances", "prefill", "decode", "serve_args"):
             if key in raw:
                 raw[key] = tuple(raw[key])
         return replace(cls(**raw), **{k: v for k, v in overrides.items() if v is not None})

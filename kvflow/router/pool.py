@@ -8,6 +8,10 @@ take it out, as does one failed stream (`fail`: connection refused or reset). An
 checked, and one good check brings it back with an empty cache record (it may have restarted). Taking an instance
 out sets its `down` event, which the streams open on it watch, so that requests stuck on a hung instance move too.
 `remove` stops routing to an instance; the requests open on it finish there.
+
+Roles (`kvflow.router.config.ROLES`): placement chooses among the instances of the roles a request's phase may use
+(`choose(..., roles)`). `set_role` changes an instance's role (TetriInfer's flip, Splitwise's pools): draining first —
+it takes no new request while requests it took in its old role are open there, then serves in its new role.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvflow.kv.prefix_hash import extend_hashes
-from kvflow.router.config import RouterConfig, instance_url
+from kvflow.router.config import ROLES, RouterConfig, instance_url
 from kvflow.router.length import LengthModel
 from kvflow.router.policies import POLICIES, InstanceState, RouteRequest, with_kv_room
 
@@ -53,6 +57,8 @@ class ModelInfo:
 @dataclass(eq=False)
 class Instance:
     url: str
+    role: str = "mixed"
+    next_role: str | None = None  # draining: the role it takes once the requests open there have finished
     healthy: bool = False
     failures: int = 0  # consecutive failed checks
     waiting: int = 0
@@ -108,14 +114,16 @@ class InstancePool:
         self.instances: dict[str, Instance] = {}
         self.turn = 0
         self.failovers_total = 0
+        self.handoffs_total = 0  # requests moved from a prefill instance to a decode instance
         self.resent_tokens_total = 0
         self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ membership
-    async def add(self, url: str) -> Instance:
+    async def add(self, url: str, role: str | None = None) -> Instance:
         """Admit an instance: it must answer /v1/models with the pool's model and context length now (raises
-        ValueError otherwise). Used by the next `choose`."""
+        ValueError otherwise). Used by the next `choose`, in `role` (None: the role it has, "mixed" when new)."""
         url = instance_url(url)
+        _check_role(role)
         try:
             info = await probe(self.client, url, self.config.health_timeout_s)
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
@@ -123,16 +131,36 @@ class InstancePool:
         if info != self.model:
             raise ValueError(f"instance {url} serves {info}, this router {self.model}")
         inst = self.instances.get(url) or Instance(url)
+        if role is not None:
+            inst.role, inst.next_role = role, None
         inst.healthy, inst.failures = True, 0
         inst.down.clear()
         self.instances[url] = inst
         log.info("instance %s joined (%d in the pool)", url, len(self.instances))
         return inst
 
-    def add_unchecked(self, url: str) -> None:
+    def add_unchecked(self, url: str, role: str = "mixed") -> None:
         """An instance from the config that is not up yet: checked like the others, used once a check passes."""
         url = instance_url(url)
-        self.instances.setdefault(url, Instance(url))
+        _check_role(role)
+        self.instances.setdefault(url, Instance(url, role))
+
+    def set_role(self, url: str, role: str) -> Instance:
+        """Give an instance another role, draining first (see the module docstring); KeyError if it is not here."""
+        _check_role(role)
+        inst = self.instances[instance_url(url)]
+        if role == inst.role:
+            inst.next_role = None
+        elif inst.flights:
+            inst.next_role = role
+        else:
+            inst.role, inst.next_role = role, None
+        log.info("instance %s: role %s%s", inst.url, inst.role, f" -> {inst.next_role} (draining)" if inst.next_role else "")
+        return inst
+
+    def serving(self, role: str) -> list[Instance]:
+        """The healthy instances taking new requests in `role`."""
+        return [i for i in self.instances.values() if i.role == role and i.healthy and i.next_role is None]
 
     def remove(self, url: str) -> bool:
         return self.instances.pop(instance_url(url), None) is not None
@@ -154,8 +182,12 @@ class InstancePool:
         hashes = extend_hashes(list(known), token_ids, len(token_ids) // bt, bt)
         return RouteRequest(len(token_ids), tuple(hashes), self.length_model.predict(len(token_ids), max_tokens))
 
-    def choose(self, route: RouteRequest, exclude: set[str] = frozenset()) -> Instance:
-        candidates = [i for i in self.instances.values() if i.healthy and i.url not in exclude]
+    def choose(self, route: RouteRequest, exclude: set[str] = frozenset(), roles: tuple[str, ...] = ROLES) -> Instance:
+        """The policy's choice among the healthy instances in one of `roles` that are not draining and not in
+        `exclude`; when there is none, among those in any role (a request is never refused for want of a role)."""
+        healthy = [i for i in self.instances.values() if i.healthy and i.url not in exclude]
+        up = [i for i in healthy if i.next_role is None]
+        candidates = [i for i in up if i.role in roles] or up or healthy
         if not candidates:
             raise NoInstance(f"no healthy instance ({len(self.instances)} in the pool, {len(exclude)} failed this request)")
         states = [i.state() for i in candidates]
@@ -190,6 +222,9 @@ class InstancePool:
         if flight in inst.flights:
             inst.flights.discard(flight)
             inst._count(flight, -1)
+        if inst.next_role is not None and not inst.flights:  # drained: it serves in its new role from now on
+            inst.role, inst.next_role = inst.next_role, None
+            log.info("instance %s drained: role %s", inst.url, inst.role)
 
     def remember(self, inst: Instance, block_hashes: Sequence[bytes]) -> None:
         """The instance now likely caches these blocks: most recently used first to stay in the bounded record."""
@@ -246,6 +281,11 @@ class InstancePool:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _check_role(role: str | None) -> None:
+    if role is not None and role not in ROLES:
+        raise ValueError(f"an instance's role is one of {ROLES}, got {role!r}")
 
 
 QUEUE_GAUGES = ("kvflow_num_requests_waiting", "kvflow_num_requests_running")

@@ -112,6 +112,9 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # the URL of another instance holding this prompt's KV (the router's prefill instance): pulled from once
+    # before admission, into the host tier (`KVCacheManager.prefetch`); what it no longer holds is recomputed
+    kv_source: str | None = None
     _reported_tokens: int = 0
     _reported_text: int = 0
 
@@ -119,6 +122,11 @@ class Request:
         self.token_ids = TokenIds(self.prompt_token_ids, self.output_token_ids)  # what the model consumes
         self.sampler = SamplerState.for_params(self.params)
         self._max_stop_len = max(map(len, self.params.stop), default=0)
+
+    def take_kv_source(self) -> str | None:
+        """`kv_source`, once: one pull, and what it does not bring is recomputed."""
+        source, self.kv_source = self.kv_source, None
+        return source
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -99,14 +99,14 @@ class Scheduler:
         return self._batches
 
     # ------------------------------------------------------------------ the batch
-    # Waiting requests (from the front of the queue) whose disk-tier blocks are prefetched into the
-    # host tier before they are admitted.
+    # Waiting requests (from the front of the queue) whose blocks on disk or on another instance (`kv_source`,
+    # tried once) are loaded into the host tier before they are admitted.
     PREFETCH_AHEAD = 8
 
     def schedule(self) -> SchedulerOutput:
-        if self.kv_manager.disk is not None:
+        if self.kv_manager.host is not None:
             self._loading = {r.request_id for r in itertools.islice(self.waiting, self.PREFETCH_AHEAD)
-                             if self.kv_manager.prefetch(r.token_ids, r.block_hashes, r.num_tokens - 1)}
+                             if self.kv_manager.prefetch(r.token_ids, r.block_hashes, r.num_tokens - 1, r.take_kv_source())}
         if self.config.policy == "microbatch":
             seqs, preempted = self._schedule_microbatch(), []
         else:

@@ -61,6 +61,9 @@ class BackendStats:
     # room for new tokens (free and evictable cached blocks) and all of it; None where there is no such pool
     kv_free_tokens: int | None = None
     kv_capacity_tokens: int | None = None
+    # KV blocks pulled from other instances (the router's P/D pools): received, and asked for in vain (recomputed)
+    kv_pulled_blocks: int = 0
+    kv_pull_missed_blocks: int = 0
 
 
 class Backend(Protocol):
@@ -76,6 +79,8 @@ class Backend(Protocol):
       `generate`); `degraded()` is why it serves only with a delay now (recovering from a worker's
       loss: requests queue), else None; `stats()` feeds /metrics. All are called on the event loop
       and must not block.
+    - `kv_source` (the router's P/D pools): another instance that computed this prompt, whose KV blocks the
+      backend may pull instead of computing them (the engine does, into its host tier; others recompute).
     - Nothing here may block the event loop for longer than a queue operation: in particular no lock
       that is held across an engine step.
     """
@@ -84,7 +89,8 @@ class Backend(Protocol):
     max_model_len: int
     tokenizer: Tokenizer
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 kv_source: str | None = None) -> AsyncIterator[RequestOutput]: ...
 
     def healthy(self) -> bool: ...
 
@@ -153,15 +159,19 @@ class EngineBackend:
     """
 
     @classmethod
-    def from_config(cls, config: EngineConfig, model_name: str | None = None) -> "EngineBackend":
+    def from_config(cls, config: EngineConfig, model_name: str | None = None,
+                    api_key: str | None = None) -> "EngineBackend":
         """Load the model and build the engine on the engine thread itself (see the class note);
-        returns once it is built, raising what building raised. `start()` then runs it."""
+        returns once it is built, raising what building raised. `start()` then runs it. `api_key`: the one this
+        deployment's instances share, sent with this engine's pulls of KV from the others."""
         built: dict = {}
         ready, go = threading.Event(), threading.Event()
 
         def thread_main() -> None:
             try:
                 engine = LLMEngine.from_config(config)
+                if engine.runner.tiers is not None:
+                    engine.runner.tiers.puller.api_key = api_key
                 built["backend"] = backend = cls(engine, model_name or engine.model.cfg.name)
             except BaseException as e:  # raised by from_config, in the caller's thread
                 built["error"] = e
@@ -233,7 +243,17 @@ class EngineBackend:
             prefix_cache={("engine", tier): c for tier, c in self.engine.kv_manager.tier_stats().items()},
             kv_free_tokens=self.engine.kv_manager.num_free_blocks * self.engine.kv_manager.block_size,
             kv_capacity_tokens=self.engine.kv_manager.capacity_tokens,
+            kv_pulled_blocks=self.engine.kv_manager.pulled[1],
+            kv_pull_missed_blocks=self.engine.kv_manager.pulled[0],
         )
+
+    def kv_blocks(self, body: bytes) -> list | None:
+        """Any thread (the API's, for another instance's pull, `kvflow.streaming.kv_pull`): the frame of the KV of the
+        leading blocks a pull body names that this engine's device pool holds, or None; ValueError for a bad body."""
+        from kvflow.streaming.kv_pull import parse_pull, read_blocks
+
+        hashes = parse_pull(body, self.engine.kv_cache.layout)
+        return read_blocks(self.engine.kv_cache, self.engine.kv_manager, hashes)
 
     def _post(self, job: Callable[[], None]) -> None:
         with self._close_lock:
@@ -242,7 +262,8 @@ class EngineBackend:
             self._inbox.put(job)
         self._wake.set()
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       kv_source: str | None = None) -> AsyncIterator[RequestOutput]:
         if not self.healthy():
             raise BackendUnavailable("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -259,7 +280,7 @@ class EngineBackend:
 
         def add() -> None:  # engine thread
             try:
-                self.engine.add_request(prompt_token_ids, params, request_id)
+                self.engine.add_request(prompt_token_ids, params, request_id, kv_source)
             except Exception as e:  # ValueError: the client's fault; anything else is reported the same way
                 loop.call_soon_threadsafe(settle, e)
                 return

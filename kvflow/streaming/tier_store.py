@@ -4,10 +4,11 @@ verified) of one worker or engine, and `apply(plan)`, which performs a step's `T
 step's forward. What moves is decided by the scheduler (`kvflow.kv.tiers`); bytes move only here,
 with the streaming library's pieces: regions packed by `Staging` (coalesced: one pack and one unpack
 per phase of a step), chunk headers with their XXH3 checksum, `FileSender.send_at` / `read_chunk_file`
-and `verify` for the disk."""
+and `verify` for the disk, `KVPuller` for blocks pulled from another instance (`kvflow.streaming.kv_pull`)."""
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 import uuid
@@ -18,10 +19,13 @@ from kvflow.kv.cache import KVCache
 from kvflow.kv.tiers import DISK_SLOT_OVERHEAD, PHASES, TierPlan
 from kvflow.streaming.chunk import ChunkDesc, Segment, encode_header, make_header, tensor_bytes
 from kvflow.streaming.errors import ChunkError, ChunkMismatch
+from kvflow.streaming.kv_pull import KVPuller
 from kvflow.streaming.primitives import verify
 from kvflow.streaming.region import KVRegion, SeqRegion, unpack
 from kvflow.streaming.staging import Staging, transfer
 from kvflow.streaming.transports.file import SUFFIX, FileSender, chunk_path, read_chunk_file
+
+log = logging.getLogger(__name__)
 
 
 class TierStore:
@@ -31,7 +35,9 @@ class TierStore:
 
     Contract: `apply(plan)` performs the plan's copies in the order of `kv.tiers.PHASES` and returns
     the host slots of `plan.from_disk` whose disk block was rejected (unreadable, truncated, wrong
-    checksum or shape): those slots hold nothing usable. Every slot file stays within the KV bytes
+    checksum or shape), and those of `plan.from_remote` the instance named did not send (it no longer holds
+    them, or could not be reached: `puller`, with the API key of this deployment): those slots hold nothing
+    usable. Every slot file stays within the KV bytes
     of a block plus `DISK_SLOT_OVERHEAD` (asserted), so the disk tier never exceeds its budget.
     `moved` counts bytes and seconds per phase."""
 
@@ -55,7 +61,8 @@ class TierStore:
         self._host_staging = Staging("cpu")
         self._stream = f"tiers-{uuid.uuid4().hex[:8]}"
         self._seq = 0
-        self.moved = {ph: [0, 0.0] for ph in PHASES}  # phase -> [bytes, seconds]
+        self.puller = KVPuller(lay) if host_slots else None
+        self.moved = {ph: [0, 0.0] for ph in (*PHASES, "from_remote")}  # phase -> [bytes, seconds]
 
     @property
     def host_bytes(self) -> int:
@@ -85,6 +92,12 @@ class TierStore:
                 self._copy(self.host, [a for a, _ in ops], self.cache, [b for _, b in ops], self._host_staging)
             m = self.moved[ph]
             m[0] += len(ops) * self.cache.layout.bytes_per_block
+            m[1] += time.perf_counter() - t0
+        if plan.from_remote:
+            t0 = time.perf_counter()
+            failed = failed + self._from_remote(plan.from_remote)
+            m = self.moved["from_remote"]
+            m[0] += (len(plan.from_remote) - len(failed)) * self.cache.layout.bytes_per_block
             m[1] += time.perf_counter() - t0
         return failed
 
@@ -131,4 +144,30 @@ class TierStore:
             with chunk:
                 slots = self._region([s]).slot_tensor(lay.block_size)
                 unpack(self.host, lay.layer_start, lay.layer_end, "kv", slots, chunk.data)
+        return failed
+
+    def _from_remote(self, ops: list[tuple[str, bytes, int]]) -> list[int]:
+        """Pull blocks into host slots, one request per run of ops naming the same instance; the slots of blocks
+        it did not send are returned (failed)."""
+        lay = self.cache.layout
+        failed: list[int] = []
+        i = 0
+        while i < len(ops):
+            j = i
+            while j < len(ops) and ops[j][0] == ops[i][0]:
+                j += 1
+            source, run = ops[i][0], ops[i:j]
+            i = j
+            try:
+                chunk = self.puller.pull(source, [h for _, h, _ in run])
+            except (ChunkError, OSError, ValueError) as e:
+                log.warning("pulling %d KV blocks from %s failed (they are recomputed): %s", len(run), source, e)
+                chunk = None
+            n = 0
+            if chunk is not None:
+                with chunk:
+                    n = chunk.header.desc.num_tokens // lay.block_size
+                    slots = self._region([s for _, _, s in run[:n]]).slot_tensor(lay.block_size)
+                    unpack(self.host, lay.layer_start, lay.layer_end, "kv", slots, chunk.data)
+            failed.extend(s for _, _, s in run[n:])
         return failed

@@ -31,8 +31,9 @@ def tiny_long_ckpt(tmp_path_factory) -> Path:
 
 
 def instance_args(ckpt: Path) -> tuple[str, ...]:
-    """`kvflow serve`'s arguments for the checkpoint: batch-invariant, KV blocks of BLOCK tokens."""
-    return ("--model", str(ckpt), "--threads", "1", "--deterministic", "--block-size", str(BLOCK),
+    """`kvflow serve`'s arguments for the checkpoint: batch-invariant, KV blocks of BLOCK tokens, a host tier (what
+    an instance of the P/D pools pulls a prompt's KV into)."""
+    return ("--model", str(ckpt), "--threads", "1", "--deterministic", "--block-size", str(BLOCK), "--host-kv-bytes", "4M",
             "--served-model-name", MODEL, "--log-level", "warning", "--drain-timeout", "2")
 
 

@@ -133,7 +133,7 @@ def test_an_instance_that_joins_is_used_at_once(instances, tiny_long_ckpt):
             complete(router.url, PROMPT, 2)
             newcomer.wait_ready()
             r = httpx.post(f"{router.url}/router/instances", json={"url": newcomer.url}, timeout=30)
-            assert r.status_code == 200 and r.json() == {"url": newcomer.url, "healthy": True}
+            assert r.status_code == 200 and r.json() == {"url": newcomer.url, "role": "mixed", "healthy": True}
             complete(router.url, PROMPT, 2)  # the next turn is the newcomer's
             assert router.routed() == {instances[0].url: 1, newcomer.url: 1}
             # an instance that is not up, or serves another model, is refused
@@ -146,6 +146,43 @@ def test_an_instance_that_joins_is_used_at_once(instances, tiny_long_ckpt):
             assert router.routed() == {instances[0].url: 3}
     finally:
         newcomer.stop()
+
+
+def test_pd_pools_pull_the_prompt_kv_and_answer_as_one_instance(instances, tiny_long_ckpt):
+    """P/D pools: the prompt on the prefill instance, the rest on the decode instance, which pulls the prompt's full
+    blocks from it (and computes only the rest): the same tokens as one instance. A role flip drains first."""
+    prefill, decode, alone = instances
+    prompts = [tokens(200 + i, 5 * BLOCK + 3) for i in range(3)]
+    want = [complete(alone.url, p, 10)["token_ids"] for p in prompts]
+    pulled = metric(decode.url, "kvflow_kv_pulled_blocks_total")[()]
+    cfg = RouterConfig(prefill=(prefill.url,), decode=(decode.url,), block_tokens=BLOCK, health_interval_s=0.2)
+    with RouterThread(cfg, tiny_long_ckpt) as router:
+        got = [complete(router.url, p, 10)["token_ids"] for p in prompts]
+        c = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
+        stream = c.completions.create(model=MODEL, prompt=tokens(300, 5 * BLOCK + 3), max_tokens=10, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        streamed = "".join(ch.choices[0].text for ch in stream if ch.choices)
+        assert streamed == complete(alone.url, tokens(300, 5 * BLOCK + 3), 10)["text"]
+        assert router.routed() == {prefill.url: 4, decode.url: 4}
+        assert metric(router.url, "kvflow_router_handoffs_total")[()] == 4
+        # a one-token request is all prompt: it stays on the prefill instance
+        assert complete(router.url, tokens(400, 20), 1)["finish_reason"] == "length"
+        assert router.routed() == {prefill.url: 5, decode.url: 4}
+        # the prefill instance turns decode: no prefill pool left, so whole requests go to the decode pool
+        r = httpx.post(f"{router.url}/router/instances/role", json={"url": prefill.url, "role": "decode"})
+        assert r.status_code == 200 and r.json() == {"url": prefill.url, "role": "decode", "next_role": None}
+        assert router.instances()[prefill.url]["role"] == "decode"
+        complete(router.url, prompts[0], 10)
+        complete(router.url, prompts[0], 10)
+        assert sum(router.routed().values()) == 11 and metric(router.url, "kvflow_router_handoffs_total")[()] == 4
+        bad = httpx.post(f"{router.url}/router/instances/role", json={"url": prefill.url, "role": "boss"})
+        assert bad.status_code == 400
+        assert httpx.post(f"{router.url}/router/instances/role",
+                          json={"url": "http://127.0.0.1:9", "role": "decode"}).status_code == 404
+    assert got == want
+    # every full block of the four prompts (5 each) came from the prefill instance, none was missing
+    assert metric(decode.url, "kvflow_kv_pulled_blocks_total")[()] - pulled == 4 * 5
+    assert metric(decode.url, "kvflow_kv_pull_missed_blocks_total")[()] == 0
 
 
 def test_kvflow_router_command(instances, tiny_long_ckpt, tmp_path):

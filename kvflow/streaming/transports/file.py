@@ -49,15 +49,15 @@ class FileSender(ChunkSender):
         final = os.path.join(self._dir, f"{index:012d}{SUFFIX}")
         tmp = final[: -len(SUFFIX)] + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        prefix = _PREFIX.pack(MAGIC, len(header)) + header
+        parts = frame(header, payload)
         try:
-            _write_all(fd, [prefix, payload])
+            _write_all(fd, parts)
         finally:
             os.close(fd)
         os.replace(tmp, final)
         if self.fsync:
             self._unsynced.append(final)
-        return len(prefix) + memoryview(payload).nbytes
+        return len(parts[0]) + memoryview(payload).nbytes
 
     def drain(self) -> None:
         if self.fsync:
@@ -117,18 +117,38 @@ class FileReceiver(ChunkReceiver):
         pass
 
 
+def frame(header: bytes, payload) -> list:
+    """A chunk as one byte string in two parts (prefix with the header, then the payload): a chunk file's
+    content, and the body of a KV pull's answer (`kvflow.streaming.kv_pull`)."""
+    return [_PREFIX.pack(MAGIC, len(header)) + header, payload]
+
+
+def _split(buf, size: int, what: str) -> tuple[bytes, memoryview]:
+    if size < _PREFIX.size:
+        raise ChunkTruncated(f"{what} is {size} bytes, shorter than a chunk prefix")
+    magic, hlen = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC or _PREFIX.size + hlen > size:
+        raise ChunkTruncated(f"{what} is not a complete chunk (magic {magic!r}, header {hlen} bytes, {size} in all)")
+    return buf[_PREFIX.size : _PREFIX.size + hlen], memoryview(buf)[_PREFIX.size + hlen :]
+
+
+def parse_frame(buf: bytes, what: str) -> RawChunk:
+    """A chunk from the bytes `frame` made (not yet verified)."""
+    header, payload = _split(buf, len(buf), what)
+    return RawChunk(bytes(header), payload)
+
+
 def read_chunk_file(path: Path) -> RawChunk:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < _PREFIX.size:
             raise ChunkTruncated(f"{path} is {size} bytes, shorter than a chunk prefix")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    magic, hlen = _PREFIX.unpack_from(mm, 0)
-    if magic != MAGIC or _PREFIX.size + hlen > size:
+    try:
+        header, payload = _split(mm, size, str(path))
+    except ChunkTruncated:
         mm.close()
-        raise ChunkTruncated(f"{path} is not a complete chunk file (magic {magic!r}, header {hlen} bytes, file {size})")
-    header = mm[_PREFIX.size : _PREFIX.size + hlen]
-    payload = memoryview(mm)[_PREFIX.size + hlen :]
+        raise
 
     def unmap(_error: str | None) -> None:
         try:

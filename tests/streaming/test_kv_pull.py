@@ -1,0 +1,135 @@
+"""Pulling a prompt's KV blocks from another instance (`kvflow.streaming.kv_pull`): a real engine served over HTTP
+as the source, a second engine with a host tier pulling from it before admission."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvflow.api.server import APIConfig, BackgroundServer
+from kvflow.config import EngineConfig
+from kvflow.engine.engine import LLMEngine
+from kvflow.kv.cache import KVLayout
+from kvflow.kv.manager import KVCacheManager
+from kvflow.sched.sampling import SamplingParams
+from kvflow.serving.backend import EngineBackend
+from kvflow.streaming.kv_pull import PULL_PATH, KVPuller, geometry
+from conftest import run_to_completion, tiny_config
+
+BS = 16
+PROMPT = [(7 * i + 3) % 90 + 1 for i in range(5 * BS + 5)]  # 5 full blocks and 5 tokens
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def engine(ckpt, host_blocks: int = 0) -> LLMEngine:
+    bpb = KVLayout.for_model(tiny_config(), 1, BS).bytes_per_block
+    return LLMEngine.from_config(EngineConfig(model=str(ckpt), block_size=BS, num_kv_blocks=64,
+                                              host_kv_bytes=host_blocks * bpb))
+
+
+def generate(eng: LLMEngine, prompt, params=GREEDY, kv_source=None) -> list[int]:
+    req = eng.add_request(prompt, params, kv_source=kv_source)
+    return run_to_completion(eng)[req.request_id].token_ids
+
+
+@pytest.fixture(scope="module")
+def source(tiny_ckpt_dir):
+    """An engine behind the HTTP API that has run PROMPT (its full blocks are in its prefix cache)."""
+    backend = EngineBackend(engine(tiny_ckpt_dir), "tiny")
+    with BackgroundServer(backend, config=APIConfig(api_key="k3y")) as srv:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1},
+                       headers={"Authorization": "Bearer k3y"}, timeout=60)
+        assert r.status_code == 200, r.text
+        yield srv.url, backend
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt_dir):
+    return generate(engine(tiny_ckpt_dir), PROMPT)
+
+
+def test_pulled_blocks_give_the_same_tokens(tiny_ckpt_dir, source, reference):
+    url, _ = source
+    eng = engine(tiny_ckpt_dir, host_blocks=8)
+    eng.runner.tiers.puller.api_key = "k3y"
+    assert generate(eng, PROMPT, kv_source=url) == reference
+    kv = eng.kv_manager
+    assert kv.pulled == [0, 5]  # every full block came from the source ...
+    assert kv.tier_stats()["host"].hits == 5 * BS  # ... through the host tier into the device pool
+    assert eng.runner.tiers.puller.pulled == 5
+    kv.pool.check()
+    kv.host.check()
+
+
+def test_blocks_the_source_lacks_are_recomputed(tiny_ckpt_dir, source):
+    url, _ = source
+    other = PROMPT[:2 * BS] + [5] * (3 * BS)  # 4 full blocks before the last token: the source holds the first two
+    want = generate(engine(tiny_ckpt_dir), other)
+    eng = engine(tiny_ckpt_dir, host_blocks=8)
+    eng.runner.tiers.puller.api_key = "k3y"
+    assert generate(eng, other, kv_source=url) == want
+    assert eng.kv_manager.pulled == [2, 2]
+    assert eng.runner.tiers.puller.missed == 2
+
+
+def test_an_unreachable_or_refusing_source_costs_only_the_recompute(tiny_ckpt_dir, source, reference):
+    url, _ = source
+    for src, key in ((url, "wrong key"), ("http://127.0.0.1:9", None)):
+        eng = engine(tiny_ckpt_dir, host_blocks=8)
+        eng.runner.tiers.puller.api_key = key
+        assert generate(eng, PROMPT, kv_source=src) == reference
+        assert eng.kv_manager.pulled == [5, 0]
+        eng.kv_manager.host.check()
+
+
+def test_without_a_host_tier_the_source_is_ignored(tiny_ckpt_dir, source, reference):
+    eng = engine(tiny_ckpt_dir)
+    assert generate(eng, PROMPT, kv_source=source[0]) == reference
+    assert eng.kv_manager.pulled == [0, 0]
+
+
+def test_bad_pulls_are_refused(source):
+    url, backend = source
+    layout = backend.engine.kv_cache.layout
+    h = {"Authorization": "Bearer k3y"}
+    good = {"hashes": ["ab" * 32], "geometry": geometry(layout)}
+    assert httpx.post(url + PULL_PATH, json=good, headers=h).status_code == 204  # well formed, held nowhere
+    assert httpx.post(url + PULL_PATH, json=good).status_code == 401
+    bad = [b"not json", json.dumps({"hashes": ["zz"], "geometry": geometry(layout)}).encode(),
+           json.dumps({"hashes": [], "geometry": geometry(layout)}).encode(),
+           json.dumps({"hashes": ["ab"] * 5000, "geometry": geometry(layout)}).encode(),
+           json.dumps({"hashes": ["ab" * 32], "geometry": {**geometry(layout), "block_size": 32}}).encode(),
+           json.dumps({"hashes": ["ab", "abcd"], "geometry": geometry(layout)}).encode(),
+           json.dumps({"hashes": ["ab"], "geometry": geometry(layout), "more": 1}).encode()]
+    for body in bad:
+        r = httpx.post(url + PULL_PATH, content=body, headers=h)
+        assert r.status_code in (400, 413), (body[:60], r.status_code, r.text)
+
+
+def test_a_puller_rejects_an_answer_of_another_geometry(source):
+    url, backend = source
+    lay = backend.engine.kv_cache.layout
+    hashes = backend.engine.kv_manager.pool.hash_of
+    from dataclasses import replace
+
+    with pytest.raises(ConnectionError, match="400"):  # the source refuses a pull of blocks of another size
+        KVPuller(replace(lay, block_size=2 * BS), "k3y").pull(url, list(hashes.values())[:1])
+
+
+def test_a_block_evicted_while_copied_is_not_sent():
+    """The source copies blocks outside its engine thread and sends only those whose generation did not change."""
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    tokens, hashes = [1, 2, 3, 4, 5, 6, 7], []
+    table: list[int] = []
+    assert kv.ensure(table, 7)
+    kv.cache_blocks(table, tokens, hashes, 0, 7)
+    kv.release(table)
+    run = kv.cached_run(hashes)
+    assert len(run) == 3 and kv.still_holds(hashes, run) == 3
+    other: list[int] = []
+    assert kv.ensure(other, 8)  # needs every block: evicts the cached ones, last block first
+    assert kv.still_holds(hashes, run) == 0
+    kv.release(other)
+    assert kv.cached_run(hashes) == []
