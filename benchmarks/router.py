@@ -41,7 +41,15 @@ was split) and one `kvflow router` process per policy, all on free ports; client
    the runs) and simulated, and the error sim / real - 1 (target within 15%). The simulated TTFT counts the serving
    stack's own time (`hop_s`: the TTFT of 8-token requests through a router on idle instances, measured before the
    replays, less a simulated 8-token prefill); the error without it is printed beside.
-6. Scale (`--parts scale`, no real instance): the simulated cluster alone, `--scale-instances` instances of the
+6. P/D pools (`--parts pd`): two instances of their own with a host tier (`--host-kv-bytes`), first both in the
+   mixed pool (a least-load router), then one prefill and one decode instance (a router with `--prefill` /
+   `--decode`: each request's prompt and first token on the prefill instance, the rest on the decode instance, which
+   pulls the prompt's full KV blocks from it); `--pd-requests` prompts of `--pd-prompt-len` random tokens,
+   `--pd-max-tokens` greedy tokens each, `--pd-concurrency` in flight, the two layouts alternating over `--reps`
+   runs with fresh prompts. Reported per layout: TTFT and TPOT p50, makespan; for P/D the decode instance's pulled
+   and missed blocks and its seconds spent pulling; and whether `--pd-check` fresh prompts give the same tokens through
+   each router as straight from an instance.
+7. Scale (`--parts scale`, no real instance): the simulated cluster alone, `--scale-instances` instances of the
    analytic SmolLM2-135M on this CPU, each policy placing the same `--scale-requests` requests.
 
     python benchmarks/router.py [--instances 4] [--reps 2] [--prefixes 6] [--uses 4] [--prefix-len 384]
@@ -471,6 +479,67 @@ def fidelity_part(args) -> dict:
     return out
 
 
+def pd_part(args) -> dict:
+    def serve() -> Proc:
+        return Proc(["serve", "--threads", "1", "--deterministic", "--kv-cache-gb", str(args.kv_cache_gb),
+                     "--host-kv-bytes", args.pd_host_kv, "--drain-timeout", "2"])
+
+    a, b = serve(), serve()
+    routers: dict[str, Proc] = {}
+    try:
+        a.wait(), b.wait()
+        routers = {"mixed": router([a.url, b.url], "least_load"),
+                   "pd": Proc(["router", "--policy", "least_load", "--drain-timeout", "2", "--prefill", a.url,
+                               "--decode", b.url])}
+        for r in routers.values():
+            r.wait()
+
+        def counters() -> dict[str, float]:
+            return {name: _metric(b.url, f"kvflow_{name}_total") for name in ("kv_pulled_blocks", "kv_pull_missed_blocks",
+                                                                               "kv_pull_seconds")}
+
+        runs: dict[str, list[dict]] = {name: [] for name in routers}
+        for rep in range(args.reps):
+            for k, name in enumerate(list(routers) if rep % 2 == 0 else list(routers)[::-1]):
+                rng = random.Random(5000 + 10 * rep + k)
+                prompts = [tokens(rng, args.pd_prompt_len) for _ in range(args.pd_requests)]
+                before = counters()
+                results, makespan = asyncio.run(run_batch(routers[name].url, prompts, args.pd_max_tokens,
+                                                          args.pd_concurrency))
+                if bad := [r.error for r in results if not r.ok]:
+                    raise RuntimeError(f"{name}: {len(bad)} failed requests: {bad[:3]}")
+                after = counters()
+                run = {"ttft_p50": p([r.ttft for r in results], 0.5), "tpot_p50": p([r.tpot for r in results], 0.5),
+                       "makespan": makespan, **{n: after[n] - before[n] for n in after}}
+                runs[name].append(run)
+                print(f"  rep {rep} {name:5s} TTFT p50 {run['ttft_p50'] * 1e3:7.1f} ms  TPOT p50 "
+                      f"{run['tpot_p50'] * 1e3:6.1f} ms  makespan {makespan:6.2f} s  pulled {run['kv_pulled_blocks']:.0f} "
+                      f"blocks ({run['kv_pull_missed_blocks']:.0f} missed) in {run['kv_pull_seconds']:.3f} s", flush=True)
+        rng = random.Random(99)
+        fresh = [tokens(rng, args.pd_prompt_len) for _ in range(args.pd_check)]
+        body = {"model": DEFAULT_MODEL_NAME, "max_tokens": args.pd_max_tokens, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True}
+
+        def ids(url: str, prompt: list[int]) -> list[int]:
+            r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompt}, timeout=600)
+            return r.json()["choices"][0]["token_ids"]
+
+        same = {name: sum(ids(r.url, pr) == ids(a.url, pr) for pr in fresh) for name, r in routers.items()}
+        out = {name: {"runs": rs, **{key: statistics.median(r[key] for r in rs) for key in rs[0]}}
+               for name, rs in runs.items()}
+        return {**out, "same_tokens": same, "checked": len(fresh)}
+    finally:
+        for proc in [*routers.values(), a, b]:
+            proc.stop()
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def scale_part(args) -> dict:
     """The simulated cluster alone at `--scale-instances` instances: conversation-trace lengths (as the imbalance
     part scales them), each prompt behind one of 2 x instances shared prefixes of `--prefix-len` tokens, Poisson
@@ -573,8 +642,14 @@ def main() -> None:
     ap.add_argument("--scale-kv-blocks", type=number(int, 1), default=2048, help="scale: KV blocks of 16 tokens per instance")
     ap.add_argument("--scale-ttft-slo", type=number(float, 0, low_open=True), default=2.0, help="scale: TTFT SLO (s)")
     ap.add_argument("--scale-tpot-slo", type=number(float, 0, low_open=True), default=0.5, help="scale: TPOT SLO (s)")
+    ap.add_argument("--pd-requests", type=number(int, 1), default=16, help="pd: requests per run")
+    ap.add_argument("--pd-prompt-len", type=number(int, 1), default=1024, help="pd: prompt tokens")
+    ap.add_argument("--pd-max-tokens", type=number(int, 2), default=32, help="pd: greedy tokens per request")
+    ap.add_argument("--pd-concurrency", type=number(int, 1), default=4, help="pd: requests in flight")
+    ap.add_argument("--pd-check", type=number(int, 0), default=4, help="pd: fresh prompts checked token by token")
+    ap.add_argument("--pd-host-kv", default="512M", help="pd: each instance's --host-kv-bytes")
     ap.add_argument("--parts", default="policies,overhead,imbalance,kill",
-                    help="which parts to run, comma-separated (of policies, overhead, imbalance, kill, fidelity, scale)")
+                    help="which parts to run, comma-separated (of policies, overhead, imbalance, kill, pd, fidelity, scale)")
     ap.add_argument("--out", type=Path, default=RESULTS / "router.json", help="JSON results (the plot beside it)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -604,6 +679,9 @@ def main() -> None:
     if "fidelity" in parts:
         print(f"fidelity over {args.fidelity_instances} instances of its own:", flush=True)
         out["fidelity"] = fidelity_part(args)
+    if "pd" in parts:
+        print("P/D pools against the mixed pool, two instances:", flush=True)
+        out["pd"] = pd_part(args)
     if "scale" in parts:
         print(f"the simulated cluster at {args.scale_instances} instances:", flush=True)
         out["scale"] = scale_part(args)
@@ -643,6 +721,14 @@ def main() -> None:
         print(f"(the stack's own TTFT on idle instances {f['stack_ttft_s'] * 1e3:.1f} ms, hop_s {f['hop_s'] * 1e3:.1f} ms; "
               "without it: " + ", ".join(f"{pol} TTFT {r['error_no_hop']['ttft_p50_s']:+.1%}"
                                         for pol, r in f["policies"].items()) + ")")
+    if "pd" in out:
+        d = out["pd"]
+        for name in ("mixed", "pd"):
+            r = d[name]
+            print(f"{name:5s}: TTFT p50 {r['ttft_p50'] * 1e3:.1f} ms, TPOT p50 {r['tpot_p50'] * 1e3:.1f} ms, makespan "
+                  f"{r['makespan']:.2f} s; same tokens as one instance {d['same_tokens'][name]}/{d['checked']}")
+        print(f"P/D: pulled {d['pd']['kv_pulled_blocks']:.0f} blocks per run ({d['pd']['kv_pull_missed_blocks']:.0f} "
+              f"missed) in {d['pd']['kv_pull_seconds']:.3f} s")
     print(f"load average before {out['load_before']}, after {out['load_after']}; wrote {args.out}")
 
 

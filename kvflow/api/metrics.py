@@ -204,6 +204,8 @@ def _backend_families(s: BackendStats) -> list[Metric]:
                  s.kv_pulled_blocks),
         _counter("kvflow_kv_pull_missed_blocks_total", "KV blocks asked for in a pull that were not there (recomputed)",
                  s.kv_pull_missed_blocks),
+        _counter("kvflow_kv_pull_seconds_total", "Seconds the engine spent pulling KV blocks (before those steps)",
+                 s.kv_pull_seconds),
         *([] if s.kv_free_tokens is None or not s.kv_capacity_tokens else [
             _gauge("kvflow_kv_free_tokens", "KV tokens free for decoding requests (free and evictable cached blocks)",
                    s.kv_free_tokens),

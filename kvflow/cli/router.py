@@ -47,11 +47,16 @@ def register(sub) -> None:
     r.add_argument("--scale-profile", type=existing_path, default=None, metavar="FILE",
                    help="`kvflow profile` JSON of one instance as launched: the simulated instances' step times "
                         "(default: none; required by --autoscale)")
-    r.add_argument("--ttft-slo", type=number(float, 0, low_open=True), default=2.0, help="autoscaling: TTFT target, s")
+    r.add_argument("--rebalance", action="store_true",
+                   help="move instances between the --prefill and --decode pools as the measured TTFT and TPOT "
+                        "against --ttft-slo / --tpot-slo call for it, draining first (default: off)")
+    r.add_argument("--ttft-slo", type=number(float, 0, low_open=True), default=2.0,
+                   help="autoscaling and --rebalance: TTFT target, s")
     r.add_argument("--tpot-slo", type=number(float, 0, low_open=True), default=0.2,
-                   help="autoscaling: time per output token target, s")
+                   help="autoscaling and --rebalance: time per output token target, s")
     r.add_argument("--scale-interval", type=number(float, 0, low_open=True), default=10.0,
-                   help="autoscaling: seconds between decisions (the load is measured over the last 60 s)")
+                   help="autoscaling and --rebalance: seconds between decisions (autoscaling measures the load over the "
+                        "last 60 s, --rebalance the requests of the last 30 s)")
     r.add_argument("--policy", default=None, choices=sorted(POLICIES),
                    help="placement policy (default: --config's, else prefix_aware)")
     r.add_argument("--model", type=model_arg, default=None,
@@ -116,6 +121,8 @@ def run_router(args) -> int:
         config = RouterConfig(instances=tuple(args.instance), prefill=tuple(args.prefill), decode=tuple(args.decode),
                               **{k: v for k, v in launch.items() if v is not None},
                               **({"policy": args.policy} if args.policy else {}))
+    if args.rebalance and not (config.prefill and config.decode):
+        raise ValueError("--rebalance needs P/D pools (--prefill and --decode instances)")
     if scaling is not None and not config.launch:
         raise ValueError("--autoscale needs instances the router starts (--launch N, N >= 1)")
     fleet, model = None, args.model
@@ -147,6 +154,10 @@ def run_router(args) -> int:
             from kvflow.router.scaling import instance_config
 
             backend.scale(scaling, perf, instance_config(backend.max_model_len))
+        if args.rebalance:
+            from kvflow.router.roles import BalanceConfig
+
+            backend.balance(BalanceConfig(args.ttft_slo, args.tpot_slo, interval_s=args.scale_interval))
         print(f"kvflow router: {backend.model_name} over {len(config.roles())} instance(s), policy {config.policy}, "
               f"on http://{args.host}:{args.port}", file=sys.stderr)
         return serve_router(backend, args.host, args.port, args.log_level, api)

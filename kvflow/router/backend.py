@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from kvflow.perf.perf_model import PerfModel
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvflow.router.config import RouterConfig
 from kvflow.router.fleet import LocalFleet
+from kvflow.router.roles import BalanceConfig, RoleBalancer
 from kvflow.router.scaling import Autoscaler, LoadMeter, ScalingConfig
 from kvflow.router.sse import HTTPFailed, HTTPStatus, SSEClient
 from kvflow.router.length import LengthModel
@@ -120,6 +122,8 @@ class RouterBackend:
         self.autoscaler: Autoscaler | None = None  # sizes the fleet (`scale`)
         self.meter: LoadMeter | None = None
         self._supervisor: asyncio.Task | None = None
+        self.balancer: RoleBalancer | None = None  # moves instances between the P/D pools (`balance`)
+        self._balancing: asyncio.Task | None = None
 
     @classmethod
     async def connect(cls, config: RouterConfig, model: str | None = None, wait_s: float = 60.0,
@@ -163,7 +167,28 @@ class RouterBackend:
         self.pool.start()
         if self.fleet is not None:
             self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="kvflow-router-fleet")
+        if self.balancer is not None:
+            self._balancing = asyncio.get_running_loop().create_task(self._balance(), name="kvflow-router-roles")
         self._started = True
+
+    def balance(self, cfg: BalanceConfig) -> None:
+        """Move instances between the P/D pools as the measured TTFT and TPOT call for it (`kvflow.router.roles`):
+        from `start` on, or at once when called on the event loop of a router already serving."""
+        self.balancer = RoleBalancer(cfg, self.pool)
+        if self._started and self._balancing is None:
+            self._balancing = asyncio.get_running_loop().create_task(self._balance(), name="kvflow-router-roles")
+
+    async def _balance(self) -> None:
+        while True:
+            await asyncio.sleep(self.balancer.cfg.interval_s)
+            try:
+                pressures = self.balancer.pressures()
+                moved = self.balancer.decide()
+                if moved:
+                    log.info("P/D pools: %s moves to the %s pool (p90 TTFT and TPOT over their SLOs: %.2f, %.2f)",
+                             *moved, *pressures)
+            except Exception:  # one failed decision must not stop the balancing
+                log.exception("re-balancing the P/D pools failed")
 
     def scale(self, cfg: ScalingConfig, perf: PerfModel, instance: SimConfig) -> None:
         """Size the fleet for the measured load from now on (`kvflow.router.scaling`): `perf` and `instance` are one
@@ -203,9 +228,10 @@ class RouterBackend:
 
     async def shutdown(self) -> None:
         self._started = False
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            await asyncio.gather(self._supervisor, return_exceptions=True)
+        for task in (self._supervisor, self._balancing):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.pool.stop()
         await self.client.aclose()
         await self.streams.aclose()
@@ -278,6 +304,10 @@ class RouterBackend:
                                 pass  # connection goes back to the pool; else closing the stream aborts it there
                         if self.meter is not None:
                             self.meter.finished(len(prompt_token_ids), len(req.output_token_ids))
+                        n = len(req.output_token_ids)
+                        if self.balancer is not None and kv_source is not None and n > 1:  # went through both pools
+                            self.balancer.observe(req.first_token_time - req.arrival_time,
+                                                  (time.monotonic() - req.first_token_time) / (n - 1))
                         yield req.take_output()
                         return
                     if chunk.token_ids:

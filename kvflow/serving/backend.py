@@ -64,6 +64,7 @@ class BackendStats:
     # KV blocks pulled from other instances (the router's P/D pools): received, and asked for in vain (recomputed)
     kv_pulled_blocks: int = 0
     kv_pull_missed_blocks: int = 0
+    kv_pull_seconds: float = 0.0
 
 
 class Backend(Protocol):
@@ -245,6 +246,7 @@ class EngineBackend:
             kv_capacity_tokens=self.engine.kv_manager.capacity_tokens,
             kv_pulled_blocks=self.engine.kv_manager.pulled[1],
             kv_pull_missed_blocks=self.engine.kv_manager.pulled[0],
+            kv_pull_seconds=tiers.moved["from_remote"][1] if (tiers := self.engine.runner.tiers) is not None else 0.0,
         )
 
     def kv_blocks(self, body: bytes) -> list | None:

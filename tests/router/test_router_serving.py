@@ -14,9 +14,10 @@ import pytest
 
 from kvflow.api.server import APIConfig
 from kvflow.router.config import RouterConfig
+from kvflow.router.roles import BalanceConfig
 from kvflow.router.policies import RouteRequest
 from router_helpers import (BLOCK, MODEL, RouterThread, complete, free_port, metric, serve_instance, start_instances,
-                            tiny_long_ckpt, wait_healthy)  # noqa: F401  (a fixture)
+                            tiny_long_ckpt, until, wait_healthy)  # noqa: F401  (a fixture)
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 
@@ -183,6 +184,24 @@ def test_pd_pools_pull_the_prompt_kv_and_answer_as_one_instance(instances, tiny_
     # every full block of the four prompts (5 each) came from the prefill instance, none was missing
     assert metric(decode.url, "kvflow_kv_pulled_blocks_total")[()] - pulled == 4 * 5
     assert metric(decode.url, "kvflow_kv_pull_missed_blocks_total")[()] == 0
+
+
+def test_rebalancing_moves_a_decode_instance_to_the_prefill_pool_missing_its_ttft(instances, tiny_long_ckpt):
+    """`RouterBackend.balance`: requests through both pools miss a (tiny) TTFT target and meet the TPOT one, so one of
+    the two decode instances joins the prefill pool; the decode pool keeps its last."""
+    a, b, c = instances
+    cfg = RouterConfig(prefill=(a.url,), decode=(b.url, c.url), block_tokens=BLOCK, health_interval_s=0.2)
+    with RouterThread(cfg, tiny_long_ckpt) as router:
+        router.on_loop(lambda: router.backend.balance(BalanceConfig(ttft_slo_s=1e-4, tpot_slo_s=100.0, interval_s=0.1,
+                                                                    after=2, min_requests=2)))
+        for i in range(3):
+            complete(router.url, tokens(500 + i, 2 * BLOCK + 1), 4)
+        until(lambda: router.backend.balancer.moves)
+        (moved, role), = router.backend.balancer.moves
+        assert role == "prefill" and moved in (b.url, c.url)
+        roles = {u: i["role"] for u, i in router.instances().items()}
+        assert sorted(roles.values()) == ["decode", "prefill", "prefill"]
+        assert complete(router.url, tokens(600, 2 * BLOCK + 1), 4)["finish_reason"] == "length"
 
 
 def test_kvflow_router_command(instances, tiny_long_ckpt, tmp_path):
