@@ -136,8 +136,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        tiers = self.runner.tiers
+        if tiers is not None and tiers.pulling:  # KV pulled from other instances in the background: findable now
+            for ops, failed in tiers.take_pulled():
+                self.kv_manager.pulls_done(ops, failed)
         batch = self.scheduler.schedule()
         sampled = self.runner.run(batch)
+        if batch.is_empty and tiers is not None and tiers.pulling:
+            tiers.wait_pulls(0.01)  # nothing to run but a pull to wait for: wait on it rather than spin
         changed = self.scheduler.update(batch, sampled)
         outputs = [r.take_output() for r in changed]
         for r in changed:

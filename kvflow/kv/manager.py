@@ -181,14 +181,19 @@ class KVCacheManager:
             pending = True
         return pending
 
+    def pulls_done(self, ops: Sequence[tuple[str, bytes, int]], failed: Sequence[int]) -> None:
+        """An executor finished pulling `ops` (a plan's `from_remote`): the host slots not in `failed` become
+        findable; the failed ones (not held by the instance, or it could not be reached) are dropped, to be recomputed."""
+        bad = set(failed)
+        for _, _, s in ops:
+            if self.host is not None and s in self.host.loading:  # (not forgotten meanwhile: a reset)
+                self.host.loaded(s, s not in bad)
+                self.pulled[s not in bad] += 1
+
     def loads_done(self, plan: TierPlan) -> None:
-        """An executor performed `plan`: its loads into the host tier become findable, or (listed in
-        `plan.failed`: corrupted, truncated, or not held by the instance pulled from) are dropped, to be recomputed."""
+        """An executor performed `plan`: its disk -> host loads become findable, or (listed in
+        `plan.failed`: corrupted or truncated) are dropped from both tiers, to be recomputed."""
         failed = set(plan.failed)
-        for _, _, s in plan.from_remote:
-            if self.host is not None and s in self.host.loading:
-                self.host.loaded(s, s not in failed)
-                self.pulled[s not in failed] += 1
         for f, s in plan.from_disk:
             if self.host is None or s not in self.host.loading:
                 continue  # forgotten meanwhile (reset)

@@ -9,7 +9,8 @@ chain continues in the host pool is admitted with those blocks promoted (host ->
 chain continues on disk has them loaded into the host pool first (disk -> host, verified by checksum
 at the executor; `TierPlan.failed` reports rejected blocks, which are dropped and recomputed). A request
 whose prompt another instance computed (a prefill instance of the router's P/D pools) has the blocks no
-tier here holds pulled from that instance into the host pool the same way (`from_remote`; engine only).
+tier here holds pulled from that instance into the host pool (`from_remote`; engine only): in the background,
+while steps go on, the results coming back through `KVCacheManager.pulls_done`.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ class TierPlan:
     """One step's copies between tiers, performed by the executor before the step's forward, in the
     order of `PHASES` (a slot is used by at most one op of a step, so this order is always safe):
     to_disk [(host slot, disk slot)], to_host [(device block, host slot)], from_disk [(disk slot,
-    host slot)], to_device [(host slot, device block)]; then from_remote [(instance URL, block hash,
-    host slot)], pulled from another instance (an engine's plan only: never sent to a worker).
-    `failed`: host slots of `from_disk` or `from_remote` whose block was rejected on reading
-    (checksum, truncation) or not held by the instance — filled in by the executor."""
+    host slot)], to_device [(host slot, device block)]; and from_remote [(instance URL, block hash,
+    host slot)], pulled from another instance in the background (an engine's plan only: never sent to
+    a worker; reported later, `KVCacheManager.pulls_done`). `failed`: host slots of `from_disk` whose
+    block was rejected on reading (checksum, truncation) — filled in by the executor."""
 
     to_disk: list[tuple[int, int]] = field(default_factory=list)
     to_host: list[tuple[int, int]] = field(default_factory=list)

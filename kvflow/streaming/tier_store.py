@@ -12,8 +12,12 @@ import logging
 import tempfile
 import time
 import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from kvflow.kv.cache import KVCache
 from kvflow.kv.tiers import DISK_SLOT_OVERHEAD, PHASES, TierPlan
@@ -35,9 +39,11 @@ class TierStore:
 
     Contract: `apply(plan)` performs the plan's copies in the order of `kv.tiers.PHASES` and returns
     the host slots of `plan.from_disk` whose disk block was rejected (unreadable, truncated, wrong
-    checksum or shape), and those of `plan.from_remote` the instance named did not send (it no longer holds
-    them, or could not be reached: `puller`, with the API key of this deployment): those slots hold nothing
-    usable. Every slot file stays within the KV bytes
+    checksum or shape): those slots hold nothing usable. `plan.from_remote` is pulled in the background
+    (`puller`, with the API key of this deployment; one thread, pulls in order), while steps go on:
+    `take_pulled` returns each finished pull with the host slots the instance did not send (it no longer
+    holds them, or could not be reached). Only slots that are loading — pinned, read by nobody — are
+    written by that thread. Every slot file stays within the KV bytes
     of a block plus `DISK_SLOT_OVERHEAD` (asserted), so the disk tier never exceeds its budget.
     `moved` counts bytes and seconds per phase."""
 
@@ -62,6 +68,8 @@ class TierStore:
         self._stream = f"tiers-{uuid.uuid4().hex[:8]}"
         self._seq = 0
         self.puller = KVPuller(lay) if host_slots else None
+        self._pull_thread: ThreadPoolExecutor | None = None  # started by the first pull
+        self._pulls: deque[tuple[list, Future]] = deque()
         self.moved = {ph: [0, 0.0] for ph in (*PHASES, "from_remote")}  # phase -> [bytes, seconds]
 
     @property
@@ -94,12 +102,30 @@ class TierStore:
             m[0] += len(ops) * self.cache.layout.bytes_per_block
             m[1] += time.perf_counter() - t0
         if plan.from_remote:
-            t0 = time.perf_counter()
-            failed = failed + self._from_remote(plan.from_remote)
-            m = self.moved["from_remote"]
-            m[0] += (len(plan.from_remote) - len(failed)) * self.cache.layout.bytes_per_block
-            m[1] += time.perf_counter() - t0
+            if self._pull_thread is None:
+                self._pull_thread = ThreadPoolExecutor(1, thread_name_prefix="kvflow-kv-pull")
+            ops = list(plan.from_remote)
+            self._pulls.append((ops, self._pull_thread.submit(self._from_remote, ops)))
         return failed
+
+    @property
+    def pulling(self) -> bool:
+        """Whether a pull is in flight or finished and not yet taken."""
+        return bool(self._pulls)
+
+    def take_pulled(self) -> list[tuple[list[tuple[str, bytes, int]], list[int]]]:
+        """The pulls finished since the last call, in the order they were planned: (their ops, the host slots of
+        blocks that did not come)."""
+        out = []
+        while self._pulls and self._pulls[0][1].done():
+            ops, fut = self._pulls.popleft()
+            out.append((ops, fut.result()))
+        return out
+
+    def wait_pulls(self, timeout_s: float) -> None:
+        """Block until the oldest pull in flight finishes, at most `timeout_s` (an engine with nothing else to do)."""
+        if self._pulls:
+            wait([self._pulls[0][1]], timeout_s)
 
     # ------------------------------------------------------------------ copies
     def _region(self, blocks: list[int]) -> KVRegion:
@@ -147,8 +173,9 @@ class TierStore:
         return failed
 
     def _from_remote(self, ops: list[tuple[str, bytes, int]]) -> list[int]:
-        """Pull blocks into host slots, one request per run of ops naming the same instance; the slots of blocks
-        it did not send are returned (failed)."""
+        """(The pull thread.) Pull blocks into host slots, one request per run of ops naming the same instance; the
+        slots of blocks it did not send are returned (failed)."""
+        t0 = time.perf_counter()
         lay = self.cache.layout
         failed: list[int] = []
         i = 0
@@ -167,7 +194,12 @@ class TierStore:
             if chunk is not None:
                 with chunk:
                     n = chunk.header.desc.num_tokens // lay.block_size
-                    slots = self._region([s for _, _, s in run[:n]]).slot_tensor(lay.block_size)
-                    unpack(self.host, lay.layer_start, lay.layer_end, "kv", slots, chunk.data)
+                    # numpy's copy into the host slots: no OpenMP team in this thread beside the engine thread's
+                    src = chunk.data.view(torch.uint8).numpy()
+                    dst = self.host.data.view(torch.uint8).numpy()
+                    dst[:, :, [s for _, _, s in run[:n]]] = src.reshape(*src.shape[:2], n, lay.block_size, *src.shape[3:])
             failed.extend(s for _, _, s in run[n:])
+        m = self.moved["from_remote"]
+        m[0] += (len(ops) - len(failed)) * lay.bytes_per_block
+        m[1] += time.perf_counter() - t0
         return failed
