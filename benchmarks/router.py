@@ -494,9 +494,12 @@ def pd_part(args) -> dict:
         for r in routers.values():
             r.wait()
 
-        def counters() -> dict[str, float]:
-            return {name: _metric(b.url, f"kvflow_{name}_total") for name in ("kv_pulled_blocks", "kv_pull_missed_blocks",
-                                                                               "kv_pull_seconds")}
+        def counters() -> dict[str, float]:  # the decode instance's (in the mixed runs: the second instance's)
+            out = {name: _metric(b.url, f"kvflow_{name}_total") for name in ("kv_pulled_blocks", "kv_pull_missed_blocks",
+                                                                              "kv_pull_seconds")}
+            out["host_hit_tokens"] = _metric(b.url, 'kvflow_prefix_cache_hits_total{pool="engine",tier="host"}')
+            out["busy_s"] = _metric(b.url, 'kvflow_worker_busy_seconds_total{worker="engine"}')
+            return out
 
         runs: dict[str, list[dict]] = {name: [] for name in routers}
         for rep in range(args.reps):
@@ -514,7 +517,8 @@ def pd_part(args) -> dict:
                 runs[name].append(run)
                 print(f"  rep {rep} {name:5s} TTFT p50 {run['ttft_p50'] * 1e3:7.1f} ms  TPOT p50 "
                       f"{run['tpot_p50'] * 1e3:6.1f} ms  makespan {makespan:6.2f} s  pulled {run['kv_pulled_blocks']:.0f} "
-                      f"blocks ({run['kv_pull_missed_blocks']:.0f} missed) in {run['kv_pull_seconds']:.3f} s", flush=True)
+                      f"blocks ({run['kv_pull_missed_blocks']:.0f} missed) in {run['kv_pull_seconds']:.3f} s; second "
+                      f"instance: {run['host_hit_tokens']:.0f} host-tier hit tokens, busy {run['busy_s']:.1f} s", flush=True)
         rng = random.Random(99)
         fresh = [tokens(rng, args.pd_prompt_len) for _ in range(args.pd_check)]
         body = {"model": DEFAULT_MODEL_NAME, "max_tokens": args.pd_max_tokens, "temperature": 0.0, "ignore_eos": True,

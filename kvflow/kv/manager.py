@@ -153,8 +153,8 @@ class KVCacheManager:
         the first block none holds: from the disk tier, and (`source`: the URL of another instance that computed
         them) pulled from that instance (`kvflow.streaming.kv_pull`), which may no longer hold them (the load then
         fails and they are recomputed). True while a load of its prefix is pending."""
-        if self.host is None or (self.disk is None and source is None):
-            return False
+        if self.host is None or (self.disk is None and source is None and not self.host.loading):
+            return False  # (nothing to load, and no load in flight it could be waiting for)
         pending = False
         for _, h in self._chain(token_ids, hashes, max_tokens):
             if h in self.pool.by_hash:

@@ -260,13 +260,15 @@ class RouterBackend:
         self._prompt_tokens += len(prompt_token_ids)
         if self.meter is not None:  # the load the autoscaler sizes the fleet for
             self.meter.arrived()
-        kv_source: str | None = None  # P/D pools: the prefill instance that ran the prompt (its KV is pulled from there)
+        # (`kv_source`, a client's `kv_transfer_params`, is not used: the router decides where prompts run)
+        prefilled_on: str | None = None  # P/D pools: the prefill instance that ran the prompt (its KV is pulled there)
         while True:
             generated = len(req.output_token_ids)
             # P/D pools, while both have an instance: the prompt (and first token) on a prefill instance, the rest on
             # a decode instance; else the whole request on a mixed (or decode) instance
-            prefill = not generated and kv_source is None and bool(self.pool.serving("prefill") and self.pool.serving("decode"))
-            roles = ("prefill",) if prefill else ("decode", "mixed") if kv_source else ("mixed", "decode")
+            prefill = (not generated and prefilled_on is None
+                       and bool(self.pool.serving("prefill") and self.pool.serving("decode")))
+            roles = ("prefill",) if prefill else ("decode", "mixed") if prefilled_on else ("mixed", "decode")
             try:
                 inst = self.pool.choose(route, failed, roles)
             except NoInstance as e:
@@ -279,8 +281,8 @@ class RouterBackend:
             body = request_body(self.model_name, list(req.token_ids), params, generated)
             if prefill:
                 body.update(max_tokens=1, min_tokens=min(body["min_tokens"], 1))
-            elif kv_source is not None and kv_source != inst.url:
-                body["kv_transfer_params"] = {"source": kv_source}
+            elif prefilled_on is not None and prefilled_on != inst.url:
+                body["kv_transfer_params"] = {"source": prefilled_on}
             stream = _stream(self.streams, inst, body)
             handed = False  # the prefill instance gave the first token: on to a decode instance
             try:
@@ -305,7 +307,7 @@ class RouterBackend:
                         if self.meter is not None:
                             self.meter.finished(len(prompt_token_ids), len(req.output_token_ids))
                         n = len(req.output_token_ids)
-                        if self.balancer is not None and kv_source is not None and n > 1:  # went through both pools
+                        if self.balancer is not None and prefilled_on is not None and n > 1:  # went through both pools
                             self.balancer.observe(req.first_token_time - req.arrival_time,
                                                   (time.monotonic() - req.first_token_time) / (n - 1))
                         yield req.take_output()
@@ -328,7 +330,7 @@ class RouterBackend:
                 await stream.aclose()
                 self.pool.close(inst, flight)
             if handed:
-                kv_source = inst.url
+                prefilled_on = inst.url
                 self.pool.handoffs_total += 1
                 route = self.pool.route(req.token_ids, params.max_tokens - len(req.output_token_ids), route.block_hashes)
                 continue

@@ -4,6 +4,7 @@ as the source, a second engine with a host tier pulling from it before admission
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
@@ -61,6 +62,38 @@ def test_pulled_blocks_give_the_same_tokens(tiny_ckpt_dir, source, reference):
     assert eng.runner.tiers.puller.pulled == 5
     kv.pool.check()
     kv.host.check()
+
+
+def test_requests_wait_for_their_pull_while_others_run(tiny_ckpt_dir, source):
+    """A pull runs in the background: the engine keeps stepping, and a request whose blocks are still coming is not
+    admitted before they are here (the pull is held back until the engine has stepped past its planning)."""
+    url, backend = source
+    prompts = [PROMPT[:3 * BS] + [(5 * i + k) % 90 + 1 for i in range(2 * BS + 3)] for k in range(4)]
+    for p in prompts:
+        assert httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 1},
+                          headers={"Authorization": "Bearer k3y"}, timeout=60).status_code == 200
+    want = [generate(engine(tiny_ckpt_dir), p) for p in prompts]
+    eng = engine(tiny_ckpt_dir, host_blocks=32)
+    puller = eng.runner.tiers.puller
+    puller.api_key = "k3y"
+    release, real_pull = threading.Event(), puller.pull
+
+    def held_pull(src, hashes):
+        release.wait(60)
+        return real_pull(src, hashes)
+
+    puller.pull = held_pull
+    other = eng.add_request(PROMPT[:BS + 3], GREEDY)  # no source: runs while the pulls wait
+    reqs = [eng.add_request(p, GREEDY, kv_source=url) for p in prompts]
+    for _ in range(5):
+        eng.step()
+    assert eng.runner.tiers.pulling and all(r.num_computed_tokens == 0 for r in reqs) and other.num_computed_tokens > 0
+    release.set()
+    final = run_to_completion(eng)
+    assert [final[r.request_id].token_ids for r in reqs] == want
+    stats = eng.kv_manager.tier_stats()
+    assert eng.kv_manager.pulled == [0, 3 + 4 * 2]  # the 3 shared blocks once, then each prompt's own 2
+    assert stats["host"].hits + stats["device"].hits == 4 * 5 * BS  # every full block pulled or shared: none computed
 
 
 def test_blocks_the_source_lacks_are_recomputed(tiny_ckpt_dir, source):
