@@ -38,6 +38,9 @@ def register(sub) -> None:
     r.add_argument("--launch", type=number(int, 0), default=None, metavar="N",
                    help="start N kvflow serve instances on this machine (free ports) and keep them running: one that "
                         "exits is started again (default: --config's, else 0)")
+    r.add_argument("--launch-pd", default=None, metavar="P:D",
+                   help="start P prefill and D decode instances on this machine (P/D pools, as --prefill and --decode; "
+                        "kept running like --launch's; --host-kv-bytes 1G unless --serve-args sets it) (default: none)")
     r.add_argument("--serve-args", default=None, metavar="ARGS",
                    help="the launched instances' kvflow serve arguments, one string, e.g. \"--threads 1 --dtype float32\" "
                         "(--model is the router's --model unless given here; default: --config's, else none)")
@@ -112,6 +115,13 @@ def run_router(args) -> int:
         if args.launch is None:
             args.launch = scaling.min_instances
     launch = {"launch": args.launch, "serve_args": None if args.serve_args is None else tuple(shlex.split(args.serve_args))}
+    if args.launch_pd is not None:
+        p, sep, d = args.launch_pd.partition(":")
+        if not (sep and p.isdigit() and d.isdigit() and int(p) and int(d)):
+            raise ValueError(f"--launch-pd is P:D, prefill and decode instances (each >= 1), e.g. 1:2, got {args.launch_pd!r}")
+        if scaling is not None:
+            raise ValueError("--autoscale sizes the mixed pool only: use --launch with it, not --launch-pd")
+        launch.update(launch_prefill=int(p), launch_decode=int(d))
     if args.config is not None:
         config = RouterConfig.from_file(args.config, policy=args.policy, **launch)
         config = RouterConfig(**{**config.__dict__, "instances": config.instances + tuple(args.instance),
@@ -121,12 +131,13 @@ def run_router(args) -> int:
         config = RouterConfig(instances=tuple(args.instance), prefill=tuple(args.prefill), decode=tuple(args.decode),
                               **{k: v for k, v in launch.items() if v is not None},
                               **({"policy": args.policy} if args.policy else {}))
-    if args.rebalance and not (config.prefill and config.decode):
+    if args.rebalance and not ((config.prefill or config.launch_prefill) and (config.decode or config.launch_decode)):
         raise ValueError("--rebalance needs P/D pools (--prefill and --decode instances)")
     if scaling is not None and not config.launch:
         raise ValueError("--autoscale needs instances the router starts (--launch N, N >= 1)")
     fleet, model = None, args.model
-    if config.launch:
+    pd = config.launch_prefill + config.launch_decode
+    if config.launch + pd:
         from kvflow.router.fleet import FleetConfig, LocalFleet
 
         serve_args = config.serve_args
@@ -136,11 +147,18 @@ def run_router(args) -> int:
         model = model if model is not None else given  # the router's tokenizer is the instances' model's
         from kvflow.controller.launcher import local_gpus
 
+        if pd and _flag(serve_args, "--host-kv-bytes") is None:  # where a decode instance's pulled KV lands
+            serve_args = (*serve_args, "--host-kv-bytes", "1G")
         gpus = tuple(local_gpus(_flag(serve_args, "--device") or "cpu"))  # several: one instance per GPU, in turn
-        fleet = LocalFleet(FleetConfig(config.launch, serve_args, gpus=gpus))
-        config = RouterConfig(**{**config.__dict__, "instances": config.instances + tuple(fleet.start())})
-        print(f"kvflow router: started {config.launch} instance(s) ({', '.join(i.url for i in fleet.instances)}), "
-              f"their logs in {fleet.log_dir}", file=sys.stderr)
+        fleet = LocalFleet(FleetConfig(config.launch + pd, serve_args, gpus=gpus))
+        urls = tuple(fleet.start())
+        mixed, prefill, decode = urls[:config.launch], urls[config.launch:config.launch + config.launch_prefill], \
+            urls[config.launch + config.launch_prefill:]
+        config = RouterConfig(**{**config.__dict__, "instances": config.instances + mixed,
+                                 "prefill": config.prefill + prefill, "decode": config.decode + decode})
+        print(f"kvflow router: started {len(urls)} instance(s) ({', '.join(i.url for i in fleet.instances)}"
+              + (f"; prefill {', '.join(prefill)}, decode {', '.join(decode)}" if pd else "")
+              + f"), their logs in {fleet.log_dir}", file=sys.stderr)
     key = args.api_key if args.api_key is not None else (os.environ.get("KVFLOW_API_KEY") or None)
     api = APIConfig(api_key=key, open_paths=tuple(p.strip() for p in args.open_paths.split(",") if p.strip()),
                     drain_timeout_s=args.drain_timeout)

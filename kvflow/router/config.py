@@ -43,6 +43,8 @@ class RouterConfig:
     length_model: str = "all"  # which fit of `output_lengths.json` predicts output lengths
     max_resends: int = 3  # how many times one request may move to another instance after a failure
     launch: int = 0  # `kvflow serve` instances the router starts on this machine and keeps running (`router.fleet`)
+    launch_prefill: int = 0  # ... and of its P/D pools (after the `launch` mixed ones)
+    launch_decode: int = 0
     serve_args: tuple[str, ...] = ()  # their arguments (the fleet adds --host and --port)
 
     def __post_init__(self) -> None:
@@ -61,8 +63,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_resends < 0:
             raise ValueError(f"max_resends must be >= 0, got {self.max_resends}")
-        if self.launch < 0:
-            raise ValueError(f"launch must be >= 0, got {self.launch}")
+        for name in ("launch", "launch_prefill", "launch_decode"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         object.__setattr__(self, "serve_args", tuple(str(a) for a in self.serve_args))
 
     def roles(self) -> dict[str, str]:

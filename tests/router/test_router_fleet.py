@@ -79,3 +79,37 @@ def test_each_instance_sees_one_gpu_in_turn_and_keeps_it(tmp_path):
     insts = [LocalInstance(i, 9000 + i, f"http://127.0.0.1:{9000 + i}", tmp_path / f"instance-{i}.log") for i in range(3)]
     assert [fleet.env(i)["CUDA_VISIBLE_DEVICES"] for i in insts] == ["0", "1", "0"]
     assert LocalFleet(FleetConfig(1, log_dir=str(tmp_path))).env(insts[0]) == dict(os.environ)  # one GPU or none: as is
+
+
+def test_kvflow_router_launches_pd_pools(tiny_long_ckpt):
+    """`kvflow router --launch-pd 1:1`: a prefill and a decode instance of its own (a host tier added for the pulled
+    KV), a request through both, the decode side pulling the prompt's blocks; SIGTERM stops them all."""
+    import subprocess
+    import sys
+
+    from router_helpers import free_port, metric, wait_healthy
+
+    args = list(instance_args(tiny_long_ckpt))
+    i = args.index("--host-kv-bytes")
+    del args[i:i + 2]  # the router adds one
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli.main", "router", "--launch-pd", "1:1", "--serve-args",
+                             " ".join(args), "--model", str(tiny_long_ckpt), "--port", str(port), "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        wait_healthy(proc, url)
+        until(lambda: len(httpx.get(f"{url}/router/instances").json()["instances"]) == 2
+              and all(i["healthy"] for i in httpx.get(f"{url}/router/instances").json()["instances"]))
+        roles = {i["role"]: i["url"] for i in httpx.get(f"{url}/router/instances").json()["instances"]}
+        assert set(roles) == {"prefill", "decode"}
+        prompt = random.Random(7).choices(range(5, 96), k=3 * BLOCK + 2)
+        assert complete(url, prompt, 6)["token_ids"] == complete(roles["prefill"], prompt, 6)["token_ids"]
+        assert metric(url, "kvflow_router_handoffs_total")[()] == 1
+        assert metric(roles["decode"], "kvflow_kv_pulled_blocks_total")[()] == 3
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
+    out = proc.stdout.read().decode()
+    assert "Traceback" not in out and "prefill http://" in out
+    assert not any(_serving(u) for u in roles.values())
