@@ -160,3 +160,22 @@ def test_a_killed_gpu_worker_is_replaced_and_no_token_changes(tiny_ckpt_dir, kw,
                                                                         replicated=kw["mode"] == "colocated")
     assert failures == 1 and recoveries == 1 and healthy
     assert streamed == expected and [f.token_ids for f in finals] == expected
+
+
+def test_kv_pulled_between_gpu_engines_gives_the_cpu_engines_tokens(tiny_ckpt_dir):
+    """The router's P/D pools on CUDA: a prompt's blocks copied out of one GPU engine's cache beside its engine
+    thread, pulled over HTTP into another's host tier and promoted to its GPU: the CPU engine's float32 tokens."""
+    pytest.importorskip("fastapi")  # (carried in on the lent GPU machine: scripts/gpu_check.sh)
+    import httpx
+
+    from kvflow.api.server import BackgroundServer
+    from kvflow.serving.backend import EngineBackend
+    from streaming.test_kv_pull import GREEDY, PROMPT, engine as pull_engine, generate
+
+    want = generate(pull_engine(tiny_ckpt_dir), PROMPT)
+    with BackgroundServer(EngineBackend(pull_engine(tiny_ckpt_dir, device="cuda"), "tiny")) as srv:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1}, timeout=120)
+        assert r.status_code == 200, r.text
+        eng = pull_engine(tiny_ckpt_dir, host_blocks=8, device="cuda")
+        assert generate(eng, PROMPT, GREEDY, kv_source=srv.url) == want
+        assert eng.kv_manager.pulled == [0, 5] and eng.kv_manager.tier_stats()["host"].hits == 5 * 16

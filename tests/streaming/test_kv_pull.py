@@ -24,9 +24,9 @@ PROMPT = [(7 * i + 3) % 90 + 1 for i in range(5 * BS + 5)]  # 5 full blocks and 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
-def engine(ckpt, host_blocks: int = 0) -> LLMEngine:
+def engine(ckpt, host_blocks: int = 0, device: str = "cpu") -> LLMEngine:
     bpb = KVLayout.for_model(tiny_config(), 1, BS).bytes_per_block
-    return LLMEngine.from_config(EngineConfig(model=str(ckpt), block_size=BS, num_kv_blocks=64,
+    return LLMEngine.from_config(EngineConfig(model=str(ckpt), block_size=BS, num_kv_blocks=64, device=device,
                                               host_kv_bytes=host_blocks * bpb))
 
 
