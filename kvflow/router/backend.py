@@ -264,11 +264,7 @@ class RouterBackend:
         prefilled_on: str | None = None  # P/D pools: the prefill instance that ran the prompt (its KV is pulled there)
         while True:
             generated = len(req.output_token_ids)
-            # P/D pools, while both have an instance: the prompt (and first token) on a prefill instance, the rest on
-            # a decode instance; else the whole request on a mixed (or decode) instance
-            prefill = (not generated and prefilled_on is None
-                       and bool(self.pool.serving("prefill") and self.pool.serving("decode")))
-            roles = ("prefill",) if prefill else ("decode", "mixed") if prefilled_on else ("mixed", "decode")
+            prefill, roles = self.pool.phase(generated, prefilled_on)  # P/D pools: the prompt's phase, then the rest
             try:
                 inst = self.pool.choose(route, failed, roles)
             except NoInstance as e:

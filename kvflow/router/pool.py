@@ -158,6 +158,14 @@ class InstancePool:
         log.info("instance %s: role %s%s", inst.url, inst.role, f" -> {inst.next_role} (draining)" if inst.next_role else "")
         return inst
 
+    def phase(self, generated: int, prefilled_on: str | None) -> tuple[bool, tuple[str, ...]]:
+        """Where a request goes next: (whether this is its prompt phase on the P/D pools, the roles to choose among).
+        While both P/D pools have an instance taking requests, a new request's prompt and first token go to the
+        prefill pool, and the rest, after that, to the decode pool; else the whole request goes to the mixed pool
+        (then the decode pool)."""
+        prefill = not generated and prefilled_on is None and bool(self.serving("prefill") and self.serving("decode"))
+        return prefill, ("prefill",) if prefill else ("decode", "mixed") if prefilled_on else ("mixed", "decode")
+
     def serving(self, role: str) -> list[Instance]:
         """The healthy instances taking new requests in `role`."""
         return [i for i in self.instances.values() if i.role == role and i.healthy and i.next_role is None]

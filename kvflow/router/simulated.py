@@ -9,8 +9,15 @@ learns what the router learns: its own count of the requests open on each instan
 `waiting` / `running` and free KV tokens as a health check reads them every `RouterConfig.health_interval_s` (here: at the first arrival
 after each interval).
 
-Not modelled: failures and re-sends, and the router's own time on a request (`hop_s`: a fixed delay before a request
-reaches its instance, counted in its TTFT).
+P/D pools (`roles`: each instance's, as `RouterConfig.prefill` / `decode` give them): the router's own `phase` decides,
+as for a real request, whether a request's prompt runs on the prefill pool with one token to produce. When that token
+comes, the request goes on, prompt + token, to a decode instance of the policy's choice: once the prompt's KV has
+travelled (`PerfModel.kv_transfer_time` of its tokens, `PullDone`) its full blocks are registered in that instance's
+pool as cached blocks — what a pull into the host tier and the promotion at admission amount to — and the request is
+queued there; its admission finds them as a prefix hit and computes the rest of the last block.
+
+Not modelled: failures and re-sends, role changes, and the router's own time on a request (`hop_s`: a fixed delay
+before a request reaches its instance, counted in its TTFT).
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ from kvflow.router.length import LengthModel
 from kvflow.router.pool import Flight, Instance, InstancePool, ModelInfo
 from kvflow.router.policies import RouteRequest
 from kvflow.sched.request import Request
+from kvflow.sched.sampling import SamplingParams
 from kvflow.simulator.config import Layout, PipelineGroup, SimConfig
-from kvflow.simulator.events import Arrival, Event
+from kvflow.simulator.events import ARRIVAL, Arrival, Event
 from kvflow.simulator.metrics import SimResult
-from kvflow.simulator.simulator import Simulator
+from kvflow.simulator.simulator import SAMPLED, Simulator
 from kvflow.simulator.workload import Workload
 
 
@@ -41,6 +49,19 @@ def instances_config(n: int, config: SimConfig) -> SimConfig:
                      policy=config.policy, scheduler=config.scheduler, kv_blocks=config.kv_blocks,
                      block_size=config.block_size, max_model_len=config.max_model_len,
                      prefix_caching=config.prefix_caching, shared_host=config.shared_host)
+
+
+class PullDone(Event):
+    """Request `i`'s prompt KV has reached decode instance `k`: it is queued there."""
+
+    __slots__ = ("i", "k")
+
+    def __init__(self, time: float, i: int, k: int) -> None:
+        self.time, self.i, self.k, self.rank = time, i, k, ARRIVAL
+
+    def handle(self, sim: "RoutedSimulator") -> list[Event]:
+        sim.pulled(self.i, self.k)
+        return []
 
 
 @dataclass(frozen=True)
@@ -56,7 +77,7 @@ class RoutedSimulator(Simulator):
     docstring). `hop_s`: seconds from a request's arrival at the router to its arrival at the instance."""
 
     def __init__(self, config: SimConfig, perf: PerfModel, workload: Workload, router: RouterConfig,
-                 length_model: LengthModel, hop_s: float = 0.0) -> None:
+                 length_model: LengthModel, hop_s: float = 0.0, roles: tuple[str, ...] = ()) -> None:
         spec = config.layout.prompt
         if config.layout.disaggregated or spec.depth != 1 or config.dispatch != "round_robin":
             raise ValueError("a routed cluster is single-stage instances with queues of their own (`instances_config`)")
@@ -68,12 +89,19 @@ class RoutedSimulator(Simulator):
         super().__init__(config, perf, workload)
         self.router = router
         self.pool = InstancePool(router, ModelInfo(perf.shape.name, config.max_model_len or 0), None, length_model)
+        roles = roles or ("mixed",) * len(self.prompt)
+        if len(roles) != len(self.prompt):
+            raise ValueError(f"{len(roles)} roles for {len(self.prompt)} instances")
+        if set(roles) - {"mixed"} and not config.prefix_caching:
+            raise ValueError("P/D pools hand a prompt's KV over as cached blocks: they need prefix caching")
         self.members: dict[str, int] = {}  # instance URL -> pipeline index
-        for p in self.prompt:
+        for p, role in zip(self.prompt, roles):
             url = f"http://sim-{p.index}:1"
-            self.pool.add_unchecked(url)
+            self.pool.add_unchecked(url, role)
             self.pool.instances[url].healthy = True
             self.members[url] = p.index
+        self.prefilling: set[int] = set()  # requests whose prompt phase runs on a prefill instance
+        self.decoding: set[int] = set()  # requests handed over to a decode instance (their first token came before)
         self.open_flights: dict[int, tuple[Instance, Flight, RouteRequest]] = {}
         self.decode_tokens = [0] * len(self.prompt)
         self.routed = [0] * len(self.prompt)
@@ -102,26 +130,69 @@ class RoutedSimulator(Simulator):
         i, n = first, len(self.arrival)
         while i < n and self.arrival[i] <= now:
             route = self.pool.route(self.prompt_tokens(i), self.out_len[i])  # (sent as max_tokens, ignore_eos)
-            inst = self.pool.choose(route)
+            prefill, roles = self.pool.phase(0, None)
+            inst = self.pool.choose(route, roles=roles)
             self.open_flights[i] = (inst, self.pool.open(inst, route), route)
             k = self.members[inst.url]
             self.routed[k] += 1
             self.placed[i] = k
-            self.executor.submit(i, self.prompt[k])
+            if prefill and self.out_len[i] > 1:  # its prompt and first token only, then on to a decode instance
+                self.prefilling.add(i)
+                self.executor.submit(Request(str(i), self.prompt_tokens(i), SamplingParams(
+                    max_tokens=1, temperature=0.0, ignore_eos=True), arrival_time=self.arrival[i]), self.prompt[k])
+            else:
+                self.executor.submit(i, self.prompt[k])
             i += 1
         return [Arrival(self.arrival[i], i)] if i < n else []
 
     def emit(self, req: Request) -> None:
-        super().emit(req)
         i = int(req.request_id)
         inst, flight, route = self.open_flights[i]
-        generated = len(req.output_token_ids)
+        prompt_phase = i in self.prefilling
+        base = 1 if i in self.decoding else 0  # (the decode phase's request starts after the first token)
+        generated = base + len(req.output_token_ids)
+        if not (prompt_phase and req.is_finished):  # (the prompt phase's end is not the request's)
+            super().emit(req)
+        elif self.first_token[i] != self.first_token[i]:
+            self.first_token[i] = self.now
         self.decode_tokens[self.members[inst.url]] += generated - flight.generated
         self.pool.advance(inst, flight, generated)
         if req.is_finished:
             self.pool.close(inst, flight)
             self.pool.remember(inst, self.pool.route(req.token_ids, 0, route.block_hashes).block_hashes)
             del self.open_flights[i]
+            if prompt_phase:
+                self._hand_over(i, req, inst, route)
+            else:
+                self.decoding.discard(i)
+
+    def _hand_over(self, i: int, req: Request, prefill: Instance, route: RouteRequest) -> None:
+        """Request `i`'s first token came from `prefill`: on to a decode instance, once the prompt's KV got there."""
+        self.prefilling.discard(i)
+        route = self.pool.route(req.token_ids, self.out_len[i] - 1, route.block_hashes)
+        _, roles = self.pool.phase(1, prefill.url)
+        inst = self.pool.choose(route, roles=roles)
+        self.open_flights[i] = (inst, self.pool.open(inst, route, 1), route)
+        self.decoding.add(i)
+        k = self.members[inst.url]
+        self.routed[k] += 1
+        self.placed[i] = k
+        self._events.append(PullDone(self.now + self.perf.kv_transfer_time(self.prompt_len[i], 1), i, k))
+
+    def pulled(self, i: int, k: int) -> None:
+        """The prompt's full blocks land in instance `k`'s pool as cached blocks (when it has room; else they are
+        computed there), and the request, prompt + its first token, is queued there for the rest of its output."""
+        prompt = self.prompt_tokens(i)
+        p = self.prompt[k]
+        kv = p.kv_manager
+        full = len(prompt) // kv.block_size * kv.block_size
+        table: list[int] = []
+        if full and kv.ensure(table, full):
+            kv.cache_blocks(table, prompt, [], 0, full)
+            kv.release(table)
+        req = Request(str(i), prompt + [SAMPLED], SamplingParams(max_tokens=self.out_len[i] - 1, temperature=0.0,
+                                                           ignore_eos=True), arrival_time=self.arrival[i])
+        self.executor.submit(req, p)
 
     def run_cluster(self) -> ClusterResult:
         res = self.run()
@@ -131,10 +202,12 @@ class RoutedSimulator(Simulator):
 
 
 def simulate_cluster(n: int, config: SimConfig, perf: PerfModel, workload: Workload, router: RouterConfig,
-                     length_model: LengthModel | None = None, hop_s: float = 0.0) -> ClusterResult:
-    """Run `workload` through `n` simulated instances of `config` behind the router's placement (`router.policy`)."""
+                     length_model: LengthModel | None = None, hop_s: float = 0.0,
+                     roles: tuple[str, ...] = ()) -> ClusterResult:
+    """Run `workload` through `n` simulated instances of `config` behind the router's placement (`router.policy`);
+    `roles`: each instance's (default: all mixed)."""
     model = length_model or LengthModel.load(router.length_model)
-    return RoutedSimulator(instances_config(n, config), perf, workload, router, model, hop_s).run_cluster()
+    return RoutedSimulator(instances_config(n, config), perf, workload, router, model, hop_s, roles).run_cluster()
 
 
 def imbalance(decode_tokens: list[int]) -> float:

@@ -77,3 +77,28 @@ def test_hop_delays_the_instance_but_times_count_from_the_router():
     np.testing.assert_allclose(hop.result.ttft, base.result.ttft + 0.25)
     with pytest.raises(ValueError, match="single-stage"):
         RoutedSimulator(ONE, PacedPerf(), w, RouterConfig(), LengthModel.load())
+
+
+def test_pd_pools_in_the_simulated_cluster_hand_each_prompt_over_with_its_kv():
+    """P/D pools: every prompt runs on the prefill instance (its first token there), then on a decode instance,
+    whose admission finds the prompt's full blocks cached (pulled) and computes only the rest."""
+    n = 12
+    rng = random.Random(3)
+    prompts = tuple(tuple(rng.randrange(100, 1000) for _ in range(100)) for _ in range(n))
+    w = Workload(np.arange(n) * 0.2, np.full(n, 100), np.full(n, 8), prompts)
+    router = RouterConfig(policy="least_load", block_tokens=16)
+    sim = RoutedSimulator(instances_config(3, ONE), PacedPerf(), w, router, LengthModel.load(),
+                          roles=("prefill", "decode", "decode"))
+    res = sim.run_cluster()
+    assert (res.result.completions == 1).all() and not sim.prefilling and not sim.decoding
+    assert res.routed[0] == n and res.routed[1] + res.routed[2] == n  # every request on both pools
+    assert res.decode_tokens == [n * 1, *res.decode_tokens[1:]] and sum(res.decode_tokens) == 8 * n
+    hits = sum(sim.prompt[k].kv_manager.stats.hits for k in (1, 2))
+    assert hits == n * 96  # each prompt's 6 full blocks came with it: only its last 4 tokens + 1 computed there
+    assert not any(inst.flights for inst in sim.pool.instances.values())
+    mixed = simulate_cluster(3, ONE, PacedPerf(), w, router)
+    assert (mixed.result.completions == 1).all() and sum(mixed.decode_tokens) == 8 * n
+    # the first token comes from the prefill instance: no later than in the mixed pool at this light load
+    assert np.median(res.result.ttft) <= 1.05 * np.median(mixed.result.ttft)
+    with pytest.raises(ValueError, match="roles"):
+        RoutedSimulator(instances_config(3, ONE), PacedPerf(), w, router, LengthModel.load(), roles=("prefill",))
