@@ -37,7 +37,9 @@ was split) and one `kvflow router` process per policy, all on free ports; client
    outputs / 8 clipped to [4, 40]), fresh tokens every run. Before each round of replays the engine is timed on the
    calibration grid (`calibrate_engine`, one shuffled pass; never the replays' shapes), and once the slowdown beside
    a busy neighbour (`co_run_slowdown`: the instances share this host); the merged profile prices the simulated
-   instances. Reported per policy: throughput (output tokens / makespan), TTFT p50 and TPOT p50, real (median of
+   instances. `--fidelity-layouts` adds `pd`: the P/D pools (the first instance prefills, the others decode, least
+   load), replayed alike and simulated with the same roles, each pull priced at the pulls' measured speed in those
+   runs (the decode instances' pulled blocks over their seconds pulling). Reported per policy: throughput (output tokens / makespan), TTFT p50 and TPOT p50, real (median of
    the runs) and simulated, and the error sim / real - 1 (target within 15%). The simulated TTFT counts the serving
    stack's own time (`hop_s`: the TTFT of 8-token requests through a router on idle instances, measured before the
    replays, less a simulated 8-token prefill); the error without it is printed beside.
@@ -370,7 +372,7 @@ def fidelity_instance(args) -> Proc:
     """An instance the calibration prices: the engine `calibrate_engine` times (float32, 16-token blocks, one
     thread, not batch-invariant) with `benchmarks/fidelity.py`'s scheduler settings."""
     return Proc(["serve", "--threads", "1", "--dtype", "float32", "--block-size", "16", "--max-num-seqs", "8",
-                 "--max-num-batched-tokens", "128", "--prefill-chunk-size", "128",
+                 "--max-num-batched-tokens", "128", "--prefill-chunk-size", "128", "--host-kv-bytes", "256M",
                  "--kv-cache-gb", str(args.kv_cache_gb), "--drain-timeout", "2"])
 
 
@@ -427,24 +429,34 @@ def fidelity_part(args) -> dict:
             i.wait()
         urls = [i.url for i in insts]
         max_model_len = httpx.get(f"{urls[0]}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
-        routers = {pol: router(urls, pol) for pol in POLICIES}
+        layouts = [x for x in args.fidelity_layouts.split(",") if x]
+        routers = {pol: router(urls, pol) for pol in layouts if pol != "pd"}
+        if "pd" in layouts:  # P/D pools: the first instance prefills, the others decode (least load among them)
+            routers["pd"] = Proc(["router", "--policy", "least_load", "--drain-timeout", "2", "--prefill", urls[0],
+                                  *[a for u in urls[1:] for a in ("--decode", u)]])
         for r in routers.values():
             r.wait()
         # the serving stack's own time to a first token (client -> router -> instance -> back), from requests of
         # 8 tokens on idle instances: what a simulated instance's prefill of 8 tokens leaves of it is `hop_s`
         rng = random.Random(99)
-        stack = [asyncio.run(run_batch(routers["round_robin"].url, [tokens(rng, 8)], 2, 1))[0][0].ttft for _ in range(12)]
+        mixed = next(r for name, r in routers.items() if name != "pd")
+        stack = [asyncio.run(run_batch(mixed.url, [tokens(rng, 8)], 2, 1))[0][0].ttft for _ in range(12)]
         stack_ttft = statistics.median(stack[2:])
         print("  the slowdown beside a busy neighbour ...", flush=True)
         co_run = co_run_slowdown(None)
-        windows, runs = [], {pol: [] for pol in POLICIES}
+        windows, runs = [], {pol: [] for pol in layouts}
+        pull = [0.0, 0.0]  # the decode instances' pulled blocks and seconds, over the P/D runs
         for rep in range(args.reps):
             print(f"  calibration window {rep + 1}/{args.reps} ...", flush=True)
             windows.append(calibrate_engine(passes=1))
-            order = POLICIES[rep % len(POLICIES):] + POLICIES[:rep % len(POLICIES)]
+            order = layouts[rep % len(layouts):] + layouts[:rep % len(layouts)]
             for k, pol in enumerate(order):
                 w = fidelity_workload(args, seed=100 * rep + k)
+                before = [sum(_metric(u, f"kvflow_kv_pull{s}_total") for u in urls) for s in ("ed_blocks", "_seconds")]
                 results = asyncio.run(replay(routers[pol].url, w))
+                if pol == "pd":
+                    for j, s in enumerate(("ed_blocks", "_seconds")):
+                        pull[j] += sum(_metric(u, f"kvflow_kv_pull{s}_total") for u in urls) - before[j]
                 if bad := [r.error for _, r in results if not r.ok]:
                     raise RuntimeError(f"{pol}: {len(bad)} failed requests: {bad[:3]}")
                 sent = [s for s, _ in results]
@@ -463,14 +475,19 @@ def fidelity_part(args) -> dict:
     one = SimConfig(Layout(PipelineGroup(1, 8)), policy="continuous", block_size=16, max_model_len=max_model_len,
                     scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=128),
                     shared_host=len(insts) > 1)
-    out = {"co_run": list(co_run), "windows": len(windows), "stack_ttft_s": stack_ttft, "hop_s": hop_s, "policies": {}}
+    # a pull's measured speed (blocks of 16 tokens of the engine's float32 KV) prices the simulated P/D pools' pulls
+    pull_bw = pull[0] * 16 * perf.shape.kv_bytes_per_token / pull[1] if pull[1] else None
+    out = {"co_run": list(co_run), "windows": len(windows), "stack_ttft_s": stack_ttft, "hop_s": hop_s, "policies": {},
+           "pull_blocks": pull[0], "pull_seconds": pull[1], "pull_bandwidth": pull_bw}
     for pol, rs in runs.items():
         real = {k: statistics.median(r[k] for r, _ in rs) for k in FIDELITY_KEYS}
         row = {"real": real, "real_runs": [r for r, _ in rs]}
         for name, hop in (("", hop_s), ("_no_hop", 0.0)):  # the stack's time counted, and not
             sims = []
             for _, w in rs:
-                res = simulate_cluster(len(insts), one, perf, w, RouterConfig(policy=pol), hop_s=hop).result
+                roles = ("prefill",) + ("decode",) * (len(insts) - 1) if pol == "pd" else ()
+                res = simulate_cluster(len(insts), one, perf, w, RouterConfig(policy="least_load" if pol == "pd" else pol),
+                                       hop_s=hop, roles=roles, pull_bandwidth=pull_bw).result
                 sims.append(serving_metrics(res.arrival, res.first_token, res.finish, res.output_len))
             sim = {k: statistics.median(s[k] for s in sims) for k in FIDELITY_KEYS}
             row |= {f"sim{name}": sim, f"error{name}": {k: sim[k] / real[k] - 1 for k in FIDELITY_KEYS},
@@ -637,6 +654,9 @@ def main() -> None:
     ap.add_argument("--fidelity-requests", type=number(int, 1), default=40, help="fidelity: requests per run")
     ap.add_argument("--fidelity-rate", type=number(float, 0, low_open=True), default=1.0,
                     help="fidelity: Poisson arrivals per second")
+    ap.add_argument("--fidelity-layouts", default=",".join((*POLICIES, "pd")),
+                    help="fidelity: the router policies to replay, and pd (P/D pools: one prefill instance, the others "
+                         "decode, least load), comma-separated")
     ap.add_argument("--fidelity-prefixes", type=number(int, 1), default=4, help="fidelity: shared prefixes")
     ap.add_argument("--fidelity-prefix-len", type=number(int, 1), default=64, help="fidelity: tokens of each prefix")
     ap.add_argument("--scale-instances", type=number(int, 1), default=64, help="scale: simulated instances")

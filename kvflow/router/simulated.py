@@ -12,7 +12,7 @@ after each interval).
 P/D pools (`roles`: each instance's, as `RouterConfig.prefill` / `decode` give them): the router's own `phase` decides,
 as for a real request, whether a request's prompt runs on the prefill pool with one token to produce. When that token
 comes, the request goes on, prompt + token, to a decode instance of the policy's choice: once the prompt's KV has
-travelled (`PerfModel.kv_transfer_time` of its tokens, `PullDone`) its full blocks are registered in that instance's
+travelled (its KV bytes over `pull_bandwidth`, by default the perf model's network link; `PullDone`) its full blocks are registered in that instance's
 pool as cached blocks — what a pull into the host tier and the promotion at admission amount to — and the request is
 queued there; its admission finds them as a prefix hit and computes the rest of the last block.
 
@@ -77,7 +77,8 @@ class RoutedSimulator(Simulator):
     docstring). `hop_s`: seconds from a request's arrival at the router to its arrival at the instance."""
 
     def __init__(self, config: SimConfig, perf: PerfModel, workload: Workload, router: RouterConfig,
-                 length_model: LengthModel, hop_s: float = 0.0, roles: tuple[str, ...] = ()) -> None:
+                 length_model: LengthModel, hop_s: float = 0.0, roles: tuple[str, ...] = (),
+                 pull_bandwidth: float | None = None) -> None:
         spec = config.layout.prompt
         if config.layout.disaggregated or spec.depth != 1 or config.dispatch != "round_robin":
             raise ValueError("a routed cluster is single-stage instances with queues of their own (`instances_config`)")
@@ -100,6 +101,7 @@ class RoutedSimulator(Simulator):
             self.pool.add_unchecked(url, role)
             self.pool.instances[url].healthy = True
             self.members[url] = p.index
+        self.pull_bandwidth = pull_bandwidth  # bytes/s of a KV pull between instances (None: the perf model's link)
         self.prefilling: set[int] = set()  # requests whose prompt phase runs on a prefill instance
         self.decoding: set[int] = set()  # requests handed over to a decode instance (their first token came before)
         self.open_flights: dict[int, tuple[Instance, Flight, RouteRequest]] = {}
@@ -177,7 +179,8 @@ class RoutedSimulator(Simulator):
         k = self.members[inst.url]
         self.routed[k] += 1
         self.placed[i] = k
-        self._events.append(PullDone(self.now + self.perf.kv_transfer_time(self.prompt_len[i], 1), i, k))
+        pull = self.perf.transfer_time(self.prompt_len[i] * self.perf.shape.kv_bytes_per_token, self.pull_bandwidth)
+        self._events.append(PullDone(self.now + pull, i, k))
 
     def pulled(self, i: int, k: int) -> None:
         """The prompt's full blocks land in instance `k`'s pool as cached blocks (when it has room; else they are
@@ -203,11 +206,12 @@ class RoutedSimulator(Simulator):
 
 def simulate_cluster(n: int, config: SimConfig, perf: PerfModel, workload: Workload, router: RouterConfig,
                      length_model: LengthModel | None = None, hop_s: float = 0.0,
-                     roles: tuple[str, ...] = ()) -> ClusterResult:
+                     roles: tuple[str, ...] = (), pull_bandwidth: float | None = None) -> ClusterResult:
     """Run `workload` through `n` simulated instances of `config` behind the router's placement (`router.policy`);
-    `roles`: each instance's (default: all mixed)."""
+    `roles`: each instance's (default: all mixed), `pull_bandwidth`: of the P/D pools' KV pulls (bytes/s)."""
     model = length_model or LengthModel.load(router.length_model)
-    return RoutedSimulator(instances_config(n, config), perf, workload, router, model, hop_s, roles).run_cluster()
+    return RoutedSimulator(instances_config(n, config), perf, workload, router, model, hop_s, roles,
+                           pull_bandwidth).run_cluster()
 
 
 def imbalance(decode_tokens: list[int]) -> float:

@@ -2,11 +2,12 @@
 
 The router's P/D pools (`kvflow.router`) run a prompt on a prefill instance, then send the request on to a decode
 instance naming the prefill instance as its `kv_source`. Before admitting it, the decode instance's scheduler plans a
-load of the prompt's full blocks that no tier of its own holds (`KVCacheManager.prefetch`, `TierPlan.from_remote`);
-its engine's `TierStore` performs it with `KVPuller.pull`: one HTTP POST to the source's `PULL_PATH` naming the
-blocks' hashes and this cache's geometry, answered by one chunk of the streaming library (`kvflow.streaming.chunk`:
-header with XXH3 checksum, verified here before any byte reaches the host tier) holding the leading run of those
-blocks the source still holds. Blocks it no longer holds (evicted) are recomputed; nothing waits for them.
+load of the prompt's full blocks that no tier of its own holds (`KVCacheManager.prefetch`, `TierPlan.from_remote`).
+Its engine's `TierStore` performs it on a thread of its own, while the engine steps on, with `KVPuller.pull`: one
+HTTP POST to the source's `PULL_PATH` naming the blocks' hashes and this cache's geometry, answered by one chunk of
+the streaming library (`kvflow.streaming.chunk`: header with XXH3 checksum, verified here before any byte reaches the
+host tier) holding the leading run of those blocks the source still holds. Blocks it no longer holds (evicted) are
+recomputed; nothing waits for them.
 
 The source answers from its API's worker thread, not from its engine's: it copies the blocks out of the device cache
 while the engine keeps stepping, then checks that none of them was evicted (and so possibly overwritten) meanwhile
