@@ -41,6 +41,12 @@ def register(sub) -> None:
     r.add_argument("--launch-pd", default=None, metavar="P:D",
                    help="start P prefill and D decode instances on this machine (P/D pools, as --prefill and --decode; "
                         "kept running like --launch's; --host-kv-bytes 1G unless --serve-args sets it) (default: none)")
+    r.add_argument("--launcher", default="local", choices=("local", "ray"),
+                   help="where --launch / --launch-pd start the instances: processes of this machine, or processes "
+                        "that Ray actors start on the nodes of a Ray cluster (extra kvflow[ray]; one CPU each)")
+    r.add_argument("--ray-address", default=None,
+                   help="--launcher ray: the cluster, as `ray.init`'s address (default: $RAY_ADDRESS, else a running "
+                        "local cluster, else a new one)")
     r.add_argument("--serve-args", default=None, metavar="ARGS",
                    help="the launched instances' kvflow serve arguments, one string, e.g. \"--threads 1 --dtype float32\" "
                         "(--model is the router's --model unless given here; default: --config's, else none)")
@@ -133,6 +139,8 @@ def run_router(args) -> int:
                               **({"policy": args.policy} if args.policy else {}))
     if args.rebalance and not ((config.prefill or config.launch_prefill) and (config.decode or config.launch_decode)):
         raise ValueError("--rebalance needs P/D pools (--prefill and --decode instances)")
+    if args.launcher != "local" and not (config.launch or config.launch_prefill or config.launch_decode):
+        raise ValueError("--launcher says where --launch / --launch-pd start instances: give one of them")
     if scaling is not None and not config.launch:
         raise ValueError("--autoscale needs instances the router starts (--launch N, N >= 1)")
     fleet, model = None, args.model
@@ -149,8 +157,14 @@ def run_router(args) -> int:
 
         if pd and _flag(serve_args, "--host-kv-bytes") is None:  # where a decode instance's pulled KV lands
             serve_args = (*serve_args, "--host-kv-bytes", "1G")
-        gpus = tuple(local_gpus(_flag(serve_args, "--device") or "cpu"))  # several: one instance per GPU, in turn
-        fleet = LocalFleet(FleetConfig(config.launch + pd, serve_args, gpus=gpus))
+        if args.launcher == "ray":
+            from kvflow.router.ray_fleet import RayFleet
+
+            cuda = (_flag(serve_args, "--device") or "cpu").startswith("cuda")
+            fleet = RayFleet(FleetConfig(config.launch + pd, serve_args), args.ray_address, num_gpus=1.0 if cuda else 0.0)
+        else:
+            gpus = tuple(local_gpus(_flag(serve_args, "--device") or "cpu"))  # several: one instance per GPU, in turn
+            fleet = LocalFleet(FleetConfig(config.launch + pd, serve_args, gpus=gpus))
         urls = tuple(fleet.start())
         mixed, prefill, decode = urls[:config.launch], urls[config.launch:config.launch + config.launch_prefill], \
             urls[config.launch + config.launch_prefill:]

@@ -38,7 +38,7 @@ from kvflow.model.loader import load_config
 from kvflow.perf.perf_model import PerfModel
 from kvflow.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvflow.router.config import RouterConfig
-from kvflow.router.fleet import LocalFleet
+from kvflow.router.fleet import Fleet
 from kvflow.router.roles import BalanceConfig, RoleBalancer
 from kvflow.router.scaling import Autoscaler, LoadMeter, ScalingConfig
 from kvflow.router.sse import HTTPFailed, HTTPStatus, SSEClient
@@ -118,7 +118,7 @@ class RouterBackend:
             self.pool.add_unchecked(url, role)
         self._started = False
         self._prompt_tokens = self._generated_tokens = 0
-        self.fleet: LocalFleet | None = None  # the instances this router started, if any (`connect`)
+        self.fleet: Fleet | None = None  # the instances this router started, if any (`connect`)
         self.autoscaler: Autoscaler | None = None  # sizes the fleet (`scale`)
         self.meter: LoadMeter | None = None
         self._supervisor: asyncio.Task | None = None
@@ -127,7 +127,7 @@ class RouterBackend:
 
     @classmethod
     async def connect(cls, config: RouterConfig, model: str | None = None, wait_s: float = 60.0,
-                      fleet: LocalFleet | None = None) -> "RouterBackend":
+                      fleet: Fleet | None = None) -> "RouterBackend":
         """Wait (up to `wait_s`) until one configured instance answers /v1/models, take the model's name and context
         from it, and load the tokenizer of `model` (the checkpoint the instances serve: a GGUF file or a checkpoint
         directory; None: the embedded default). `fleet`: the instances the router started (`kvflow.router.fleet`),
@@ -217,6 +217,7 @@ class RouterBackend:
                 await asyncio.sleep(self.config.health_interval_s)
                 try:
                     self.fleet.supervise()
+                    self._follow_moves()
                     if trials is not None and loop.time() >= next_decision:
                         self.autoscaler.step(await loop.run_in_executor(trials, instances_needed, *self.autoscaler.trial()))
                         next_decision = loop.time() + self.autoscaler.cfg.interval_s
@@ -225,6 +226,17 @@ class RouterBackend:
         finally:
             if trials is not None:
                 trials.shutdown(wait=False, cancel_futures=True)
+
+    def _follow_moves(self) -> None:
+        """The pool follows the router's instances that started again at a new URL (a Ray fleet's, on another node):
+        the old URL leaves, the new one joins in the same role, used once its health check passes."""
+        for inst in self.fleet.instances:
+            if inst.moved_from is not None:
+                old = self.pool.instances.get(inst.moved_from)
+                self.pool.remove(inst.moved_from)
+                self.pool.add_unchecked(inst.url, old.role if old is not None else "mixed")
+                log.info("instance %s moved to %s", inst.moved_from, inst.url)
+                inst.moved_from = None
 
     async def shutdown(self) -> None:
         self._started = False

@@ -12,6 +12,10 @@ On a machine with several GPUs (`gpus`, from `kvflow.controller.launcher.local_g
 turn. Each instance's output goes to `instance-<i>.log` in `log_dir` (a fresh temporary directory by default, named at
 start). On Linux an instance is also asked to stop when the router process dies (parent-death signal), so that
 killing the router does not leave its instances serving.
+
+`Fleet` holds what does not depend on where an instance runs (growing, retiring, the restart budget, closing);
+`LocalFleet` runs each instance as a process of this machine, `kvflow.router.ray_fleet.RayFleet` as a process that a
+Ray actor starts on its node.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class LocalInstance:
     restarts: deque[float] = field(default_factory=deque)  # monotonic times of recent restarts
     given_up: bool = False
     retired: bool = False  # stopped on purpose (scaled down): not started again
+    moved_from: str | None = None  # started again at a new URL (a Ray fleet's, on another node): the URL it replaces
 
 
 def free_port(host: str) -> int:
@@ -83,7 +88,11 @@ def _die_with_parent() -> None:  # (in the child, before exec)
         pass
 
 
-class LocalFleet:
+class Fleet:
+    """The instances a router keeps running. A subclass says where one runs: `_place` (its port and URL, before its
+    first start), `_spawn` (start it; again on the same port after it exited), `_exit_code` (None while it runs),
+    `_stop` (SIGTERM, or SIGKILL with `kill`), `_wait`, and `tail` (its log's last lines)."""
+
     def __init__(self, config: FleetConfig) -> None:
         self.config = config
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvflow-fleet-"))
@@ -96,12 +105,11 @@ class LocalFleet:
 
     def grow(self, k: int) -> list[LocalInstance]:
         """Start `k` more instances, each on a new free port."""
-        host = self.config.host
-        shown = f"[{host}]" if ":" in host else host
         new = []
         for _ in range(k):
-            port, i = free_port(host), len(self.instances)
-            inst = LocalInstance(i, port, f"http://{shown}:{port}", self.log_dir / f"instance-{i}.log")
+            i = len(self.instances)
+            inst = LocalInstance(i, 0, "", self.log_dir / f"instance-{i}.log")
+            self._place(inst)
             self.instances.append(inst)
             self._spawn(inst)
             new.append(inst)
@@ -115,37 +123,16 @@ class LocalFleet:
     def retire(self, inst: LocalInstance) -> None:
         """Stop an instance for good: SIGTERM, on which `kvflow serve` drains its open requests and exits."""
         inst.retired = True
-        if inst.proc is not None and inst.proc.poll() is None:
-            inst.proc.terminate()
+        if self._exit_code(inst) is None:
+            self._stop(inst)
         log.info("instance %d (%s) retired", inst.index, inst.url)
-
-    def command(self, inst: LocalInstance) -> list[str]:
-        return [sys.executable, "-m", "kvflow.cli.main", "serve", *self.config.serve_args,
-                "--host", self.config.host, "--port", str(inst.port)]
-
-    def env(self, inst: LocalInstance) -> dict[str, str]:
-        """This process's environment; with several GPUs, only the instance's own one visible (a restarted instance
-        keeps it)."""
-        env = dict(os.environ)
-        if self.config.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = self.config.gpus[inst.index % len(self.config.gpus)]
-        return env
-
-    def _spawn(self, inst: LocalInstance) -> None:
-        with open(inst.log_path, "ab") as out:
-            out.write(f"--- start {inst.starts + 1}: {' '.join(self.command(inst))}\n".encode())
-            out.flush()
-            inst.proc = subprocess.Popen(self.command(inst), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env(inst), preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        inst.starts += 1
-        log.info("instance %d started on %s (pid %d, log %s)", inst.index, inst.url, inst.proc.pid, inst.log_path)
 
     def supervise(self) -> list[str]:
         """Start again every instance whose process exited (within its restart budget); the URLs started again."""
         restarted = []
         now = time.monotonic()
         for inst in self.instances:
-            if inst.given_up or inst.retired or inst.proc is None or (code := inst.proc.poll()) is None:
+            if inst.given_up or inst.retired or (code := self._exit_code(inst)) is None:
                 continue
             while inst.restarts and now - inst.restarts[0] > self.config.restart_window_s:
                 inst.restarts.popleft()
@@ -161,22 +148,83 @@ class LocalFleet:
             restarted.append(inst.url)
         return restarted
 
-    @staticmethod
-    def tail(inst: LocalInstance, lines: int = 15) -> str:
+    def close(self, timeout: float = 15.0) -> None:
+        """Stop every instance: SIGTERM (they drain), then SIGKILL after `timeout` seconds."""
+        running = [i for i in self.instances if self._exit_code(i) is None]
+        for i in running:
+            self._stop(i)
+        deadline = time.monotonic() + timeout
+        for i in running:
+            if not self._wait(i, max(0.0, deadline - time.monotonic())):
+                self._stop(i, kill=True)
+                self._wait(i, timeout)
+
+    def command(self, inst: LocalInstance, host: str) -> list[str]:
+        return [sys.executable, "-m", "kvflow.cli.main", "serve", *self.config.serve_args,
+                "--host", host, "--port", str(inst.port)]
+
+    # ------------------------------------------------------------------ where an instance runs
+    def _place(self, inst: LocalInstance) -> None:
+        raise NotImplementedError
+
+    def _spawn(self, inst: LocalInstance) -> None:
+        raise NotImplementedError
+
+    def _exit_code(self, inst: LocalInstance) -> int | None:
+        raise NotImplementedError
+
+    def _stop(self, inst: LocalInstance, kill: bool = False) -> None:
+        raise NotImplementedError
+
+    def _wait(self, inst: LocalInstance, timeout: float) -> bool:
+        """Whether it exited within `timeout` seconds."""
+        raise NotImplementedError
+
+    def tail(self, inst: LocalInstance, lines: int = 15) -> str:
+        raise NotImplementedError
+
+
+class LocalFleet(Fleet):
+    """The instances as processes of this machine, on free ports of `FleetConfig.host`."""
+
+    def _place(self, inst: LocalInstance) -> None:
+        host = self.config.host
+        inst.port = free_port(host)
+        inst.url = f"http://{f'[{host}]' if ':' in host else host}:{inst.port}"
+
+    def env(self, inst: LocalInstance) -> dict[str, str]:
+        """This process's environment; with several GPUs, only the instance's own one visible (a restarted instance
+        keeps it)."""
+        env = dict(os.environ)
+        if self.config.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.gpus[inst.index % len(self.config.gpus)]
+        return env
+
+    def _spawn(self, inst: LocalInstance) -> None:
+        cmd = self.command(inst, self.config.host)
+        with open(inst.log_path, "ab") as out:
+            out.write(f"--- start {inst.starts + 1}: {' '.join(cmd)}\n".encode())
+            out.flush()
+            inst.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env(inst), preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        inst.starts += 1
+        log.info("instance %d started on %s (pid %d, log %s)", inst.index, inst.url, inst.proc.pid, inst.log_path)
+
+    def _exit_code(self, inst: LocalInstance) -> int | None:
+        return None if inst.proc is None else inst.proc.poll()
+
+    def _stop(self, inst: LocalInstance, kill: bool = False) -> None:
+        inst.proc.kill() if kill else inst.proc.terminate()
+
+    def _wait(self, inst: LocalInstance, timeout: float) -> bool:
+        try:
+            inst.proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def tail(self, inst: LocalInstance, lines: int = 15) -> str:
         try:
             return "\n".join(inst.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
-
-    def close(self, timeout: float = 15.0) -> None:
-        """Stop every instance: SIGTERM (they drain), then SIGKILL after `timeout` seconds."""
-        running = [i.proc for i in self.instances if i.proc is not None and i.proc.poll() is None]
-        for p in running:
-            p.terminate()
-        deadline = time.monotonic() + timeout
-        for p in running:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()

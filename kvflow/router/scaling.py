@@ -22,7 +22,7 @@ import numpy as np
 
 from kvflow.perf.perf_model import PerfModel
 from kvflow.router.config import RouterConfig, ScalingConfig
-from kvflow.router.fleet import LocalFleet
+from kvflow.router.fleet import Fleet
 from kvflow.router.pool import InstancePool
 from kvflow.router.simulated import simulate_cluster
 from kvflow.config import default_block_size
@@ -104,7 +104,7 @@ class Autoscaler:
     in the pool the router did not start (counted in the simulated cluster, never retired)."""
 
     def __init__(self, cfg: ScalingConfig, perf: PerfModel, instance: SimConfig, router: RouterConfig,
-                 fleet: LocalFleet, pool: InstancePool, meter: LoadMeter, fixed: int = 0) -> None:
+                 fleet: Fleet, pool: InstancePool, meter: LoadMeter, fixed: int = 0) -> None:
         self.cfg, self.perf, self.instance, self.router = cfg, perf, instance, router
         self.fleet, self.pool, self.meter, self.fixed = fleet, pool, meter, fixed
         self.lower = 0  # consecutive answers below the current count
