@@ -95,12 +95,7 @@ def _flag(args: tuple[str, ...], name: str) -> str | None:
 
 
 def run_router(args) -> int:
-    import asyncio
-
-    from kvflow.api.server import APIConfig
-    from kvflow.router.app import serve_router
-    from kvflow.router.backend import RouterBackend
-    from kvflow.router.config import RouterConfig
+    from kvflow.router.config import RouterConfig  # (the settings are checked before anything heavy is imported)
 
     scaling = None
     if args.autoscale is not None:
@@ -143,6 +138,15 @@ def run_router(args) -> int:
         raise ValueError("--launcher says where --launch / --launch-pd start instances: give one of them")
     if scaling is not None and not config.launch:
         raise ValueError("--autoscale needs instances the router starts (--launch N, N >= 1)")
+    import asyncio
+
+    from kvflow.api.server import APIConfig
+    from kvflow.router.app import serve_router
+    from kvflow.router.backend import RouterBackend
+
+    key = args.api_key if args.api_key is not None else (os.environ.get("KVFLOW_API_KEY") or None)
+    api = APIConfig(api_key=key, open_paths=tuple(p.strip() for p in args.open_paths.split(",") if p.strip()),
+                    drain_timeout_s=args.drain_timeout)
     fleet, model = None, args.model
     pd = config.launch_prefill + config.launch_decode
     if config.launch + pd:
@@ -173,9 +177,6 @@ def run_router(args) -> int:
         print(f"kvflow router: started {len(urls)} instance(s) ({', '.join(i.url for i in fleet.instances)}"
               + (f"; prefill {', '.join(prefill)}, decode {', '.join(decode)}" if pd else "")
               + f"), their logs in {fleet.log_dir}", file=sys.stderr)
-    key = args.api_key if args.api_key is not None else (os.environ.get("KVFLOW_API_KEY") or None)
-    api = APIConfig(api_key=key, open_paths=tuple(p.strip() for p in args.open_paths.split(",") if p.strip()),
-                    drain_timeout_s=args.drain_timeout)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)-9s [%(name)s] %(message)s"))
     logging.getLogger("kvflow").setLevel(args.log_level.upper())

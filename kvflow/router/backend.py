@@ -147,7 +147,7 @@ class RouterBackend:
                         continue
                 if info is None:
                     if fleet is not None:
-                        fleet.supervise()
+                        await asyncio.to_thread(fleet.supervise)  # (a Ray fleet's calls wait on its actors)
                         if all(i.given_up for i in fleet.instances):
                             raise ValueError("every instance the router started exited:\n" + "\n".join(
                                 f"{i.log_path}:\n{fleet.tail(i)}" for i in fleet.instances))
@@ -216,7 +216,7 @@ class RouterBackend:
             while True:
                 await asyncio.sleep(self.config.health_interval_s)
                 try:
-                    self.fleet.supervise()
+                    await asyncio.to_thread(self.fleet.supervise)  # (a Ray fleet's calls wait on its actors)
                     self._follow_moves()
                     if trials is not None and loop.time() >= next_decision:
                         self.autoscaler.step(await loop.run_in_executor(trials, instances_needed, *self.autoscaler.trial()))
