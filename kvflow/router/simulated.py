@@ -12,7 +12,8 @@ after each interval).
 P/D pools (`roles`: each instance's, as `RouterConfig.prefill` / `decode` give them): the router's own `phase` decides,
 as for a real request, whether a request's prompt runs on the prefill pool with one token to produce. When that token
 comes, the request goes on, prompt + token, to a decode instance of the policy's choice: once the prompt's KV has
-travelled (its KV bytes over `pull_bandwidth`, by default the perf model's network link; `PullDone`) its full blocks are registered in that instance's
+travelled (the router's own time `hop_s`, then its KV bytes over `pull_bandwidth`, by default the perf model's
+network link; `PullDone`) its full blocks are registered in that instance's
 pool as cached blocks — what a pull into the host tier and the promotion at admission amount to — and the request is
 queued there; its admission finds them as a prefix hit and computes the rest of the last block.
 
@@ -180,7 +181,7 @@ class RoutedSimulator(Simulator):
         self.routed[k] += 1
         self.placed[i] = k
         pull = self.perf.transfer_time(self.prompt_len[i] * self.perf.shape.kv_bytes_per_token, self.pull_bandwidth)
-        self._events.append(PullDone(self.now + pull, i, k))
+        self._events.append(PullDone(self.now + self.hop_s + pull, i, k))  # (the router's second request, then the pull)
 
     def pulled(self, i: int, k: int) -> None:
         """The prompt's full blocks land in instance `k`'s pool as cached blocks (when it has room; else they are
