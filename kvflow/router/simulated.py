@@ -11,11 +11,11 @@ after each interval).
 
 P/D pools (`roles`: each instance's, as `RouterConfig.prefill` / `decode` give them): the router's own `phase` decides,
 as for a real request, whether a request's prompt runs on the prefill pool with one token to produce. When that token
-comes, the request goes on, prompt + token, to a decode instance of the policy's choice: once the prompt's KV has
-travelled (the router's own time `hop_s`, then its KV bytes over `pull_bandwidth`, by default the perf model's
-network link; `PullDone`) its full blocks are registered in that instance's
-pool as cached blocks — what a pull into the host tier and the promotion at admission amount to — and the request is
-queued there; its admission finds them as a prefix hit and computes the rest of the last block.
+comes, the request goes on, prompt + token, to a decode instance of the policy's choice. Once the prompt's KV has
+travelled there (the router's own time `hop_s`, then its KV bytes over `pull_bandwidth`, by default the perf model's
+network link; `PullDone`), its full blocks are registered in that instance's pool as cached blocks — what a pull into
+the host tier and the promotion at admission amount to — and the request is queued there: its admission finds them
+as a prefix hit and computes the rest of the last block.
 
 Not modelled: failures and re-sends, role changes, and the router's own time on a request (`hop_s`: a fixed delay
 before a request reaches its instance, counted in its TTFT).
