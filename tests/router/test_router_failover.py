@@ -108,3 +108,27 @@ def test_hung_instance_is_taken_out_and_its_streams_move(pair, tiny_long_ckpt):
                 break
             deadline.wait(0.1)  # (polling the router for the event: no sleep decides the outcome)
         assert router.instances()[victim]["healthy"]
+
+
+def test_a_decode_instance_killed_mid_stream_in_pd_pools_loses_nothing(tiny_long_ckpt):
+    """P/D pools (one prefill, two decode instances): a decode instance SIGKILLed while streams decode there; they
+    move to the other decode instance, which pulls what the prefill instance still holds of the prompt and computes
+    the rest: every stream the tokens of one instance, none lost or twice."""
+    trio = start_instances(tiny_long_ckpt, 3)
+    try:
+        by_url = {p.url: p for p in trio}
+        refs = [complete(trio[0].url, p, MAX_TOKENS) for p in PROMPTS]
+        cfg = RouterConfig(prefill=(trio[0].url,), decode=(trio[1].url, trio[2].url), policy="least_load",
+                           block_tokens=BLOCK, health_interval_s=0.2)
+        with RouterThread(cfg, tiny_long_ckpt) as router:
+            def kill_a_decoder(_):
+                victim = next(u for u, i in router.instances().items() if i["in_flight"] and i["role"] == "decode")
+                by_url[victim].stop(signal.SIGKILL)
+                kill_a_decoder.victim = victim
+
+            outs, _ = _run_and_fail(router, kill_a_decoder)
+            _check(router, outs, refs, kill_a_decoder.victim)
+            assert metric(router.url, "kvflow_router_handoffs_total")[()] == len(PROMPTS)
+    finally:
+        for p in trio:
+            p.stop()
