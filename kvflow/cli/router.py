@@ -113,15 +113,16 @@ def run_router(args) -> int:
             perf = ProfiledPerfModel.from_json(args.scale_profile)
         except (OSError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"--scale-profile {args.scale_profile}: not a `kvflow profile` file ({type(e).__name__}: {e})") from None
-        if args.launch is None:
+        if args.launch is None and args.launch_pd is None:
             args.launch = scaling.min_instances
     launch = {"launch": args.launch, "serve_args": None if args.serve_args is None else tuple(shlex.split(args.serve_args))}
     if args.launch_pd is not None:
         p, sep, d = args.launch_pd.partition(":")
         if not (sep and p.isdigit() and d.isdigit() and int(p) and int(d)):
             raise ValueError(f"--launch-pd is P:D, prefill and decode instances (each >= 1), e.g. 1:2, got {args.launch_pd!r}")
-        if scaling is not None:
-            raise ValueError("--autoscale sizes the mixed pool only: use --launch with it, not --launch-pd")
+        if scaling is not None and (args.launch or scaling.min_instances < 2):
+            raise ValueError("--autoscale with --launch-pd sizes the P/D pools alone: no --launch, and MIN >= 2 "
+                             "(one instance of each)")
         launch.update(launch_prefill=int(p), launch_decode=int(d))
     if args.config is not None:
         config = RouterConfig.from_file(args.config, policy=args.policy, **launch)
@@ -136,8 +137,8 @@ def run_router(args) -> int:
         raise ValueError("--rebalance needs P/D pools (--prefill and --decode instances)")
     if args.launcher != "local" and not (config.launch or config.launch_prefill or config.launch_decode):
         raise ValueError("--launcher says where --launch / --launch-pd start instances: give one of them")
-    if scaling is not None and not config.launch:
-        raise ValueError("--autoscale needs instances the router starts (--launch N, N >= 1)")
+    if scaling is not None and not (config.launch or config.launch_prefill):
+        raise ValueError("--autoscale needs instances the router starts (--launch N or --launch-pd P:D)")
     import asyncio
 
     from kvflow.api.server import APIConfig

@@ -196,8 +196,10 @@ class RouterBackend:
         if self.fleet is None:
             raise ValueError("scaling needs instances the router started (--launch)")
         self.meter = LoadMeter(cfg.window_s)
-        fixed = sum(1 for u in self.pool.instances if u not in {i.url for i in self.fleet.instances})
-        self.autoscaler = Autoscaler(cfg, perf, instance, self.config, self.fleet, self.pool, self.meter, fixed)
+        own = {i.url for i in self.fleet.instances}
+        pd = any(i.role != "mixed" for u, i in self.pool.instances.items() if u in own)  # its P/D pools: sized per role
+        fixed = 0 if pd else sum(1 for u in self.pool.instances if u not in own)
+        self.autoscaler = Autoscaler(cfg, perf, instance, self.config, self.fleet, self.pool, self.meter, fixed, pd)
 
     async def _supervise(self) -> None:
         """Start again the router's own instances that exited (the health check then brings them back), and size the

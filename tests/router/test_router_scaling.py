@@ -89,3 +89,47 @@ def test_the_router_cli_checks_its_scaling_flags(capsys):
                           (["--autoscale", "1:2", "--scale-profile", __file__], "not a `kvflow profile` file")):
         assert main(["router", "--launch", "1", *args]) == 2  # before any instance is started
         assert message in capsys.readouterr().err
+    for args, message in ((["--launch-pd", "1"], "P:D"), (["--launch-pd", "0:2"], "each >= 1"),
+                          (["--launcher", "ray"], "give one of them"), (["--rebalance"], "P/D pools"),
+                          (["--launch", "1", "--launch-pd", "1:1", "--autoscale", "2:3", "--scale-profile", __file__],
+                           "not a `kvflow profile` file")):
+        assert main(["router", *args]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_pd_pools_are_sized_per_role_in_the_simulated_cluster():
+    """P/D pools: the fewest instances in all that meet the SLOs with their best split, growing with the load."""
+    inst = instance_config(2048, block_size=16)
+    router = RouterConfig(policy="least_load", block_tokens=16)
+    cfg = ScalingConfig(2, 6, ttft_slo_s=6.0, tpot_slo_s=0.5, trial_requests=80)
+    answers = [instances_needed(rate, PROMPTS, OUTPUTS, cfg, PERF, inst, router, pd=True) for rate in (0.05, 1.0)]
+    assert answers[0] == (1, 1) and all(p >= 1 and d >= 1 for p, d in answers)
+    assert sum(answers[1]) > sum(answers[0])
+    assert instances_needed(0.0, PROMPTS, OUTPUTS, cfg, PERF, inst, router, pd=True) == (1, 1)  # nothing arrives
+
+
+def test_the_autoscaler_sizes_pd_pools_per_role(tiny_long_ckpt):
+    fleet = LocalFleet(FleetConfig(2, instance_args(tiny_long_ckpt)))
+    first, second = fleet.start()
+    try:
+        cfg = RouterConfig(prefill=(first,), decode=(second,), block_tokens=BLOCK, health_interval_s=0.2)
+        router = RouterThread(cfg, tiny_long_ckpt, fleet=fleet, wait_s=180)
+        router.backend.scale(ScalingConfig(2, 3, interval_s=3600, scale_down_after=2), PERF, instance_config(1024))
+    except BaseException:
+        fleet.close()
+        raise
+    prompt = random.Random(6).choices(range(5, 96), k=3 * BLOCK + 1)
+    with router:
+        scaler = router.backend.autoscaler
+        assert scaler.pd and scaler.trial()[-1] is True  # the trials answer per role
+        ref = complete(router.url, prompt, 6)["token_ids"]
+        assert router.on_loop(lambda: scaler.step((1, 2))) == 3  # one more decode instance, at once
+        new = fleet.active[2]
+        until(lambda: router.instances().get(new.url, {}).get("healthy", False))
+        assert router.instances()[new.url]["role"] == "decode"
+        assert router.on_loop(lambda: scaler.step((1, 1))) == 3  # one answer for fewer: kept
+        assert router.on_loop(lambda: scaler.step((1, 1))) == 2  # the second in a row: the newest decoder retired
+        assert new.url not in router.instances() and new.proc.wait(60) == 0
+        assert complete(router.url, prompt, 6)["token_ids"] == ref
+        assert {i["role"] for i in router.instances().values()} == {"prefill", "decode"}
+    assert all(i.proc.poll() is not None for i in fleet.instances)
