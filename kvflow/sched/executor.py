@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Protocol
 
 from kvflow.kv.manager import KVCacheManager
 from kvflow.sched.handoff import Handoff
-from kvflow.sched.request import Request
+from kvflow.sched.request import Request, RequestStatus
 from kvflow.sched.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 LOG_LEN = 100_000  # batches a pipeline's `batch_log` keeps
@@ -230,8 +230,9 @@ class PipelineExecutor:
         out = p.in_flight.pop(wire_id, None)
         if out is None:
             return None
+        finished = RequestStatus.FINISHED
         rows = [i for i, (req, n, start, _, _, _) in enumerate(out.seqs)  # (`completes_prompt`, unfinished)
-                if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and not req.is_finished]
+                if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and req.status is not finished]
         sampled = {}
         if rows:
             toks = self.driver.sample(p, out, rows, result)

@@ -263,15 +263,15 @@ class Scheduler:
     def _whole(self, group: list[Request]) -> list[ScheduledSeq]:
         """Each request of microbatch `group` with all its pending tokens (its whole table when the
         executor's copy must be replaced)."""
-        full_table, out = self._full_table, []
+        full_table, out, new = self._full_table, [], tuple.__new__  # (a named tuple's own constructor is Python code)
         for r in group:
             c = r.num_computed_tokens
             n = len(r.prompt_token_ids) + len(r.output_token_ids) - c
             if r.request_id in full_table:
                 full_table.discard(r.request_id)
-                out.append(ScheduledSeq(r, n, c, tuple(r.block_ids), True))
+                out.append(new(ScheduledSeq, (r, n, c, tuple(r.block_ids), True, ())))
             else:
-                out.append(ScheduledSeq(r, n, c))
+                out.append(new(ScheduledSeq, (r, n, c, (), False, ())))
         return out
 
     def steady_steps(self, group: list[Request], token: int) -> int | None:
@@ -330,11 +330,11 @@ class Scheduler:
             self._batches -= 1
         changed, gone = [], []
         cache = self.kv_manager.cache_blocks if self.kv_manager.prefix_caching else None
-        in_flight, limit, prompt = self.in_flight, self.max_model_len, self.role == "prompt"
+        in_flight, limit, prompt, finished = self.in_flight, self.max_model_len, self.role == "prompt", RequestStatus.FINISHED
         for req, n, start, _, _, _ in out.seqs:  # (a ScheduledSeq's fields)
             rid = req.request_id
             in_flight.discard(rid)
-            if req.status is RequestStatus.FINISHED:  # aborted while in flight
+            if req.status is finished:  # aborted while in flight
                 self._release(req)
                 gone.append(req)
                 changed.append(req)
@@ -436,10 +436,10 @@ class Scheduler:
 
     def _drop(self, reqs: list[Request]) -> None:
         """Take `reqs` out of the running list and their microbatches (their blocks are not touched)."""
-        ids = {id(r) for r in reqs}
+        ids = set(map(id, reqs))
         self.running[:] = [r for r in self.running if id(r) not in ids]
         for g in self.groups:
-            if any(id(r) in ids for r in g):
+            if not ids.isdisjoint(map(id, g)):
                 g[:] = [r for r in g if id(r) not in ids]
         self.groups = [g for g in self.groups if g]
 
