@@ -204,16 +204,18 @@ class PipelineExecutor:
         streams = []
         if p.role == "prompt":
             parts = None  # where this pipeline's KV arrives (`Driver.kv_parts`), asked once per batch
+            handoff, new = self.handoff, tuple.__new__  # (a named tuple's own constructor is Python code)
             for s in out.seqs:
-                rid, total = s.request.request_id, s.request.num_tokens
-                lo, hi = self.handoff.stream_range(s)  # what the token side's cached prefix lacks
-                have = self.handoff.cached_tokens(rid)
+                req = s.request
+                rid, total = req.request_id, len(req.prompt_token_ids) + len(req.output_token_ids)
+                lo, hi = handoff.stream_range(s)  # what the token side's cached prefix lacks
+                have = handoff.cached_tokens(rid)
                 if lo < hi:
-                    streams.append(KVStream(rid, lo, hi, total, list(self.handoff.table(rid)), have))
+                    streams.append(new(KVStream, (rid, lo, hi, total, list(handoff.table(rid)), have)))
                 if s.full_table and have < total:  # from its first chunk on, KV is on its way into the reservation
                     if parts is None:
                         parts = tuple(self.driver.kv_parts(p))
-                    self.handoff.kv_sent(rid, parts)
+                    handoff.kv_sent(rid, parts)
         free, p.pending_free = p.pending_free + out.freed, []
         wire_id = next(self._wire_ids)
         p.in_flight[wire_id] = out
@@ -237,9 +239,10 @@ class PipelineExecutor:
         if rows:
             toks = self.driver.sample(p, out, rows, result)
             sampled = {out.seqs[i].request.request_id: t for i, t in zip(rows, toks)}
+        emit = self.driver.emit
         for req in p.sched.update(out, sampled):
-            self.driver.emit(req)
-            if req.is_finished:
+            emit(req)
+            if req.status is finished:
                 if p.role != "prompt":
                     self._blocks_freed(p)  # its blocks were freed
                 self._settle(req)

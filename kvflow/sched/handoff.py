@@ -66,13 +66,17 @@ class Handoff:
             return entry[0].kv_manager.ensure(entry[1], self._tokens(entry[0], req))
         if entry is None:
             tp, count = self._target
-            if tp is None or count >= tp.microbatch or not tp.kv_manager.can_ensure([], self._tokens(tp, req)):
+            tokens = self._tokens(tp, req) if tp is not None and count < tp.microbatch else -1
+            if tokens < 0 or not tp.kv_manager.can_ensure([], tokens):
                 tp, count = self._freest(), 0
+                tokens = self._tokens(tp, req)
             self._target = (tp, count + 1)
             entry = self.tables[rid] = (tp, [])
+        else:
+            tokens = self._tokens(entry[0], req)
         tp, table = entry
-        hit = tp.kv_manager.match(req.token_ids, req.block_hashes, req.num_tokens)
-        if not tp.kv_manager.ensure(table, self._tokens(tp, req), hit):
+        hit = tp.kv_manager.match(req.token_ids, req.block_hashes, len(req.prompt_token_ids) + len(req.output_token_ids))
+        if not tp.kv_manager.ensure(table, tokens, hit):
             return False
         self.cached[rid] = hit.num_tokens
         return True

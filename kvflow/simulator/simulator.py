@@ -231,7 +231,7 @@ class Simulator:
     def dispatch(self, p: SimPipeline, wire_id: int, out: SchedulerOutput, free: list[str], streams: list[KVStream]) -> None:
         """Place the batch on `p`'s stages: one `step_time` per stage, activation hops between them;
         a prompt pipeline's stages also stream the KV they compute."""
-        seqs = [(s.num_new_tokens, s.end) for s in out.seqs]
+        seqs = [(n, start + n) for _, n, start, _, _, _ in out.seqs]  # (num_new_tokens, end)
         shape = BatchShape.of(seqs)
         t = self._step_time(shape, p)
         hop = self._hop(shape.tokens, p) if p.depth > 1 else 0.0
