@@ -183,11 +183,11 @@ class PipelineExecutor:
         """Move up to one batch's worth of queued requests into `p`'s scheduler. It only ever admits
         from the head of its waiting queue and at most `microbatch` per batch, so it decides exactly
         as if every queued request were in it (without holding a million of them)."""
-        offered = []
-        while p.queue and len(offered) < p.microbatch:
-            item = p.queue.popleft()
+        offered, queue, add = [], p.queue, p.sched.add
+        for _ in range(min(p.microbatch, len(queue))):
+            item = queue.popleft()
             req = item if isinstance(item, Request) else self.make_request(item)
-            p.sched.add(req)
+            add(req)
             offered.append(req)
         return offered
 

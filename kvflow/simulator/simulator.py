@@ -29,7 +29,7 @@ from kvflow.kv.manager import KVCacheManager
 from kvflow.perf.perf_model import BatchShape, PerfModel
 from kvflow.sched.executor import KVStream, PipelineExecutor
 from kvflow.sched.config import SwapLayout
-from kvflow.sched.request import Request
+from kvflow.sched.request import Request, RequestStatus
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
 from kvflow.simulator.config import PipelineGroup, SimConfig
@@ -251,7 +251,7 @@ class Simulator:
         i = int(req.request_id)
         if self.first_token[i] != self.first_token[i]:  # NaN: its first token
             self.first_token[i] = self.now
-        if req.is_finished:
+        if req.status is RequestStatus.FINISHED:
             self.finish[i] = self.now
             self.completions[i] += 1
 
