@@ -161,7 +161,7 @@ class PipelineExecutor:
         if p.down:
             return
         if p.ready:
-            Handoff.fill_microbatches(p)
+            self.handoff.fill_microbatches(p)
         admitting = p.role != "token" and not (self.rigid_rounds and p.sched.running)
         while len(p.in_flight) < p.depth:
             offered = self._offer(p) if admitting else []

@@ -47,7 +47,7 @@ class Handoff:
         self.cached: dict[str, int] = {}  # of those, tokens [0, n) a token-side prefix-cache hit holds
         self.pending: dict[str, set[Hashable]] = {}  # request -> parts of its KV still on their way
         self.parked: dict[str, Request] = {}  # sampled (or finished) while its KV is on its way
-        self.joined: dict[str, TokenSide] = {}  # microbatch policy: where a request joined a ready queue (maybe left it)
+        self.joined: dict[str, TokenSide] = {}  # microbatch policy: the ready queue a request waits in
         self._target: tuple[TokenSide | None, int] = (None, 0)
         self._number = {id(tp): i for i, tp in enumerate(self.token)}
         self._heap: list[tuple[int, int]] = []  # (-free blocks, number): at least each pool's count, maybe more
@@ -166,12 +166,14 @@ class Handoff:
             tp.sched.add_running(req)
         return tp
 
-    @staticmethod
-    def fill_microbatches(tp: TokenSide) -> None:
+    def fill_microbatches(self, tp: TokenSide) -> None:
         """Microbatch policy: form token microbatches from the ready queue while a slot is free."""
+        joined = self.joined
         while tp.ready and len(tp.sched.groups) < tp.depth:
-            n = min(tp.microbatch, len(tp.ready))
-            tp.sched.add_microbatch([tp.ready.popleft() for _ in range(n)])
+            group = [tp.ready.popleft() for _ in range(min(tp.microbatch, len(tp.ready)))]
+            for r in group:
+                del joined[r.request_id]
+            tp.sched.add_microbatch(group)
 
     # --- endings -------------------------------------------------------------------------------
 
@@ -184,7 +186,7 @@ class Handoff:
             return None
         self.parked.pop(rid, None)
         tp = self.joined.pop(rid, None)
-        if tp is not None and req in tp.ready:  # joined, waiting for a microbatch: it holds its blocks itself
+        if tp is not None:  # joined, waiting for a microbatch: it holds its blocks itself
             tp.ready.remove(req)
             tp.kv_manager.release(req.block_ids)
             self.freed(tp)
