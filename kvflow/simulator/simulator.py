@@ -328,14 +328,14 @@ class Simulator:
         out = self.executor.complete(p, wire_id, None)
         events: list[Event] = []
         if p.role == "prompt":  # handed off, or finished at its first token: both wait for their KV
-            part = (p, p.epoch)
+            part, parked, done = (p, p.epoch), self.handoff.parked, pas.kv_done
             for s in out.seqs:
                 rid = s.request.request_id
-                if rid not in self.handoff.parked:
+                if rid not in parked:
                     continue
-                self.kv_wait[int(rid)] = max(0.0, pas.kv_done - now)
-                if pas.kv_done > now:
-                    events.append(KVReady(pas.kv_done, rid, part))
+                self.kv_wait[int(rid)] = max(0.0, done - now)
+                if done > now:
+                    events.append(KVReady(done, rid, part))
                 else:
                     self.executor.kv_arrived(rid, part)
         return events
