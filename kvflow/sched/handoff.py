@@ -172,7 +172,7 @@ class Handoff:
         while tp.ready and len(tp.sched.groups) < tp.depth:
             group = [tp.ready.popleft() for _ in range(min(tp.microbatch, len(tp.ready)))]
             for r in group:
-                del joined[r.request_id]
+                joined.pop(r.request_id, None)
             tp.sched.add_microbatch(group)
 
     # --- endings -------------------------------------------------------------------------------

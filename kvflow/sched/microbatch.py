@@ -1,6 +1,6 @@
 """The microbatch policy of the scheduling core (DéjàVu's): a pipeline keeps up to `max_in_flight`
 fixed microbatches, sends them round robin, each with all its pending tokens, and admits a new one
-only while a slot is free, reserving every token a request may produce up to front (so it is never
+only while a slot is free, reserving every token a request may produce up front (so it is never
 preempted). A token pipeline forms its microbatches from requests whose KV is in place
 (`add_microbatch`). For a simulator, the steps a steady microbatch takes without deciding anything
 new (`steady_steps`) can be applied at once (`run_ahead`, `requeue`).
