@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Protocol
 
 from kvflow.kv.manager import KVCacheManager
 from kvflow.sched.handoff import Handoff
-from kvflow.sched.request import Request
+from kvflow.sched.request import Request, RequestStatus
 from kvflow.sched.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 LOG_LEN = 100_000  # batches a pipeline's `batch_log` keeps
@@ -161,7 +161,7 @@ class PipelineExecutor:
         if p.down:
             return
         if p.ready:
-            Handoff.fill_microbatches(p)
+            self.handoff.fill_microbatches(p)
         admitting = p.role != "token" and not (self.rigid_rounds and p.sched.running)
         while len(p.in_flight) < p.depth:
             offered = self._offer(p) if admitting else []
@@ -183,11 +183,11 @@ class PipelineExecutor:
         """Move up to one batch's worth of queued requests into `p`'s scheduler. It only ever admits
         from the head of its waiting queue and at most `microbatch` per batch, so it decides exactly
         as if every queued request were in it (without holding a million of them)."""
-        offered = []
-        while p.queue and len(offered) < p.microbatch:
-            item = p.queue.popleft()
+        offered, queue, add = [], p.queue, p.sched.add
+        for _ in range(min(p.microbatch, len(queue))):
+            item = queue.popleft()
             req = item if isinstance(item, Request) else self.make_request(item)
-            p.sched.add(req)
+            add(req)
             offered.append(req)
         return offered
 
@@ -204,16 +204,18 @@ class PipelineExecutor:
         streams = []
         if p.role == "prompt":
             parts = None  # where this pipeline's KV arrives (`Driver.kv_parts`), asked once per batch
+            handoff, new = self.handoff, tuple.__new__  # (a named tuple's own constructor is Python code)
             for s in out.seqs:
-                rid, total = s.request.request_id, s.request.num_tokens
-                lo, hi = self.handoff.stream_range(s)  # what the token side's cached prefix lacks
-                have = self.handoff.cached_tokens(rid)
+                req = s.request
+                rid, total = req.request_id, len(req.prompt_token_ids) + len(req.output_token_ids)
+                lo, hi = handoff.stream_range(s)  # what the token side's cached prefix lacks
+                have = handoff.cached_tokens(rid)
                 if lo < hi:
-                    streams.append(KVStream(rid, lo, hi, total, list(self.handoff.table(rid)), have))
+                    streams.append(new(KVStream, (rid, lo, hi, total, list(handoff.table(rid)), have)))
                 if s.full_table and have < total:  # from its first chunk on, KV is on its way into the reservation
                     if parts is None:
                         parts = tuple(self.driver.kv_parts(p))
-                    self.handoff.kv_sent(rid, parts)
+                    handoff.kv_sent(rid, parts)
         free, p.pending_free = p.pending_free + out.freed, []
         wire_id = next(self._wire_ids)
         p.in_flight[wire_id] = out
@@ -230,15 +232,17 @@ class PipelineExecutor:
         out = p.in_flight.pop(wire_id, None)
         if out is None:
             return None
+        finished = RequestStatus.FINISHED
         rows = [i for i, (req, n, start, _, _, _) in enumerate(out.seqs)  # (`completes_prompt`, unfinished)
-                if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and not req.is_finished]
+                if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and req.status is not finished]
         sampled = {}
         if rows:
             toks = self.driver.sample(p, out, rows, result)
             sampled = {out.seqs[i].request.request_id: t for i, t in zip(rows, toks)}
+        emit = self.driver.emit
         for req in p.sched.update(out, sampled):
-            self.driver.emit(req)
-            if req.is_finished:
+            emit(req)
+            if req.status is finished:
                 if p.role != "prompt":
                     self._blocks_freed(p)  # its blocks were freed
                 self._settle(req)

@@ -47,7 +47,7 @@ class Handoff:
         self.cached: dict[str, int] = {}  # of those, tokens [0, n) a token-side prefix-cache hit holds
         self.pending: dict[str, set[Hashable]] = {}  # request -> parts of its KV still on their way
         self.parked: dict[str, Request] = {}  # sampled (or finished) while its KV is on its way
-        self.joined: dict[str, TokenSide] = {}  # microbatch policy: where a request joined a ready queue (maybe left it)
+        self.joined: dict[str, TokenSide] = {}  # microbatch policy: the ready queue a request waits in
         self._target: tuple[TokenSide | None, int] = (None, 0)
         self._number = {id(tp): i for i, tp in enumerate(self.token)}
         self._heap: list[tuple[int, int]] = []  # (-free blocks, number): at least each pool's count, maybe more
@@ -66,13 +66,17 @@ class Handoff:
             return entry[0].kv_manager.ensure(entry[1], self._tokens(entry[0], req))
         if entry is None:
             tp, count = self._target
-            if tp is None or count >= tp.microbatch or not tp.kv_manager.can_ensure([], self._tokens(tp, req)):
+            tokens = self._tokens(tp, req) if tp is not None and count < tp.microbatch else -1
+            if tokens < 0 or not tp.kv_manager.can_ensure([], tokens):
                 tp, count = self._freest(), 0
+                tokens = self._tokens(tp, req)
             self._target = (tp, count + 1)
             entry = self.tables[rid] = (tp, [])
+        else:
+            tokens = self._tokens(entry[0], req)
         tp, table = entry
-        hit = tp.kv_manager.match(req.token_ids, req.block_hashes, req.num_tokens)
-        if not tp.kv_manager.ensure(table, self._tokens(tp, req), hit):
+        hit = tp.kv_manager.match(req.token_ids, req.block_hashes, len(req.prompt_token_ids) + len(req.output_token_ids))
+        if not tp.kv_manager.ensure(table, tokens, hit):
             return False
         self.cached[rid] = hit.num_tokens
         return True
@@ -162,12 +166,14 @@ class Handoff:
             tp.sched.add_running(req)
         return tp
 
-    @staticmethod
-    def fill_microbatches(tp: TokenSide) -> None:
+    def fill_microbatches(self, tp: TokenSide) -> None:
         """Microbatch policy: form token microbatches from the ready queue while a slot is free."""
+        joined = self.joined
         while tp.ready and len(tp.sched.groups) < tp.depth:
-            n = min(tp.microbatch, len(tp.ready))
-            tp.sched.add_microbatch([tp.ready.popleft() for _ in range(n)])
+            group = [tp.ready.popleft() for _ in range(min(tp.microbatch, len(tp.ready)))]
+            for r in group:
+                joined.pop(r.request_id, None)
+            tp.sched.add_microbatch(group)
 
     # --- endings -------------------------------------------------------------------------------
 
@@ -180,7 +186,7 @@ class Handoff:
             return None
         self.parked.pop(rid, None)
         tp = self.joined.pop(rid, None)
-        if tp is not None and req in tp.ready:  # joined, waiting for a microbatch: it holds its blocks itself
+        if tp is not None:  # joined, waiting for a microbatch: it holds its blocks itself
             tp.ready.remove(req)
             tp.kv_manager.release(req.block_ids)
             self.freed(tp)

@@ -18,11 +18,12 @@ from collections.abc import Callable
 
 from kvflow.kv.manager import KVCacheManager, PrefixHit, blocks_for
 from kvflow.sched.config import POLICIES, ROLES, SchedulerConfig  # noqa: F401  (re-exported)
+from kvflow.sched.microbatch import MicrobatchPolicy
 from kvflow.sched.output import ScheduledSeq, SchedulerOutput  # noqa: F401  (re-exported)
 from kvflow.sched.request import Request, RequestStatus
 
 
-class Scheduler:
+class Scheduler(MicrobatchPolicy):
     """Decides, each batch, which requests run and how many of their tokens (see module docstring).
 
     Roles: "both" runs prompts and tokens; "prompt" runs prompts only and hands a request off
@@ -227,100 +228,6 @@ class Scheduler:
         prompt from admission on (it leaves after one pass), so a prompt pipeline never preempts."""
         return req.num_tokens if self.role == "prompt" else req.num_computed_tokens + n
 
-    def _schedule_microbatch(self) -> list[ScheduledSeq]:
-        """The next microbatch whose previous pass has returned, or a new one if a slot is free."""
-        for group in self.groups:  # round robin: a group that just ran goes to the back
-            if not any(r.request_id in self.in_flight for r in group):
-                self.groups.remove(group)
-                self.groups.append(group)
-                return self._whole(group)
-        if len(self.groups) >= self.config.max_in_flight or self.role == "token":
-            return []
-        group: list[Request] = []
-        room = self.config.swap_region_blocks if self.config.swap_regions else None  # device blocks of a region
-        while self.waiting and len(group) < self.config.microbatch_size:
-            req = self.waiting[0]
-            if req.request_id in self._loading:
-                break
-            total = req.num_prompt_tokens + req.params.max_tokens  # reserved up front: never preempted
-            hit = self._match(req)
-            if not self.kv_manager.can_ensure(req.block_ids, total, hit):
-                break
-            if room is not None:
-                if blocks_for(total, self.kv_manager.block_size) > room:
-                    break
-                room -= blocks_for(total, self.kv_manager.block_size)
-            if self.admit_hook is not None and not self.admit_hook(req):
-                break
-            self.waiting.popleft()
-            self._admit(req, total, hit)
-            group.append(req)
-        if not group:
-            return []
-        self.groups.append(group)
-        return self._whole(group)
-
-    def _whole(self, group: list[Request]) -> list[ScheduledSeq]:
-        """Each request of microbatch `group` with all its pending tokens (its whole table when the
-        executor's copy must be replaced)."""
-        full_table, out = self._full_table, []
-        for r in group:
-            c = r.num_computed_tokens
-            n = len(r.prompt_token_ids) + len(r.output_token_ids) - c
-            if r.request_id in full_table:
-                full_table.discard(r.request_id)
-                out.append(ScheduledSeq(r, n, c, tuple(r.block_ids), True))
-            else:
-                out.append(ScheduledSeq(r, n, c))
-        return out
-
-    def steady_steps(self, group: list[Request], token: int) -> int | None:
-        """Microbatch policy: how many one-token passes of `group` (the microbatch now in flight
-        counted as the first) return before one that finishes a request, if each samples `token`;
-        None when a pass of it may do anything else (a prompt chunk, a stop check on text)."""
-        steps, limit = None, self.max_model_len
-        for r in group:
-            if len(r.prompt_token_ids) + len((out := r.output_token_ids)) - r.num_computed_tokens != 1 or not out \
-                    or r.status is RequestStatus.FINISHED:
-                return None
-            left = r.steps_to_length(token, limit)
-            if left is None:
-                return None
-            if steps is None or left < steps:
-                steps = left
-        return None if steps is None else steps - 1
-
-    def run_ahead(self, group: list[Request], steps: int, token: int) -> SchedulerOutput:
-        """Microbatch policy: apply `steps` returned passes of microbatch `group` at once (each a
-        one-token step of all of it sampling `token`, none finishing one: at most `steady_steps`)
-        with the `schedule()` that re-sent it after each. Returns the batch now in flight for it,
-        as the last of those calls formed it (batch ids are consumed as by `steps` calls). The
-        round robin is the caller's (`requeue`): it may apply passes after others were sent."""
-        assert self.config.policy == "microbatch" and steps > 0
-        more = [token] * steps
-        cache = self.kv_manager.cache_blocks if self.kv_manager.prefix_caching else None
-        for r in group:
-            start = r.num_computed_tokens
-            r.extend_tokens(more)
-            r.num_computed_tokens = start + steps
-            if cache is not None:
-                cache(r.block_ids, r.token_ids, r.block_hashes, start, start + steps)
-        batch_id = next(self._ids) + steps - 1
-        self._ids = itertools.count(batch_id + 1)
-        return SchedulerOutput(batch_id, self._whole(group))
-
-    def requeue(self, groups: list[list[Request]]) -> None:
-        """Microbatch policy: `groups` were re-sent in this order; each goes to the round robin's back."""
-        for g in groups:
-            self.groups.remove(g)
-            self.groups.append(g)
-
-    def add_microbatch(self, requests: list[Request]) -> None:
-        """Token role with the microbatch policy: requests whose KV is in place run as one microbatch."""
-        for r in requests:
-            self.add_running(r)
-        self.groups.append(list(requests))
-
     # ------------------------------------------------------------------ results
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply a returned batch: progress, sampled tokens, stop checks; frees what finished.
@@ -330,11 +237,11 @@ class Scheduler:
             self._batches -= 1
         changed, gone = [], []
         cache = self.kv_manager.cache_blocks if self.kv_manager.prefix_caching else None
-        in_flight, limit, prompt = self.in_flight, self.max_model_len, self.role == "prompt"
+        in_flight, limit, prompt, finished = self.in_flight, self.max_model_len, self.role == "prompt", RequestStatus.FINISHED
         for req, n, start, _, _, _ in out.seqs:  # (a ScheduledSeq's fields)
             rid = req.request_id
             in_flight.discard(rid)
-            if req.status is RequestStatus.FINISHED:  # aborted while in flight
+            if req.status is finished:  # aborted while in flight
                 self._release(req)
                 gone.append(req)
                 changed.append(req)
@@ -436,10 +343,10 @@ class Scheduler:
 
     def _drop(self, reqs: list[Request]) -> None:
         """Take `reqs` out of the running list and their microbatches (their blocks are not touched)."""
-        ids = {id(r) for r in reqs}
+        ids = set(map(id, reqs))
         self.running[:] = [r for r in self.running if id(r) not in ids]
         for g in self.groups:
-            if any(id(r) in ids for r in g):
+            if not ids.isdisjoint(map(id, g)):
                 g[:] = [r for r in g if id(r) not in ids]
         self.groups = [g for g in self.groups if g]
 

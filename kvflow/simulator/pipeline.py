@@ -20,7 +20,7 @@ from kvflow.sched.scheduler import Scheduler
 from kvflow.simulator.config import PipelineGroup
 
 
-@dataclass
+@dataclass(slots=True)
 class Pass:
     """What the clock knows of a batch in flight: its stage time, when it returns, and (prompt
     role) when the KV it computed has left every stage."""

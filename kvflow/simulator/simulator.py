@@ -29,7 +29,7 @@ from kvflow.kv.manager import KVCacheManager
 from kvflow.perf.perf_model import BatchShape, PerfModel
 from kvflow.sched.executor import KVStream, PipelineExecutor
 from kvflow.sched.config import SwapLayout
-from kvflow.sched.request import Request
+from kvflow.sched.request import Request, RequestStatus
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
 from kvflow.simulator.config import PipelineGroup, SimConfig
@@ -231,7 +231,7 @@ class Simulator:
     def dispatch(self, p: SimPipeline, wire_id: int, out: SchedulerOutput, free: list[str], streams: list[KVStream]) -> None:
         """Place the batch on `p`'s stages: one `step_time` per stage, activation hops between them;
         a prompt pipeline's stages also stream the KV they compute."""
-        seqs = [(s.num_new_tokens, s.end) for s in out.seqs]
+        seqs = [(n, start + n) for _, n, start, _, _, _ in out.seqs]  # (num_new_tokens, end)
         shape = BatchShape.of(seqs)
         t = self._step_time(shape, p)
         hop = self._hop(shape.tokens, p) if p.depth > 1 else 0.0
@@ -251,7 +251,7 @@ class Simulator:
         i = int(req.request_id)
         if self.first_token[i] != self.first_token[i]:  # NaN: its first token
             self.first_token[i] = self.now
-        if req.is_finished:
+        if req.status is RequestStatus.FINISHED:
             self.finish[i] = self.now
             self.completions[i] += 1
 
@@ -328,14 +328,14 @@ class Simulator:
         out = self.executor.complete(p, wire_id, None)
         events: list[Event] = []
         if p.role == "prompt":  # handed off, or finished at its first token: both wait for their KV
-            part = (p, p.epoch)
+            part, parked, done = (p, p.epoch), self.handoff.parked, pas.kv_done
             for s in out.seqs:
                 rid = s.request.request_id
-                if rid not in self.handoff.parked:
+                if rid not in parked:
                     continue
-                self.kv_wait[int(rid)] = max(0.0, pas.kv_done - now)
-                if pas.kv_done > now:
-                    events.append(KVReady(pas.kv_done, rid, part))
+                self.kv_wait[int(rid)] = max(0.0, done - now)
+                if done > now:
+                    events.append(KVReady(done, rid, part))
                 else:
                     self.executor.kv_arrived(rid, part)
         return events

@@ -27,6 +27,8 @@ the timeline and every decision are those of simulating each pass as an event
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import add
 from typing import TYPE_CHECKING
 
 from kvflow.perf.perf_model import BatchShape
@@ -156,20 +158,18 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
         context[i] += n * turns
         steps[i] += turns
     ret = done_at[:]
-    busy, sf = run.busy, run.stage_free
+    busy, sf = reduce(add, sts[:count], run.busy), run.stage_free  # each pass's stage time, added in order
     put = ret.append
     if depth == 2:
         a, b = sf
-        for t, st, (hop, (s0, s1)) in zip(ret, sts, priced):
-            busy += st
+        for t, (hop, s0, s1) in zip(ret, priced):
             a = (t if t > a else a) + s0
             t = a + hop
             b = (t if t > b else b) + s1
             put(b)
         sf[0], sf[1] = a, b
     else:
-        for t, st, (hop, stages) in zip(ret, sts, priced):
-            busy += st
+        for t, (hop, *stages) in zip(ret, priced):
             for k in range(depth):
                 if k:
                     t += hop
@@ -185,7 +185,7 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
 
 
 def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int) -> tuple[list, list]:
-    """(hop, each stage's time) and the stage time of `turns` one-token passes of a microbatch of
+    """(hop, then each stage's time) and the stage time of `turns` one-token passes of a microbatch of
     `n` requests whose contexts sum to `context` before the first: `Simulator.dispatch`'s prices,
     kept per (pipeline depth, role, n) in two lists indexed by the context."""
     line, times = sim._decode_times.setdefault((p.depth, p.role, n), ([], []))
@@ -203,7 +203,7 @@ def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int
                 shape = BatchShape(decode_seqs=n, decode_context=c)
                 times[c] = step = sim._step_time(shape, p)
                 got[j] = line[c] = (sim._hop(n, p) if depth > 1 else 0.0,
-                                    tuple(sim._stage_time(shape, p, k) for k in range(depth)) if per_stage else (step,) * depth)
+                                    *([sim._stage_time(shape, p, k) for k in range(depth)] if per_stage else (step,) * depth))
     return got, times[context + n:hi + 1:n]
 
 
