@@ -62,7 +62,7 @@ class KVCacheManager:
     disk pool); `match` continues the hash chain in the host pool, and `ensure` promotes those blocks
     into new device blocks; `prefetch` loads a waiting request's blocks found on disk, or held by another
     instance, into the host pool (True while such a load is pending: admit it once it has returned,
-    `loads_done`). `cached_run` / `still_holds`: the device blocks another instance may pull.
+    `loads_done`). `held_blocks` / `still_held`: the device blocks another instance may pull.
 
     `block_ids=False` (no prefix caching): tables only count their blocks (`BlockPool`'s anonymous
     mode), for an executor that never addresses KV (the simulator).
@@ -239,25 +239,15 @@ class KVCacheManager:
         if slot is not None:
             self.plan.to_host.append((block, slot))
 
-    def cached_run(self, hashes: Sequence[bytes]) -> list[tuple[int, int]]:
-        """(device block, its generation) of the leading `hashes` this pool holds, for a copy made outside the owner's
-        thread, which checks each block's generation again afterwards (`BlockPool.generation`)."""
-        out = []
-        for h in hashes:
-            b = self.pool.by_hash.get(h)
-            if b is None:
-                break
-            out.append((b, self.pool.generation[b]))
-        return out
+    def held_blocks(self, hashes: Sequence[bytes]) -> list[tuple[int, int, int]]:
+        """(index in `hashes`, device block, its generation) of each of `hashes` this pool holds, for a copy made
+        outside the owner's thread, which checks each block's generation again afterwards (`BlockPool.generation`)."""
+        by_hash, gen = self.pool.by_hash, self.pool.generation
+        return [(i, b, gen[b]) for i, h in enumerate(hashes) if (b := by_hash.get(h)) is not None]
 
-    def still_holds(self, hashes: Sequence[bytes], run: Sequence[tuple[int, int]]) -> int:
-        """How many of `run`'s leading blocks (from `cached_run(hashes)`) still hold their content, unchanged since."""
-        n = 0
-        for h, (b, g) in zip(hashes, run):
-            if self.pool.hash_of.get(b) != h or self.pool.generation[b] != g:
-                break
-            n += 1
-        return n
+    def still_held(self, hashes: Sequence[bytes], held: Sequence[tuple[int, int, int]]) -> list[bool]:
+        """For each of `held` (from `held_blocks(hashes)`): whether its block still holds that content, unchanged since."""
+        return [self.pool.hash_of.get(b) == hashes[i] and self.pool.generation[b] == g for i, b, g in held]
 
     def missing_blocks(self, table: list[int], num_tokens: int) -> int:
         return max(0, blocks_for(num_tokens, self.block_size) - len(table))

@@ -6,12 +6,13 @@ load of the prompt's full blocks that no tier of its own holds (`KVCacheManager.
 Its engine's `TierStore` performs it on a thread of its own, while the engine steps on, with `KVPuller.pull`: one
 HTTP POST to the source's `PULL_PATH` naming the blocks' hashes and this cache's geometry, answered by one chunk of
 the streaming library (`kvflow.streaming.chunk`: header with XXH3 checksum, verified here before any byte reaches the
-host tier) holding the leading run of those blocks the source still holds. Blocks it no longer holds (evicted) are
-recomputed; nothing waits for them.
+host tier) holding those of the blocks the source still holds, in order, their positions among the hashes in its
+`meta` ("held"): one pull may carry the blocks of several requests, so a block one request lacks does not cost the
+next request its own. Blocks the source no longer holds (evicted) are recomputed; nothing waits for them.
 
 The source answers from its API's worker thread, not from its engine's: it copies the blocks out of the device cache
 while the engine keeps stepping, then checks that none of them was evicted (and so possibly overwritten) meanwhile
-(`KVCacheManager.still_holds`, by each block's generation) and sends only the run that stayed intact — a full block's
+(`KVCacheManager.still_held`, by each block's generation) and sends only the blocks that stayed intact — a full block's
 KV is never written again until its block is evicted.
 """
 
@@ -68,43 +69,45 @@ def parse_pull(body: bytes, layout: KVLayout) -> list[bytes]:
 
 
 def read_blocks(cache: KVCache, manager: KVCacheManager, hashes: Sequence[bytes]) -> list | None:
-    """The frame (parts to concatenate) of one chunk holding the leading run of `hashes` whose blocks are in
-    `manager`'s device pool and stayed intact while they were copied; None when there is none. Safe beside the
-    thread that owns `manager` and steps `cache` (see the module docstring)."""
-    run = manager.cached_run(hashes)
-    if not run:
+    """The frame (parts to concatenate) of one chunk holding those of `hashes` whose blocks are in `manager`'s device
+    pool and stayed intact while they were copied, in order, their positions in `hashes` as the chunk's
+    `meta["held"]`; None when there is none. Safe beside the thread that owns `manager` and steps `cache` (see the
+    module docstring)."""
+    held = manager.held_blocks(hashes)
+    if not held:
         return None
     lay = cache.layout
-    blocks = [b for b, _ in run]
+    blocks = [b for _, b, _ in held]
     if cache.device.type == "cpu":  # numpy's copy: no OpenMP team in this thread beside the engine thread's
-        raw = torch.from_numpy(cache.data.view(torch.uint8).numpy()[:, :, blocks])
-        data = raw.view(lay.dtype)
+        data = torch.from_numpy(cache.data.view(torch.uint8).numpy()[:, :, blocks]).view(lay.dtype)
     else:
         data = cache.data.index_select(2, torch.tensor(blocks, device=cache.device))
-    n = manager.still_holds(hashes, run)  # [layers, 2, blocks, block_size, heads, dim], copied: still intact?
-    if not n:
-        return None
-    data = data[:, :, :n].reshape(lay.num_layers, 2, n * lay.block_size, lay.num_kv_heads, lay.head_dim)
-    data = data.to("cpu").contiguous()
+    intact = manager.still_held(hashes, held)  # [layers, 2, blocks, block_size, heads, dim], copied: still intact?
+    if not all(intact):
+        keep = [k for k, ok in enumerate(intact) if ok]
+        if not keep:
+            return None
+        data, held = data[:, :, keep], [held[k] for k in keep]
+    n = len(held)
+    data = data.reshape(lay.num_layers, 2, n * lay.block_size, lay.num_kv_heads, lay.head_dim).to("cpu").contiguous()
     desc = ChunkDesc((Segment("pull", 0, n * lay.block_size),), lay.layer_start, lay.layer_end, "kv")
     payload = tensor_bytes(data)
-    header = make_header(f"pull-{uuid.uuid4().hex[:8]}", 0, desc, data, {"blocks": n}, payload)
+    header = make_header(f"pull-{uuid.uuid4().hex[:8]}", 0, desc, data, {"held": [i for i, _, _ in held]}, payload)
     return frame(encode_header(header), payload)
 
 
 class KVPuller:
     """Pulls blocks into a cache of `layout`'s geometry from other instances (`api_key`: sent as a bearer token,
-    the instances of one deployment sharing theirs). `pulled` / `missed`: blocks received, and asked for in vain."""
+    the instances of one deployment sharing theirs)."""
 
     def __init__(self, layout: KVLayout, api_key: str | None = None, timeout_s: float = 10.0) -> None:
         self.layout, self.api_key, self.timeout_s = layout, api_key, timeout_s
-        self.pulled = self.missed = 0
 
-    def pull(self, source: str, hashes: Sequence[bytes]) -> Chunk | None:
-        """The verified chunk of the leading run of `hashes` that `source` (an instance's base URL) holds — its
-        tokens are whole blocks, in the order of `hashes`; release it after copying — or None: it holds none of
-        them, or it cannot be reached or answered with something this cache cannot take (the blocks are then
-        recomputed; the reason is in the exception's text for the caller's log)."""
+    def pull(self, source: str, hashes: Sequence[bytes]) -> tuple[list[int], Chunk] | None:
+        """(the positions in `hashes` of the blocks `source`, an instance's base URL, sent, the verified chunk holding
+        them in that order, whole blocks: release it after copying), or None: it holds none of them. Raises when it
+        cannot be reached or answers with something this cache cannot take (the blocks are then recomputed; the
+        reason is in the exception's text for the caller's log)."""
         hashes = list(hashes)[:MAX_PULL_BLOCKS]
         lay = self.layout
         body = json.dumps({"hashes": [h.hex() for h in hashes], "geometry": geometry(lay)}).encode()
@@ -119,7 +122,6 @@ class KVPuller:
             conn.request("POST", PULL_PATH, body, headers)
             resp = conn.getresponse()
             if resp.status == 204:
-                self.missed += len(hashes)
                 return None
             if resp.status != 200:
                 raise ConnectionError(f"{source}{PULL_PATH} answered {resp.status}: {resp.read(512)!r}")
@@ -130,16 +132,14 @@ class KVPuller:
             raise ChunkMismatch(f"{source} answered more than {limit} bytes for {len(hashes)} blocks")
 
         def check(h) -> None:
-            d = h.desc
-            tokens = d.num_tokens
+            d, held = h.desc, h.meta.get("held")
             if ((d.layer_start, d.layer_end, d.kinds) != (lay.layer_start, lay.layer_end, "kv")
-                    or tokens % lay.block_size or not 0 < tokens <= len(hashes) * lay.block_size
-                    or h.shape[3:] != (lay.num_kv_heads, lay.head_dim) or h.torch_dtype != lay.dtype):
+                    or h.shape[3:] != (lay.num_kv_heads, lay.head_dim) or h.torch_dtype != lay.dtype
+                    or not isinstance(held, list) or not held or d.num_tokens != len(held) * lay.block_size
+                    or not all(isinstance(i, int) and not isinstance(i, bool) for i in held)
+                    or held != sorted(set(held)) or held[0] < 0 or held[-1] >= len(hashes)):
                 raise ChunkMismatch(f"{source} answered {d} {h.shape} {h.torch_dtype}, not blocks of this cache")
 
         chunk = verify(parse_frame(data, source), limit, None, check)
-        n = chunk.header.desc.num_tokens // lay.block_size
-        self.pulled += n
-        self.missed += len(hashes) - n
-        return chunk
+        return chunk.header.meta["held"], chunk
 

@@ -186,19 +186,21 @@ class TierStore:
             source, run = ops[i][0], ops[i:j]
             i = j
             try:
-                chunk = self.puller.pull(source, [h for _, h, _ in run])
+                got = self.puller.pull(source, [h for _, h, _ in run])
             except (ChunkError, OSError, ValueError) as e:
                 log.warning("pulling %d KV blocks from %s failed (they are recomputed): %s", len(run), source, e)
-                chunk = None
-            n = 0
-            if chunk is not None:
+                got = None
+            held: list[int] = []
+            if got is not None:
+                held, chunk = got
                 with chunk:
-                    n = chunk.header.desc.num_tokens // lay.block_size
                     # numpy's copy into the host slots: no OpenMP team in this thread beside the engine thread's
                     src = chunk.data.view(torch.uint8).numpy()
                     dst = self.host.data.view(torch.uint8).numpy()
-                    dst[:, :, [s for _, _, s in run[:n]]] = src.reshape(*src.shape[:2], n, lay.block_size, *src.shape[3:])
-            failed.extend(s for _, _, s in run[n:])
+                    dst[:, :, [run[k][2] for k in held]] = src.reshape(*src.shape[:2], len(held), lay.block_size,
+                                                                      *src.shape[3:])
+            came = set(held)
+            failed.extend(s for k, (_, _, s) in enumerate(run) if k not in came)
         m = self.moved["from_remote"]
         m[0] += (len(ops) - len(failed)) * lay.bytes_per_block
         m[1] += time.perf_counter() - t0

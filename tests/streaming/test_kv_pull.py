@@ -8,6 +8,7 @@ import threading
 
 import httpx
 import pytest
+import torch
 
 from kvflow.api.server import APIConfig, BackgroundServer
 from kvflow.config import EngineConfig
@@ -59,7 +60,6 @@ def test_pulled_blocks_give_the_same_tokens(tiny_ckpt_dir, source, reference):
     kv = eng.kv_manager
     assert kv.pulled == [0, 5]  # every full block came from the source ...
     assert kv.tier_stats()["host"].hits == 5 * BS  # ... through the host tier into the device pool
-    assert eng.runner.tiers.puller.pulled == 5
     kv.pool.check()
     kv.host.check()
 
@@ -103,8 +103,22 @@ def test_blocks_the_source_lacks_are_recomputed(tiny_ckpt_dir, source):
     eng = engine(tiny_ckpt_dir, host_blocks=8)
     eng.runner.tiers.puller.api_key = "k3y"
     assert generate(eng, other, kv_source=url) == want
-    assert eng.kv_manager.pulled == [2, 2]
-    assert eng.runner.tiers.puller.missed == 2
+    assert eng.kv_manager.pulled == [2, 2]  # [not there, landed]
+
+
+def test_one_pull_for_two_requests_brings_each_what_the_source_holds(tiny_ckpt_dir, source, reference):
+    """Two requests' blocks in one pull: the first request's missing tail does not cost the second its blocks."""
+    url, _ = source
+    other = PROMPT[:2 * BS] + [5] * (3 * BS)  # the source holds its first two full blocks of four
+    want = generate(engine(tiny_ckpt_dir), other)
+    eng = engine(tiny_ckpt_dir, host_blocks=16)
+    eng.runner.tiers.puller.api_key = "k3y"
+    a, b = eng.add_request(other, GREEDY, kv_source=url), eng.add_request(PROMPT, GREEDY, kv_source=url)
+    final = run_to_completion(eng)
+    assert [final[a.request_id].token_ids, final[b.request_id].token_ids] == [want, reference]
+    assert eng.kv_manager.pulled == [2, 2 + 3]  # other's two shared blocks (once), PROMPT's own three; other's tail not
+    stats = eng.kv_manager.tier_stats()
+    assert stats["host"].hits + stats["device"].hits == (2 + 5) * BS  # other's 2 blocks, PROMPT's 5: none computed
 
 
 def test_an_unreachable_or_refusing_source_costs_only_the_recompute(tiny_ckpt_dir, source, reference):
@@ -151,18 +165,41 @@ def test_a_puller_rejects_an_answer_of_another_geometry(source):
         KVPuller(replace(lay, block_size=2 * BS), "k3y").pull(url, list(hashes.values())[:1])
 
 
-def test_a_block_evicted_while_copied_is_not_sent():
-    """The source copies blocks outside its engine thread and sends only those whose generation did not change."""
+def test_the_source_sends_what_it_holds_and_not_a_block_evicted_while_copied():
+    """`read_blocks`: every named block the pool holds, gaps included (one pull may carry several requests' blocks),
+    their positions in the chunk's meta; a block evicted while the blocks were copied (outside the engine thread) is
+    left out."""
+    from kvflow.kv.cache import KVCache
+    from kvflow.streaming.kv_pull import read_blocks
+    from kvflow.streaming.primitives import verify
+    from kvflow.streaming.transports.file import parse_frame
+
+    lay = KVLayout.for_model(tiny_config(), 4, 2)
+    cache = KVCache(lay)
+    cache.data.normal_()
     kv = KVCacheManager(num_blocks=4, block_size=2)
-    tokens, hashes = [1, 2, 3, 4, 5, 6, 7], []
-    table: list[int] = []
+    tokens, hashes, table = [1, 2, 3, 4, 5, 6, 7], [], []
     assert kv.ensure(table, 7)
     kv.cache_blocks(table, tokens, hashes, 0, 7)
-    kv.release(table)
-    run = kv.cached_run(hashes)
-    assert len(run) == 3 and kv.still_holds(hashes, run) == 3
-    other: list[int] = []
-    assert kv.ensure(other, 8)  # needs every block: evicts the cached ones, last block first
-    assert kv.still_holds(hashes, run) == 0
-    kv.release(other)
-    assert kv.cached_run(hashes) == []
+    blocks = list(table)
+    kv.release(table)  # cached: the last block is evicted first
+
+    def sent(names):
+        chunk = verify(parse_frame(bytearray(b"".join(read_blocks(cache, kv, names))), "test"))
+        held = chunk.header.meta["held"]
+        want = cache.data[:, :, [blocks[hashes.index(names[i])] for i in held]].reshape(chunk.data.shape)
+        assert torch.equal(chunk.data, want)
+        return held
+
+    assert sent([b"x" * 16, hashes[0], hashes[1]]) == [1, 2]  # a gap does not stop the rest
+    real = kv.still_held
+
+    def evicting(names, held):  # the engine thread evicts a block while the source copies
+        other: list[int] = []
+        assert kv.ensure(other, 4)  # the free block and one cached: the last block of the prefix
+        return real(names, held)
+
+    kv.still_held = evicting
+    assert sent(hashes) == [0, 1]
+    assert kv.held_blocks(hashes) == [(0, blocks[0], 0), (1, blocks[1], 0)]
+    assert kv.pool.generation[blocks[2]] == 1
