@@ -40,9 +40,13 @@ was split) and one `kvflow router` process per policy, all on free ports; client
    instances. `--fidelity-layouts` adds `pd`: the P/D pools (the first instance prefills, the others decode, least
    load), replayed alike and simulated with the same roles, each pull priced at the pulls' measured speed in those
    runs (the decode instances' pulled blocks over their seconds pulling). Reported per policy: throughput (output tokens / makespan), TTFT p50 and TPOT p50, real (median of
-   the runs) and simulated, and the error sim / real - 1 (target within 15%). The simulated TTFT counts the serving
-   stack's own time (`hop_s`: the TTFT of 8-token requests through a router on idle instances, measured before the
-   replays, less a simulated 8-token prefill); the error without it is printed beside.
+   the runs) and simulated, and the error sim / real - 1 (target within 15%), twice: priced from the windows, and at
+   each run's own speed (the windows' profile scaled by the instances' engine busy seconds in that run over the
+   simulated ones: the VM's speed moves between a window and a run; the second pricing takes that out of the
+   comparison of the decisions and the queueing). The simulated TTFT counts the serving
+   stack's own time (`hop_s`: the TTFT of 8-token requests of one output token through a router on idle instances,
+   measured before the replays, less the engine step each took: the instances' busy seconds); the error without it
+   is printed beside.
 6. P/D pools (`--parts pd`): two instances of their own with a host tier (`--host-kv-bytes`), first both in the
    mixed pool (a least-load router), then one prefill and one decode instance (a router with `--prefill` /
    `--decode`: each request's prompt and first token on the prefill instance, the rest on the decode instance, which
@@ -406,6 +410,7 @@ async def replay(url: str, w) -> list:
 
 
 FIDELITY_KEYS = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s")
+BUSY = 'kvflow_worker_busy_seconds_total{worker="engine"}'  # an instance's seconds in engine steps
 
 
 def fidelity_part(args) -> dict:
@@ -415,7 +420,6 @@ def fidelity_part(args) -> dict:
     from fidelity import metrics as serving_metrics  # (benchmarks/fidelity.py's: times from each submission)
 
     from kvflow.perf import ProfiledPerfModel
-    from kvflow.perf.perf_model import BatchShape
     from kvflow.perf.calibrate import calibrate_engine, co_run_slowdown, merge_profiles
     from kvflow.router.config import RouterConfig
     from kvflow.router.simulated import simulate_cluster
@@ -436,12 +440,17 @@ def fidelity_part(args) -> dict:
                                   *[a for u in urls[1:] for a in ("--decode", u)]])
         for r in routers.values():
             r.wait()
-        # the serving stack's own time to a first token (client -> router -> instance -> back), from requests of
-        # 8 tokens on idle instances: what a simulated instance's prefill of 8 tokens leaves of it is `hop_s`
+        # the serving stack's own time to a first token (client -> router -> instance -> back): an 8-token request
+        # of one output token on idle instances, less the engine step it took there (the instances' busy seconds)
         rng = random.Random(99)
         mixed = next(r for name, r in routers.items() if name != "pd")
-        stack = [asyncio.run(run_batch(mixed.url, [tokens(rng, 8)], 2, 1))[0][0].ttft for _ in range(12)]
-        stack_ttft = statistics.median(stack[2:])
+        stack, hops = [], []
+        for _ in range(12):
+            busy = sum(_metric(u, BUSY) for u in urls)
+            ttft = asyncio.run(run_batch(mixed.url, [tokens(rng, 8)], 1, 1))[0][0].ttft
+            stack.append(ttft)
+            hops.append(ttft - (sum(_metric(u, BUSY) for u in urls) - busy))
+        stack_ttft, hop_s = statistics.median(stack[2:]), max(0.0, statistics.median(hops[2:]))
         print("  the slowdown beside a busy neighbour ...", flush=True)
         co_run = co_run_slowdown(None)
         windows, runs = [], {pol: [] for pol in layouts}
@@ -453,7 +462,9 @@ def fidelity_part(args) -> dict:
             for k, pol in enumerate(order):
                 w = fidelity_workload(args, seed=100 * rep + k)
                 before = [sum(_metric(u, f"kvflow_kv_pull{s}_total") for u in urls) for s in ("ed_blocks", "_seconds")]
+                busy = -sum(_metric(u, BUSY) for u in urls)
                 results = asyncio.run(replay(routers[pol].url, w))
+                busy += sum(_metric(u, BUSY) for u in urls)
                 if pol == "pd":
                     for j, s in enumerate(("ed_blocks", "_seconds")):
                         pull[j] += sum(_metric(u, f"kvflow_kv_pull{s}_total") for u in urls) - before[j]
@@ -463,15 +474,15 @@ def fidelity_part(args) -> dict:
                 real = serving_metrics(*map(np.asarray, (sent, [s + r.ttft for s, r in results],
                                                          [s + r.latency for s, r in results],
                                                          [r.output_len for _, r in results])))
-                runs[pol].append((real, w))
+                runs[pol].append((real, w, busy))
                 print(f"  rep {rep} {pol:13s} real {real['throughput_tok_s']:6.2f} tok/s  TTFT p50 "
-                      f"{real['ttft_p50_s'] * 1e3:7.1f} ms  TPOT p50 {real['tpot_p50_s'] * 1e3:6.1f} ms", flush=True)
+                      f"{real['ttft_p50_s'] * 1e3:7.1f} ms  TPOT p50 {real['tpot_p50_s'] * 1e3:6.1f} ms  engines busy "
+                      f"{busy:.1f} s", flush=True)
     finally:
         for r in (*routers.values(), *insts):
             r.stop()
     profile = replace(merge_profiles(windows[:1], windows[1:]), co_run=co_run)
     perf = ProfiledPerfModel(profile)
-    hop_s = max(0.0, stack_ttft - perf.step_time(BatchShape.of([(8, 8)]), 1))
     one = SimConfig(Layout(PipelineGroup(1, 8)), policy="continuous", block_size=16, max_model_len=max_model_len,
                     scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=128),
                     shared_host=len(insts) > 1)
@@ -480,18 +491,35 @@ def fidelity_part(args) -> dict:
     out = {"co_run": list(co_run), "windows": len(windows), "stack_ttft_s": stack_ttft, "hop_s": hop_s, "policies": {},
            "pull_blocks": pull[0], "pull_seconds": pull[1], "pull_bandwidth": pull_bw}
     for pol, rs in runs.items():
-        real = {k: statistics.median(r[k] for r, _ in rs) for k in FIDELITY_KEYS}
-        row = {"real": real, "real_runs": [r for r, _ in rs]}
-        for name, hop in (("", hop_s), ("_no_hop", 0.0)):  # the stack's time counted, and not
-            sims = []
-            for _, w in rs:
-                roles = ("prefill",) + ("decode",) * (len(insts) - 1) if pol == "pd" else ()
-                res = simulate_cluster(len(insts), one, perf, w, RouterConfig(policy="least_load" if pol == "pd" else pol),
-                                       hop_s=hop, roles=roles, pull_bandwidth=pull_bw).result
-                sims.append(serving_metrics(res.arrival, res.first_token, res.finish, res.output_len))
-            sim = {k: statistics.median(s[k] for s in sims) for k in FIDELITY_KEYS}
+        real = {k: statistics.median(r[k] for r, _, _ in rs) for k in FIDELITY_KEYS}
+        row = {"real": real, "real_runs": [r for r, _, _ in rs], "real_busy_s": [b for _, _, b in rs]}
+        roles = ("prefill",) + ("decode",) * (len(insts) - 1) if pol == "pd" else ()
+        config = RouterConfig(policy="least_load" if pol == "pd" else pol)
+
+        def simulate(w, model: ProfiledPerfModel, hop: float):
+            return simulate_cluster(len(insts), one, model, w, config, hop_s=hop, roles=roles,
+                                    pull_bandwidth=pull_bw).result
+
+        # the stack's time counted, and not; and the run's own speed: the window's profile scaled by the run's
+        # engine busy seconds over the simulated ones (twice: the batches, and so the busy time, follow the speed)
+        sims: dict[str, list] = {"": [], "_no_hop": [], "_speed": []}
+        speeds = []
+        for _, w, busy in rs:
+            res = simulate(w, perf, hop_s)
+            sims[""].append(res)
+            sims["_no_hop"].append(simulate(w, perf, 0.0))
+            speed = 1.0
+            for _ in range(2):
+                speed *= busy / float(res.machine_busy.sum())
+                res = simulate(w, ProfiledPerfModel(profile.scaled(speed)), hop_s)
+            speeds.append(speed)
+            sims["_speed"].append(res)
+        row["speed"] = speeds
+        for name, results in sims.items():
+            ms = [serving_metrics(res.arrival, res.first_token, res.finish, res.output_len) for res in results]
+            sim = {k: statistics.median(m[k] for m in ms) for k in FIDELITY_KEYS}
             row |= {f"sim{name}": sim, f"error{name}": {k: sim[k] / real[k] - 1 for k in FIDELITY_KEYS},
-                    f"sim_runs{name}": sims}
+                    f"sim_runs{name}": ms, f"sim_busy_s{name}": [float(res.machine_busy.sum()) for res in results]}
         out["policies"][pol] = row
     return out
 
@@ -737,11 +765,16 @@ def main() -> None:
         print(f"\nfidelity ({args.fidelity_instances} instances, {args.fidelity_requests} requests at "
               f"{args.fidelity_rate:g}/s, {args.reps} runs per policy; sim / real - 1, target within 15%):")
         print(f"{'policy':14s} | {'throughput tok/s':^24s} | {'TTFT p50 ms':^24s} | {'TPOT p50 ms':^24s}")
-        for pol, r in out["fidelity"]["policies"].items():
-            cells = [f"{r['real'][k] * m:7.1f} {r['sim'][k] * m:7.1f} {r['error'][k]:+7.1%}"
-                     for k, m in zip(FIDELITY_KEYS, (1, 1e3, 1e3))]
-            print(f"{pol:14s} | " + " | ".join(cells))
+        for variant, label in (("", "priced from the calibration windows"),
+                               ("_speed", "priced at each run's own speed (engine busy seconds, real / simulated)")):
+            print(f"{label}:")
+            for pol, r in out["fidelity"]["policies"].items():
+                cells = [f"{r['real'][k] * m:7.1f} {r['sim' + variant][k] * m:7.1f} {r['error' + variant][k]:+7.1%}"
+                         for k, m in zip(FIDELITY_KEYS, (1, 1e3, 1e3))]
+                print(f"{pol:14s} | " + " | ".join(cells))
         f = out["fidelity"]
+        print("the runs' speed against the windows': " + ", ".join(
+            f"{pol} " + "/".join(f"{x:.2f}" for x in r["speed"]) for pol, r in f["policies"].items()))
         print(f"(the stack's own TTFT on idle instances {f['stack_ttft_s'] * 1e3:.1f} ms, hop_s {f['hop_s'] * 1e3:.1f} ms; "
               "without it: " + ", ".join(f"{pol} TTFT {r['error_no_hop']['ttft_p50_s']:+.1%}"
                                         for pol, r in f["policies"].items()) + ")")

@@ -25,7 +25,7 @@ host computes (`calibrate.co_run_slowdown`); the simulator applies it to stages 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +110,20 @@ class Profile:
                "hop_overhead_s": self.hop_overhead_s, "prompt_overhead_s": self.prompt_overhead_s,
                "prompt": [asdict(s) for s in self.prompt], "token": [asdict(s) for s in self.token]}
         Path(path).write_text(json.dumps(doc, indent=1))
+
+    def scaled(self, factor: float) -> "Profile":
+        """The same machine running `factor` times slower (< 1: faster): every measured time scaled, the
+        co-run slowdown (a ratio) kept. A shared VM's speed moves by this much between a calibration
+        and a run minutes later; a fidelity check that measures the run's own compute time (its
+        engines' busy seconds) prices the simulation at that speed."""
+        if not factor > 0:
+            raise ValueError(f"a speed factor must be > 0, got {factor}")
+        def times(samples: tuple[Sample, ...]) -> tuple[Sample, ...]:
+            return tuple(Sample(s.batch, s.length, s.seconds * factor) for s in samples)
+        return replace(self, prompt=times(self.prompt), token=times(self.token),
+                       pass_overhead_s=self.pass_overhead_s * factor, engine_host_s=self.engine_host_s * factor,
+                       seq_overhead_s=self.seq_overhead_s * factor, hop_overhead_s=self.hop_overhead_s * factor,
+                       prompt_overhead_s=self.prompt_overhead_s * factor)
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":

@@ -117,6 +117,25 @@ def test_worker_overhead_is_one_round_trip_per_pass_plus_a_hop_per_further_stage
     assert engine.step_time(mixed, 1) == pytest.approx(bare.step_time(mixed, 1))
 
 
+def test_a_scaled_profile_prices_every_step_and_overhead_by_the_factor():
+    token = [Sample(b, c, 0.030 + 1e-3 * b + 1e-7 * b * c) for b in (1, 2, 4) for c in (32, 128, 512)]
+    prompt = [Sample(b, s, 0.040 + 1e-5 * b * s + 2e-9 * b * s * s) for b in (1, 2, 4) for s in (16, 64, 256)]
+    prof = Profile(model_shape("smollm2-135m"), "1xCPU", tuple(prompt), tuple(token), {}, pass_overhead_s=0.004,
+                   co_run=(1.3, 1.2), engine_host_s=0.003, seq_overhead_s=0.001, hop_overhead_s=0.002,
+                   prompt_overhead_s=0.005)
+    slow = prof.scaled(1.25)
+    assert slow.co_run == prof.co_run  # a ratio, not a time
+    for executor in (False, True):
+        base, scaled = ProfiledPerfModel(prof, executor=executor), ProfiledPerfModel(slow, executor=executor)
+        for shape in (BatchShape(decode_seqs=3, decode_context=300), BatchShape.of([(16, 16), (1, 40)]),
+                      BatchShape.of([(200, 200)])):
+            for depth in (1, 2):
+                assert scaled.step_time(shape, depth) == pytest.approx(1.25 * base.step_time(shape, depth))
+    assert prof.scaled(1.0) == prof
+    with pytest.raises(ValueError, match="> 0"):
+        prof.scaled(0.0)
+
+
 def test_profile_roundtrip(tmp_path):
     prof = Profile(model_shape("opt-13b"), "2xA100-80GB", (Sample(1, 2, 0.5),), (Sample(3, 4, 0.25),), {"k": 1},
                    pass_overhead_s=0.004, co_run=(1.1, 1.2), engine_host_s=0.003, seq_overhead_s=0.001,
