@@ -198,3 +198,31 @@ def test_deterministic_model_never_takes_it(monkeypatch):
     seqs = [SeqSlice(0, 100, 100, tuple(range(7)))]
     kv = KVCache(KVLayout.for_model(model.cfg, 16, 16, dtype=torch.bfloat16))
     model.forward(torch.arange(3, 103) % model.cfg.vocab_size, ForwardBatch.build(seqs, 16), kv)
+
+
+def test_threads_split_items_not_rows():
+    """An item's rows are computed by one thread: the result is the same on 1 and 2 threads."""
+    _amx()
+    q, kv, table, starts, qlens, ctxs = _case([(300, 300), (64, 200)], 9, 3, 64, 16, seed=9)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.paged_prefill_attention_fast(q, kv, table, starts, qlens, ctxs, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_kernels.paged_prefill_attention_fast(q, kv, table, starts, qlens, ctxs, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[:364], two[:364])
+
+
+def test_without_amx_the_chooser_measures_paged_against_sdpa_only(monkeypatch):
+    """A CPU without AMX (an EPYC with AVX512-BF16): today's choice, never the AMX kernel."""
+    monkeypatch.delenv("KVFLOW_PROMPT_ATTENTION", raising=False)
+    monkeypatch.setattr(prompt_attention, "_CHOSEN", {})
+    monkeypatch.setattr(cpu_kernels, "fast_prefill_available", lambda *a: False)
+    seen = []
+    monkeypatch.setattr(prompt_attention, "_fastest", lambda n, *a: seen.append(a[-1]) or "paged")
+    assert prompt_attention.choose_prompt_paths(9, 3, 64, torch.bfloat16) == (None, None)
+    assert seen == [False] * len(prompt_attention.MEASURED_LENS)
+    monkeypatch.setenv("KVFLOW_PROMPT_ATTENTION", "amx")
+    assert prompt_attention.choose_prompt_paths(9, 3, 64, torch.bfloat16) == (None, None)
