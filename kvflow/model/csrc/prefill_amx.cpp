@@ -15,7 +15,7 @@
 // Row tiles are software-pipelined: the next tile's scores are issued before this tile's softmax, on
 // tile registers P V does not use, so AMX products overlap AVX-512 work (measured ~10% faster than
 // scores, softmax, P V in turn; three phases over all row tiles of a block were ~20% slower).
-// Items are handed out largest first from a shared counter, as in paged_prefill.
+// Items are handed out from a shared counter, those of one (sequence, KV head) in a row, largest first.
 #include "kernel_utils.h"
 
 #include <atomic>
@@ -267,7 +267,16 @@ struct AmxAttention {
         const int64_t nq = std::min(kQT, q_len[s] - i0), keys = ctx[s] - q_len[s] + i0 + nq;
         for (int64_t h = 0; h < KVH; ++h) items.push_back({s, h, i0, nq, keys * nq});
       }
-    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    // items of one (sequence, KV head) in a row, largest first, so its K/V stays in cache from item to
+    // item (largest first over all items, as paged_prefill, measured 12% slower on 4 x 1,024 tokens at
+    // one thread); the groups by their total cost, largest first
+    std::vector<int64_t> group_cost(S * KVH, 0);
+    for (const Item& it : items) group_cost[it.s * KVH + it.h] += it.cost;
+    std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+      const int64_t ga = a.s * KVH + a.h, gb = b.s * KVH + b.h;
+      if (ga != gb) return group_cost[ga] != group_cost[gb] ? group_cost[ga] > group_cost[gb] : ga < gb;
+      return a.cost > b.cost;
+    });
     std::atomic<int64_t> next{0};
     const int64_t n_items = items.size();
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t, int64_t) {
