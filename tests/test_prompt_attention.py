@@ -23,18 +23,23 @@ def _model(deterministic: bool, dtype=torch.float32) -> LlamaModel:
 
 def test_forced_choice_and_bad_value(monkeypatch):
     monkeypatch.setenv("KVFLOW_PROMPT_ATTENTION", "paged")
-    assert prompt_attention.choose_sdpa_from(4, 2, 16, torch.float32) is None
+    assert prompt_attention.choose_prompt_paths(4, 2, 16, torch.float32) == (None, None)
     monkeypatch.setenv("KVFLOW_PROMPT_ATTENTION", "sdpa")
-    assert prompt_attention.choose_sdpa_from(4, 2, 16, torch.float32) == 2  # every prompt chunk is >= 2 tokens
+    assert prompt_attention.choose_prompt_paths(4, 2, 16, torch.float32) == (None, 2)  # every prompt chunk is >= 2 tokens
+    monkeypatch.setenv("KVFLOW_PROMPT_ATTENTION", "amx")  # (no AMX kernel for float32: the paged kernel)
+    assert prompt_attention.choose_prompt_paths(4, 2, 16, torch.float32) == (None, None)
     monkeypatch.setenv("KVFLOW_PROMPT_ATTENTION", "flash")
     with pytest.raises(ValueError, match="KVFLOW_PROMPT_ATTENTION"):
-        prompt_attention.choose_sdpa_from(4, 2, 16, torch.float32)
+        prompt_attention.choose_prompt_paths(4, 2, 16, torch.float32)
 
 
 def test_measured_choice_is_a_measured_length_and_never_batch_invariant(monkeypatch):
     monkeypatch.delenv("KVFLOW_PROMPT_ATTENTION", raising=False)
-    assert _model(deterministic=False).sdpa_from in (None, *prompt_attention.MEASURED_LENS)
-    assert _model(deterministic=True).sdpa_from is None  # a batch-invariant model keeps one kernel for every row
+    fast = _model(deterministic=False)
+    assert fast.sdpa_from in (None, *prompt_attention.MEASURED_LENS)
+    assert fast.amx_from is None  # (head_dim 16: no AMX kernel)
+    exact = _model(deterministic=True)
+    assert exact.sdpa_from is None and exact.amx_from is None  # a batch-invariant model keeps one kernel for every row
 
 
 def test_prompt_split_separates_long_chunks_from_the_others():

@@ -52,20 +52,41 @@ class ForwardBatch:
     prefill_query_start: torch.Tensor  # [Sp] long: first token row of each chunk
     prefill_query_len: torch.Tensor  # [Sp] long
     prefill_context_lens: torch.Tensor  # [Sp] long: cached tokens after the step (the chunk is the last)
-    _splits: dict = field(default_factory=dict, repr=False, compare=False)  # prompt_split's, per threshold
+    _splits: dict = field(default_factory=dict, repr=False, compare=False)  # prompt_bands', per bounds
 
     def prompt_split(self, min_query: int | None) -> tuple[list[int], tuple[torch.Tensor, ...] | None]:
         """(indices into `prefill` of the prompt chunks of at least `min_query` tokens, none for None;
         the block table, query starts, query lengths and context lengths of the other chunks, None if
         there are none), computed once per step for all its layers."""
-        if min_query not in self._splits:
-            meta = (self.prefill_block_table, self.prefill_query_start, self.prefill_query_len, self.prefill_context_lens)
-            long = [i for i, s in enumerate(self.prefill) if min_query is not None and s.query_len >= min_query]
-            short = [i for i in range(len(self.prefill)) if i not in long]
-            rest = None if not short else meta if not long else tuple(
-                t.index_select(0, torch.tensor(short, dtype=torch.long, device=t.device)) for t in meta)
-            self._splits[min_query] = (long, rest)
-        return self._splits[min_query]
+        if ("split", min_query) not in self._splits:
+            self._splits["split", min_query] = self.prompt_bands(None, min_query)[1:]
+        return self._splits["split", min_query]
+
+    def prompt_bands(self, mid_from: int | None, long_from: int | None):
+        """The prompt chunks in three bands by length, computed once per step for all its layers:
+        (the metadata (block table, query starts, query lengths, context lengths) of the chunks of
+        `mid_from` tokens or more but fewer than `long_from`, None if none; the indices into `prefill`
+        of the chunks of `long_from` tokens or more; the metadata of the others, None if none). A
+        bound of None is never reached."""
+        key = (mid_from, long_from)
+        if key not in self._splits:
+            def band(lo: int | None, hi: int | None) -> list[int]:
+                return [i for i, s in enumerate(self.prefill)
+                        if lo is not None and s.query_len >= lo and (hi is None or s.query_len < hi)]
+
+            long = band(long_from, None)
+            mid = band(mid_from, long_from)
+            short = [i for i in range(len(self.prefill)) if i not in long and i not in mid]
+            self._splits[key] = (self._meta(mid), long, self._meta(short))
+        return self._splits[key]
+
+    def _meta(self, rows: list[int]) -> tuple[torch.Tensor, ...] | None:
+        meta = (self.prefill_block_table, self.prefill_query_start, self.prefill_query_len, self.prefill_context_lens)
+        if not rows:
+            return None
+        if len(rows) == len(self.prefill):
+            return meta
+        return tuple(t.index_select(0, torch.tensor(rows, dtype=torch.long, device=t.device)) for t in meta)
 
     @property
     def num_tokens(self) -> int:

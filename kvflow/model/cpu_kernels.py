@@ -13,6 +13,10 @@ kernel); this module builds it and holds the Python contracts:
   vector lanes (bf16 dot products where the CPU has AVX512-BF16), an online softmax, no per-sequence
   K/V gather and no mask tensor; each row (query token x head) computed alone, so its result does
   not depend on the chunk it is in.
+- `paged_prefill_attention_fast(...)`: the same contract on AMX tiles (bf16, head dims multiples of
+  32; `fast_prefill_available`), NOT batch-invariant: flash attention with 32-key blocks packed from
+  the cache into AMX's layouts, Q K^T and P V as tile products, the online softmax in float32 with
+  AVX-512. The model's fast path takes it for long chunks where it measured faster (`prompt_attention`).
 - `rms_norm(x, w, eps)` and `add_rms_norm(x, res, w, eps)` (x += res, then the norm of x, one pass).
 - `silu_mul(gate_up)`: SiLU(gate) * up from the fused gate_up projection's output.
 - `rope_write(qkv, cos, sin, heads, kv_heads, kv_layer, slots)`: RoPE in place on the query and key
@@ -280,6 +284,31 @@ def paged_prefill_attention(
     sequence are left unset. Same head_dims as `paged_attention_supported`. Call `available()` first."""
     assert _op is not None, "paged_prefill_attention called before available()"
     return _op.paged_prefill(q, kv_layer, block_table, query_start, query_len, context_lens, scale)
+
+
+def fast_prefill_available(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether `paged_prefill_attention_fast` runs this attention here: the kernels built with AMX, the
+    OS letting this process use the tiles, bf16, head_dim a multiple of 32 up to 256 and at most 16
+    query heads per KV head (False elsewhere, e.g. a CPU with AVX512-BF16 but no AMX)."""
+    return (available() and dtype == torch.bfloat16 and head_dim % 32 == 0 and 0 < head_dim <= 256
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16 and _op.prefill_amx_usable())
+
+
+def paged_prefill_attention_fast(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    query_len: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_prefill_attention`'s contract on AMX tiles (bf16 only; see `fast_prefill_available`), not
+    batch-invariant: a row's result depends on where it sits in its chunk. Writes into `out` ([T, H, D]
+    contiguous bf16) when given, leaving its rows of no sequence as they were; returns it."""
+    assert _op is not None, "paged_prefill_attention_fast called before available()"
+    return _op.paged_prefill_amx(q, kv_layer, block_table, query_start, query_len, context_lens, scale, out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

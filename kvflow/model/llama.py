@@ -129,10 +129,11 @@ class LlamaModel:
         # (decode rows through the prefill kernel); else the fast paths.
         self.batch_invariant = (self.paged_kernel and all(lin.batch_invariant for lin in projections)) or (
             self.triton_attention and all(lin.triton for lin in projections))  # (on CUDA: the Triton kernels)
-        # Fast path only: prompt chunks from a length measured at load go to PyTorch's flash attention.
-        self.sdpa_from = (prompt_attention.choose_sdpa_from(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                            layers[0].input_norm.dtype)
-                          if self.paged_kernel and not self.batch_invariant else None)
+        # Fast path only: prompt chunks from lengths measured at load go to the AMX kernel, all in one
+        # call (`amx_from`), or to PyTorch's flash attention one at a time (`sdpa_from`).
+        self.amx_from, self.sdpa_from = (prompt_attention.choose_prompt_paths(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layers[0].input_norm.dtype)
+            if self.paged_kernel and not self.batch_invariant else (None, None))
         # Not batch-invariant on CUDA: decode rows through the split-context kernel, if it runs here.
         self.split_decode = (self.triton_attention and not self.batch_invariant
                              and _triton_kernels().split_decode_works(device))
@@ -398,11 +399,14 @@ class LlamaModel:
             return self._triton_attention(layer, q, batch, kv)
         if not batch.prefill and batch.decode_rows.numel():  # all rows decode, in order: no row gather/scatter
             return self._decode_attention(layer, q, batch, kv)
-        # Prompt chunks: the paged kernel, all in one call, K/V read in place from the cache; SDPA one chunk
-        # at a time for those of `sdpa_from` tokens or more (fast path), and for all without the kernel.
-        long, rest = batch.prompt_split(self.sdpa_from if self.paged_kernel else 2)
+        # Prompt chunks: the paged kernel, all in one call, K/V read in place from the cache; on the fast
+        # path those of `amx_from` tokens or more the AMX kernel's (one call, in place too), those of
+        # `sdpa_from` or more SDPA one chunk at a time (as all chunks without the paged kernel).
+        amx, long, rest = batch.prompt_bands(self.amx_from, self.sdpa_from if self.paged_kernel else 2)
         out = (cpu_kernels.paged_prefill_attention(q, kv.layer_kv(layer), *rest, self.scale) if rest is not None
-               else torch.empty_like(q))
+               else torch.empty(q.shape, dtype=q.dtype, device=q.device))
+        if amx is not None:
+            cpu_kernels.paged_prefill_attention_fast(q, kv.layer_kv(layer), *amx, self.scale, out)
         for i in long:
             self._sdpa_chunk(layer, q, k, v, batch.prefill[i], kv, out)
         if batch.decode_rows.numel():

@@ -9,9 +9,13 @@ prompt chunk several times faster, even with the chunk's cached context gathered
 masked. Its blocks depend on the lengths, so a row's result depends on how the prompt was chunked:
 it is a fast-path choice, never taken by a batch-invariant model.
 
-`choose_sdpa_from` decides, per machine, from which chunk length a prompt chunk goes to SDPA;
-`attend_chunk` is the per-sequence SDPA call, also the fallback of every prompt chunk where the paged
-kernel is not built.
+On a CPU with AMX, bf16, a native flash-attention kernel on AMX tiles
+(`cpu_kernels.paged_prefill_attention_fast`, also not batch-invariant) beats both on long chunks and
+attends every such chunk of a step in one call, K/V read in place.
+
+`choose_prompt_paths` decides, per machine, from which chunk length a prompt chunk goes to the AMX
+kernel and from which to SDPA (shorter ones: the paged kernel); `attend_chunk` is the per-sequence
+SDPA call, also the fallback of every prompt chunk where the paged kernel is not built.
 """
 
 from __future__ import annotations
@@ -47,30 +51,38 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: SeqSlice,
     return o.squeeze(0).transpose(0, 1)
 
 
-def choose_sdpa_from(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int | None:
-    """The shortest prompt chunk that SDPA attends faster than the paged kernel on this CPU (None:
-    never), timed on one layer's whole prompt at `MEASURED_LENS` (random q/K/V, the paths interleaved, the best of
-    5 passes after a warm-up: another process can only make a pass slower). SDPA must win at every
-    measured length from the chosen one on. `KVFLOW_PROMPT_ATTENTION=paged|sdpa` sets it without
-    measuring. Cached per shape, dtype and torch thread count. Call `cpu_kernels.available()` first."""
+def choose_prompt_paths(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int | None, int | None]:
+    """(amx_from, sdpa_from): from which chunk length a prompt chunk goes to the AMX kernel
+    (`cpu_kernels.paged_prefill_attention_fast`) and from which to SDPA on this CPU (None: never);
+    shorter chunks take the paged kernel. Timed on one layer's whole prompt at `MEASURED_LENS` (random
+    q/K/V; paged, SDPA and, where `fast_prefill_available`, the AMX kernel interleaved; the best of 5
+    passes after a warm-up: another process can only make a pass slower). SDPA must win at every
+    measured length from sdpa_from on, the AMX kernel at every one from amx_from up to sdpa_from.
+    `KVFLOW_PROMPT_ATTENTION=paged|amx|sdpa` sets it without measuring (amx where the kernel runs here,
+    else paged). Cached per shape, dtype and torch thread count. Call `cpu_kernels.available()` first."""
+    amx = cpu_kernels.fast_prefill_available(dtype, head_dim, num_heads, num_kv_heads)
     forced = os.environ.get("KVFLOW_PROMPT_ATTENTION")
     if forced:
-        if forced not in ("paged", "sdpa"):
-            raise ValueError(f"KVFLOW_PROMPT_ATTENTION must be paged or sdpa, not {forced!r}")
-        return None if forced == "paged" else 2  # (every prompt chunk has 2 tokens or more)
+        if forced not in ("paged", "amx", "sdpa"):
+            raise ValueError(f"KVFLOW_PROMPT_ATTENTION must be paged, amx or sdpa, not {forced!r}")
+        # (every prompt chunk has 2 tokens or more)
+        return (2 if forced == "amx" and amx else None), (2 if forced == "sdpa" else None)
     key = (num_heads, num_kv_heads, head_dim, dtype, torch.get_num_threads())
     if key not in _CHOSEN:
-        wins = [_sdpa_faster(n, num_heads, num_kv_heads, head_dim, dtype) for n in MEASURED_LENS]
-        chosen = None
-        for n, win in zip(reversed(MEASURED_LENS), reversed(wins)):
-            if not win:
-                break
-            chosen = n
-        _CHOSEN[key] = chosen
+        winners = [_fastest(n, num_heads, num_kv_heads, head_dim, dtype, amx) for n in MEASURED_LENS]
+        chosen = {"sdpa": None, "amx": None}
+        band = "sdpa"  # from the longest length down: SDPA's band, then the AMX kernel's
+        for n, win in zip(reversed(MEASURED_LENS), reversed(winners)):
+            if win != band:
+                if band == "amx" or win != "amx":
+                    break
+                band = "amx"
+            chosen[band] = n
+        _CHOSEN[key] = (chosen["amx"], chosen["sdpa"])
     return _CHOSEN[key]
 
 
-def _sdpa_faster(n: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+def _fastest(n: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, amx: bool) -> str:
     block = 16
     blocks = -(-n // block)
     gen = torch.Generator().manual_seed(0)
@@ -85,6 +97,8 @@ def _sdpa_faster(n: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype
         "paged": lambda: cpu_kernels.paged_prefill_attention(q, kv_layer, table, start, qlen, ctx, scale),
         "sdpa": lambda: attend_chunk(q, k, v, s, scale, group, None),
     }
+    if amx:
+        paths["amx"] = lambda: cpu_kernels.paged_prefill_attention_fast(q, kv_layer, table, start, qlen, ctx, scale)
     best = dict.fromkeys(paths, float("inf"))
     with torch.inference_mode():
         for rep in range(6):
@@ -93,4 +107,4 @@ def _sdpa_faster(n: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype
                 run()
                 if rep:
                     best[name] = min(best[name], time.perf_counter() - t0)
-    return best["sdpa"] < best["paged"]
+    return min(best, key=best.get)

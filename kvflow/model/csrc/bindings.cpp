@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   KVFLOW_DEF(paged_decode);
   KVFLOW_DEF(paged_prefill);
   KVFLOW_DEF(paged_decode_invariant);
+  KVFLOW_DEF(paged_prefill_amx);
+  KVFLOW_DEF(prefill_amx_usable);
   KVFLOW_DEF(prefill_max_group);
   KVFLOW_DEF(vec_size);
   KVFLOW_DEF(rms_norm);

@@ -29,17 +29,6 @@ namespace {
 
 enum class Isa { kFma, kDpBf16, kAmx };
 
-// AMX needs the kernel's permission to use the tile state, once per process (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); refused (an old kernel, a CPU without AMX) -> no AMX.
-bool amx_usable() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-#else
-  return false;
-#endif
-}
-
 // KVFLOW_INVARIANT_ISA (read once) picks a slower ISA than the CPU's best, to test the paths of other
 // CPUs on this one: "avx512-bf16" (no AMX) or "fma" (bf16 without native bf16); unset: the best.
 Isa isa_for(at::ScalarType t) {
@@ -258,6 +247,17 @@ void amx_linear(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t Kp, const
 #endif
 
 }  // namespace
+
+// AMX needs the kernel's permission to use the tile state, once per process (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); refused (an old kernel, a CPU without AMX) -> no AMX.
+bool amx_usable() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
 
 std::string invariant_linear_isa(std::string dtype) {
   TORCH_CHECK(dtype == "float32" || dtype == "bfloat16" || dtype == "float16", "invariant_linear_isa: dtype ", dtype);

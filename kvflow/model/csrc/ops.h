@@ -31,6 +31,12 @@ int64_t prefill_max_group();  // the most query heads per KV head paged_prefill 
 // decode rows as one-token prompt chunks: bitwise what paged_prefill computes for the same token
 at::Tensor paged_decode_invariant(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor ctx, double scale);
 
+// prefill_amx.cpp: the same contract as paged_prefill on AMX tiles, bf16, not batch-invariant (fast path);
+// into `out` where given (its rows outside the sequences kept).
+at::Tensor paged_prefill_amx(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor q_start, at::Tensor q_len,
+                             at::Tensor ctx, double scale, std::optional<at::Tensor> out);
+bool prefill_amx_usable();  // built with AMX, and the OS lets this process use it
+
 // decode_layers.cpp: a decode step's whole layer loop.
 std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> in_norm, std::vector<at::Tensor> post_norm,
     std::vector<at::Tensor> w, std::vector<at::Tensor> packed, int64_t path, std::vector<at::Tensor> kv,

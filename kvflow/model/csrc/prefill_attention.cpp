@@ -46,40 +46,6 @@ constexpr bool kDpBf16 = true;
 constexpr bool kDpBf16 = false;
 #endif
 
-// dst[w * ld + j] = rows[j][w] for j < V (keys), w < W (32-bit words: floats or bf16 pairs).
-inline void transpose_rows(const uint32_t* const* rows, int64_t W, uint32_t* dst, int64_t ld) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if (W % 16 == 0) {
-    for (int64_t w0 = 0; w0 < W; w0 += 16) {
-      __m512 in[16], t[16];
-      for (int j = 0; j < 16; ++j) in[j] = _mm512_castsi512_ps(_mm512_loadu_si512(rows[j] + w0));
-      for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
-      }
-      for (int i = 0; i < 4; ++i) {
-        in[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
-        in[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
-        in[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
-        in[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
-      }
-      for (int i = 0; i < 2; ++i)
-        for (int k = 0; k < 4; ++k) {
-          t[8 * i + k] = _mm512_shuffle_f32x4(in[8 * i + k], in[8 * i + k + 4], 0x88);
-          t[8 * i + k + 4] = _mm512_shuffle_f32x4(in[8 * i + k], in[8 * i + k + 4], 0xdd);
-        }
-      for (int i = 0; i < 16; ++i) {
-        const __m512 r = i < 8 ? _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88) : _mm512_shuffle_f32x4(t[i - 8], t[i], 0xdd);
-        _mm512_storeu_si512(dst + (w0 + i) * ld, _mm512_castps_si512(r));
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t w = 0; w < W; ++w)
-    for (int64_t j = 0; j < V; ++j) dst[w * ld + j] = rows[j][w];
-}
-
 // The sum of v's V lanes by a fixed tree: halves added until one lane is left (lane i + lane i + 8,
 // then + 4, + 2, + 1; the AVX-512 shuffles do exactly the scalar loop's additions).
 inline float lane_sum(const Vec& v) {
