@@ -136,3 +136,30 @@ inline __m512i bf16_pairs(__m512 a, __m512 b) {
   return _mm512_or_si512(lo, hi);
 }
 #endif
+
+// The arguments of the two prompt-chunk attention kernels (paged_prefill, paged_prefill_amx): q [T, H, D]
+// with each row's heads contiguous, kv [2, blocks, block_size, KVH, D] and int64 tables, every sequence's
+// rows inside q and its context's blocks inside kv. `name` prefixes the messages.
+inline void check_prompt_chunks(const char* name, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
+                                const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& ctx) {
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "q [T, H, D], kv [2, blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q heads contiguous within a row");
+  TORCH_CHECK(kv.is_contiguous() && table.is_contiguous() && q_start.is_contiguous() && q_len.is_contiguous() && ctx.is_contiguous(),
+              "contiguous kv and tables");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
+  TORCH_CHECK(table.scalar_type() == at::kLong && q_start.scalar_type() == at::kLong && q_len.scalar_type() == at::kLong &&
+              ctx.scalar_type() == at::kLong, "int64 tables");
+  const int64_t S = q_start.size(0), H = q.size(1), D = q.size(2), KVH = kv.size(3), BS = kv.size(2);
+  TORCH_CHECK(kv.size(4) == D && H % KVH == 0 && table.size(0) == S && q_len.size(0) == S && ctx.size(0) == S, "shape mismatch");
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  const int64_t* cl = ctx.data_ptr<int64_t>();
+  const int64_t* tb = table.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(ql[s] >= 1 && qs[s] >= 0 && qs[s] + ql[s] <= q.size(0) && cl[s] >= ql[s], name, ": sequence ", s,
+                " has rows ", qs[s], "+", ql[s], " of ", q.size(0), " and context ", cl[s]);
+    TORCH_CHECK((cl[s] + BS - 1) / BS <= table.size(1), name, ": sequence ", s, " has too few blocks");
+    for (int64_t b = 0; b < (cl[s] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tb[s * table.size(1) + b] >= 0 && tb[s * table.size(1) + b] < kv.size(1), name, ": block id out of range");
+  }
+}

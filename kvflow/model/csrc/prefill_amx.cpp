@@ -307,28 +307,15 @@ at::Tensor paged_prefill_amx(at::Tensor q, at::Tensor kv, at::Tensor table, at::
                              at::Tensor ctx, double scale, std::optional<at::Tensor> out) {
   NoGil no_gil;
   TORCH_CHECK(prefill_amx_usable(), "paged_prefill_amx: no AMX on this CPU or build");
-  TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "q [T, H, D], kv [2, blocks, block_size, kv_heads, D]");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q heads contiguous within a row");
-  TORCH_CHECK(kv.is_contiguous() && table.is_contiguous() && q_start.is_contiguous() && q_len.is_contiguous() && ctx.is_contiguous(),
-              "contiguous kv and tables");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16, "paged_prefill_amx: bf16 only");
-  TORCH_CHECK(table.scalar_type() == at::kLong && q_start.scalar_type() == at::kLong && q_len.scalar_type() == at::kLong &&
-              ctx.scalar_type() == at::kLong, "int64 tables");
+  check_prompt_chunks("paged_prefill_amx", q, kv, table, q_start, q_len, ctx);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_prefill_amx: bf16 only");
   const int64_t S = q_start.size(0), H = q.size(1), D = q.size(2), KVH = kv.size(3), BS = kv.size(2);
-  TORCH_CHECK(kv.size(4) == D && H % KVH == 0 && table.size(0) == S && q_len.size(0) == S && ctx.size(0) == S, "shape mismatch");
   TORCH_CHECK(D % 32 == 0 && D <= 256, "paged_prefill_amx: head_dim ", D, " is not a multiple of 32 up to 256");
   TORCH_CHECK(H / KVH <= kMaxG, "paged_prefill_amx: more than ", kMaxG, " query heads per KV head");
   const int64_t* qs = q_start.data_ptr<int64_t>();
   const int64_t* ql = q_len.data_ptr<int64_t>();
   const int64_t* cl = ctx.data_ptr<int64_t>();
   const int64_t* tb = table.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(ql[s] >= 1 && qs[s] >= 0 && qs[s] + ql[s] <= q.size(0) && cl[s] >= ql[s], "paged_prefill_amx: sequence ", s,
-                " has rows ", qs[s], "+", ql[s], " of ", q.size(0), " and context ", cl[s]);
-    TORCH_CHECK((cl[s] + BS - 1) / BS <= table.size(1), "paged_prefill_amx: sequence ", s, " has too few blocks");
-    for (int64_t b = 0; b < (cl[s] + BS - 1) / BS; ++b)
-      TORCH_CHECK(tb[s * table.size(1) + b] >= 0 && tb[s * table.size(1) + b] < kv.size(1), "paged_prefill_amx: block id out of range");
-  }
   at::Tensor o = out.has_value() ? *out : at::empty({q.size(0), H, D}, q.options());
   TORCH_CHECK(o.is_contiguous() && o.scalar_type() == at::kBFloat16 && o.dim() == 3 && o.size(0) == q.size(0) &&
               o.size(1) == H && o.size(2) == D, "paged_prefill_amx: out must be a contiguous bf16 [T, H, D]");

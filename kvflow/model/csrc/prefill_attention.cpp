@@ -329,27 +329,12 @@ int64_t prefill_max_group() { return kMaxRows; }
 at::Tensor paged_prefill(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor q_start, at::Tensor q_len,
                          at::Tensor ctx, double scale) {
   NoGil no_gil;
-  TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(0) == 2, "q [T, H, D], kv [2, blocks, block_size, kv_heads, D]");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q heads contiguous within a row");
-  TORCH_CHECK(kv.is_contiguous() && table.is_contiguous() && q_start.is_contiguous() && q_len.is_contiguous() && ctx.is_contiguous(),
-              "contiguous kv and tables");
-  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
-  TORCH_CHECK(table.scalar_type() == at::kLong && q_start.scalar_type() == at::kLong && q_len.scalar_type() == at::kLong &&
-              ctx.scalar_type() == at::kLong, "int64 tables");
+  check_prompt_chunks("paged_prefill", q, kv, table, q_start, q_len, ctx);
   const int64_t S = q_start.size(0), H = q.size(1), D = q.size(2), KVH = kv.size(3), BS = kv.size(2);
-  TORCH_CHECK(kv.size(4) == D && H % KVH == 0 && table.size(0) == S && q_len.size(0) == S && ctx.size(0) == S, "shape mismatch");
   TORCH_CHECK(H / KVH <= prefill_max_group(), "paged_prefill: more than ", prefill_max_group(), " query heads per KV head");
   const int64_t* qs = q_start.data_ptr<int64_t>();
   const int64_t* ql = q_len.data_ptr<int64_t>();
   const int64_t* cl = ctx.data_ptr<int64_t>();
-  const int64_t* tb = table.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(ql[s] >= 1 && qs[s] >= 0 && qs[s] + ql[s] <= q.size(0) && cl[s] >= ql[s], "paged_prefill: sequence ", s,
-                " has rows ", qs[s], "+", ql[s], " of ", q.size(0), " and context ", cl[s]);
-    TORCH_CHECK((cl[s] + BS - 1) / BS <= table.size(1), "paged_prefill: sequence ", s, " has too few blocks");
-    for (int64_t b = 0; b < (cl[s] + BS - 1) / BS; ++b)
-      TORCH_CHECK(tb[s * table.size(1) + b] >= 0 && tb[s * table.size(1) + b] < kv.size(1), "paged_prefill: block id out of range");
-  }
   auto out = at::empty({q.size(0), H, D}, q.options());
   by_dtype(q.scalar_type(), "paged_prefill", [&](auto tag) {
     using T = decltype(tag);
