@@ -253,9 +253,9 @@ class KVCacheManager:
         return max(0, blocks_for(num_tokens, self.block_size) - len(table))
 
     def can_ensure(self, table: list[int], num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
-        new = max(0, blocks_for(num_tokens, self.block_size) - len(table) - len(hit.blocks))
+        new = -(-num_tokens // self.block_size) - len(table)  # (blocks_for, inline: twice per admission)
         if hit.blocks:
-            new += self.pool.num_unreferenced(hit.blocks)
+            new = max(0, new - len(hit.blocks)) + self.pool.num_unreferenced(hit.blocks)
         return new <= self.pool.num_free
 
     def ensure(self, table: list[int], num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
