@@ -157,7 +157,8 @@ class PipelineExecutor:
         while len(p.in_flight) < p.depth:
             offered = self._offer(p) if admitting else []
             out = p.sched.schedule()
-            self._take_back(p, offered)
+            if offered:
+                self._take_back(p, offered)
             self.preemptions += len(out.preempted)
             if p.role == "token" and out.preempted:
                 for r in out.preempted:  # recomputed by the prompt side, first in line
@@ -216,13 +217,14 @@ class PipelineExecutor:
         if rows:
             toks = self.driver.sample(p, out, rows, result)
             sampled = {out.seqs[i].request.request_id: t for i, t in zip(rows, toks)}
-        emit = self.driver.emit
+        emit, freed = self.driver.emit, False
         for req in p.sched.update(out, sampled):
             emit(req)
             if req.status is finished:
-                if p.role != "prompt":
-                    self._blocks_freed(p)  # its blocks were freed
+                freed = True
                 self._settle(req)
+        if freed and p.role != "prompt":
+            self._blocks_freed(p)  # finished requests' blocks were freed
         if self.handoff is not None and p.sched.handoffs:
             self._to_token_side(self.handoff.sampled(p.sched.take_handoffs()))
         self.dirty.add(p)

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
-from kvflow.kv.manager import KVCacheManager
+from kvflow.kv.manager import NO_HIT, KVCacheManager
 from kvflow.sched.request import Request
 from kvflow.sched.scheduler import ScheduledSeq, Scheduler
 
@@ -88,8 +88,10 @@ class Handoff:
         else:
             tokens = self._tokens(entry[0], req)
         tp, table = entry
-        hit = tp.kv_manager.match(req.token_ids, req.block_hashes, len(req.prompt_token_ids) + len(req.output_token_ids))
-        if not tp.kv_manager.ensure(table, tokens, hit):
+        kv = tp.kv_manager
+        hit = kv.match(req.token_ids, req.block_hashes, len(req.prompt_token_ids) + len(req.output_token_ids)) \
+            if kv.prefix_caching else NO_HIT
+        if not kv.ensure(table, tokens, hit):
             return False
         self.cached[rid] = hit.num_tokens
         return True
