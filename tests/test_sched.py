@@ -9,10 +9,10 @@ import pytest
 from kvflow.kv.manager import KVCacheManager
 from kvflow.sched.admission import InvalidRequest, Limits, validate
 from kvflow.sched.executor import PipelineState
-from kvflow.sched.handoff import Handoff
+from kvflow.sched.handoff import Handoff, KVStream
 from kvflow.sched.request import Request, RequestStatus
 from kvflow.sched.sampling import SamplingParams
-from kvflow.sched.scheduler import Scheduler, SchedulerConfig
+from kvflow.sched.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 
 
 _prompts = itertools.count(1)
@@ -279,24 +279,26 @@ def test_handoff_joins_after_kv_and_first_token_and_frees_each_reservation_once(
     assert [h.target(r.request_id) for r in reqs] == [a, a, b]
     assert a.kv_manager.num_free_blocks == 8 - 2 * 2 and b.kv_manager.num_free_blocks == 8 - 2
 
-    h.kv_sent("r0", ["stage-0", "stage-1"])
-    assert not h.sampled(reqs[0])  # parked: its KV is not all there
-    assert h.kv_arrived("r0", "stage-0") is None and h.kv_arrived("r0", "nope") is None
-    assert h.kv_arrived("r0", "stage-1") is reqs[0]
+    # the prompt pass is sent: r0's whole prompt (6 tokens) streams into its reservation, in two parts
+    streams = h.send([ScheduledSeq(reqs[0], 6, 0, (), True)], ["stage-0", "stage-1"])
+    assert streams == [KVStream("r0", 0, 6, 6, h.table("r0"), 0)]
+    assert h.sampled([reqs[0]]) == []  # parked: its KV is not all there
+    assert h.kv_arrived(["r0"], "stage-0") == [] and h.kv_arrived(["r0"], "nope") == []
+    assert h.kv_arrived(["r0"], "stage-1") == [reqs[0]]
     table = list(h.table("r0"))
     assert h.join(reqs[0]) is a and reqs[0] in a.sched.running and reqs[0].block_ids == table and len(table) == 2
 
     # finished at its first token while its KV is on the way: freed only once the KV is in
-    h.kv_sent("r1", ["stage-0"])
+    h.send([ScheduledSeq(reqs[1], 6, 0, (), True)], ["stage-0"])
     reqs[1].finish("length")
     assert h.settle(reqs[1]) is None and a.kv_manager.num_free_blocks == 4
-    assert h.kv_arrived("r1", "stage-0") is reqs[1]
+    assert h.kv_arrived(["r1"], "stage-0") == [reqs[1]]
     assert h.settle(reqs[1]) is a and a.kv_manager.num_free_blocks == 6
     assert h.settle(reqs[1]) is None and a.kv_manager.num_free_blocks == 6  # never twice
 
     # a failure: the unfinished request waiting for its KV comes back; its reservation is freed
-    h.kv_sent("r2", ["stage-0"])
-    h.sampled(reqs[2])
+    h.send([ScheduledSeq(reqs[2], 6, 0, (), True)], ["stage-0"])
+    assert h.sampled([reqs[2]]) == []
     assert h.num_waiting == 1
     assert h.drop_in_flight() == [reqs[2]] and b.kv_manager.num_free_blocks == 8 and h.num_waiting == 0
 

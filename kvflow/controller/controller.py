@@ -240,8 +240,7 @@ class Controller:
         elif isinstance(msg, KVArrived):
             if self.recovery.kv_arrived(msg) or self.executor.handoff is None:
                 return
-            for rid in msg.rids:
-                self.executor.kv_arrived(rid, msg.name)
+            self.executor.kv_arrived(msg.rids, msg.name)
         elif isinstance(msg, Heartbeat):
             s = self.stages.get(msg.name)
             if s is not None:

@@ -44,7 +44,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.anonymous = anonymous
         self._num_free = num_blocks  # anonymous pools: the count is all there is
-        self.ref = [0] * num_blocks
+        self.ref = [] if anonymous else [0] * num_blocks  # (an anonymous pool names no block)
         self.hash_of: dict[int, bytes] = {}  # block -> its content hash (registered blocks only)
         self.by_hash: dict[bytes, int] = {}  # hash -> block
         self._free: deque[int] = deque() if anonymous else deque(range(num_blocks))
@@ -52,7 +52,7 @@ class BlockPool:
         self.evictions = 0
         # per block, times it stopped holding its registered content (evicted, or forgotten by `clear`): a reader
         # copying a cached block outside the owner's thread (`kvflow.streaming.kv_pull`) checks it did not change
-        self.generation = [0] * num_blocks
+        self.generation = [] if anonymous else [0] * num_blocks
         # called with (block, hash) as a cached block is evicted, before anyone can write it (lower tiers)
         self.on_evict: Callable[[int, bytes], None] | None = None
 
@@ -81,11 +81,11 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > self.num_free:
-            raise OutOfBlocks(f"asked for {n} KV blocks, {self.num_free} of {self.num_blocks} free")
-        if self.anonymous:
+        if self.anonymous and n <= self._num_free:
             self._num_free -= n
             return [ANONYMOUS] * n
+        if n > self.num_free:
+            raise OutOfBlocks(f"asked for {n} KV blocks, {self.num_free} of {self.num_blocks} free")
         ids = []
         for _ in range(n):
             if self._free:
@@ -118,7 +118,7 @@ class BlockPool:
         """Drop one reference to each of `ids`. Pass a request's table last block first, so that the
         end of a prefix is evicted before its beginning (a later block is useless without the earlier)."""
         if self.anonymous:  # (a table of copies of ANONYMOUS: only its length counts)
-            n = len(ids) if isinstance(ids, Sized) else sum(1 for _ in ids)
+            n = len(ids) if ids.__class__ is list or isinstance(ids, Sized) else sum(1 for _ in ids)
             if n > self.num_blocks - self._num_free:
                 raise ValueError(f"freeing {n} blocks, {self.num_blocks - self._num_free} are allocated")
             self._num_free += n

@@ -253,14 +253,20 @@ class KVCacheManager:
         return max(0, blocks_for(num_tokens, self.block_size) - len(table))
 
     def can_ensure(self, table: list[int], num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
-        new = max(0, blocks_for(num_tokens, self.block_size) - len(table) - len(hit.blocks))
+        new = -(-num_tokens // self.block_size) - len(table)  # (blocks_for, inline: twice per admission)
         if hit.blocks:
-            new += self.pool.num_unreferenced(hit.blocks)
+            new = max(0, new - len(hit.blocks)) + self.pool.num_unreferenced(hit.blocks)
         return new <= self.pool.num_free
 
     def ensure(self, table: list[int], num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
-        if hit is NO_HIT and len(table) * self.block_size >= num_tokens:
-            return True  # (most decode steps: the table's last block has room; what follows would do nothing)
+        if hit is NO_HIT:  # (no prefix hit: new blocks only; most decode steps need none)
+            new = -(-num_tokens // self.block_size) - len(table)
+            if new <= 0:
+                return True
+            if new > self.pool.num_free:
+                return False
+            table.extend(self.pool.allocate(new))
+            return True
         if (hit.blocks or hit.promote) and table:
             raise ValueError("a prefix hit starts a table: the table must be empty")
         if not self.can_ensure(table, num_tokens, hit):

@@ -8,7 +8,7 @@ live here; a driver only carries them out:
 
     executor.fill_all()            -> driver.dispatch(p, wire_id, out, free, streams)
     driver: batch `wire_id` came back  -> executor.complete(p, wire_id, result)
-    driver: part of a prompt's KV is in -> executor.kv_arrived(rid, part)
+    driver: part of prompts' KV is in  -> executor.kv_arrived(rids, part)
     driver: a worker of `p` was lost   -> executor.recover(p, resume, voided)
 
 A driver says how to sample (`sample`: real logits, or a fixed token in the simulator), how to
@@ -24,10 +24,10 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from kvflow.kv.manager import KVCacheManager
-from kvflow.sched.handoff import Handoff
+from kvflow.sched.handoff import Handoff, KVStream  # noqa: F401  (KVStream re-exported)
 from kvflow.sched.request import Request, RequestStatus
 from kvflow.sched.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
@@ -52,19 +52,6 @@ class PipelineState:
         self.down = False  # no batch is scheduled while a failed worker is being replaced
         # what each batch ran, [(request id, new tokens)], for tests and benchmarks (the latest LOG_LEN)
         self.batch_log: deque[list[tuple[str, int]]] | None = deque(maxlen=LOG_LEN) if log_batches else None
-
-
-class KVStream(NamedTuple):
-    """Tokens [start, end) of a prompt's KV (of `total` tokens) that a prompt batch streams into the
-    token-side blocks `dest_blocks`; tokens [0, cached) are a token-side prefix-cache hit. (A named
-    tuple: one is made per request, and a simulated run makes millions.)"""
-
-    rid: str
-    start: int
-    end: int
-    total: int
-    dest_blocks: list[int]
-    cached: int
 
 
 @dataclass(frozen=True)
@@ -122,7 +109,11 @@ class PipelineExecutor:
 
     def submit(self, item: Any, p: PipelineState | None = None) -> None:
         """Queue a new request (or a driver's stand-in for one) for the prompt side (or `p`)."""
-        (p or self.prompt[0]).queue.append(item)
+        self.submit_all((item,), p)
+
+    def submit_all(self, items: Iterable[Any], p: PipelineState | None = None) -> None:
+        """Queue new requests (or stand-ins) in order for the prompt side (or `p`), as `submit` of each."""
+        (p or self.prompt[0]).queue.extend(items)
         self.version += 1
 
     def abort(self, req: Request) -> None:
@@ -166,7 +157,8 @@ class PipelineExecutor:
         while len(p.in_flight) < p.depth:
             offered = self._offer(p) if admitting else []
             out = p.sched.schedule()
-            self._take_back(p, offered)
+            if offered:
+                self._take_back(p, offered)
             self.preemptions += len(out.preempted)
             if p.role == "token" and out.preempted:
                 for r in out.preempted:  # recomputed by the prompt side, first in line
@@ -201,21 +193,7 @@ class PipelineExecutor:
         p.queue.extendleft(back)
 
     def _dispatch(self, p: PipelineState, out: SchedulerOutput) -> None:
-        streams = []
-        if p.role == "prompt":
-            parts = None  # where this pipeline's KV arrives (`Driver.kv_parts`), asked once per batch
-            handoff, new = self.handoff, tuple.__new__  # (a named tuple's own constructor is Python code)
-            for s in out.seqs:
-                req = s.request
-                rid, total = req.request_id, len(req.prompt_token_ids) + len(req.output_token_ids)
-                lo, hi = handoff.stream_range(s)  # what the token side's cached prefix lacks
-                have = handoff.cached_tokens(rid)
-                if lo < hi:
-                    streams.append(new(KVStream, (rid, lo, hi, total, list(handoff.table(rid)), have)))
-                if s.full_table and have < total:  # from its first chunk on, KV is on its way into the reservation
-                    if parts is None:
-                        parts = tuple(self.driver.kv_parts(p))
-                    handoff.kv_sent(rid, parts)
+        streams = self.handoff.send(out.seqs, self.driver.kv_parts(p)) if p.role == "prompt" else []
         free, p.pending_free = p.pending_free + out.freed, []
         wire_id = next(self._wire_ids)
         p.in_flight[wire_id] = out
@@ -239,31 +217,30 @@ class PipelineExecutor:
         if rows:
             toks = self.driver.sample(p, out, rows, result)
             sampled = {out.seqs[i].request.request_id: t for i, t in zip(rows, toks)}
-        emit = self.driver.emit
+        emit, freed = self.driver.emit, False
         for req in p.sched.update(out, sampled):
             emit(req)
             if req.status is finished:
-                if p.role != "prompt":
-                    self._blocks_freed(p)  # its blocks were freed
+                freed = True
                 self._settle(req)
-        if self.handoff is not None:
-            for req in p.sched.take_handoffs():
-                if self.handoff.sampled(req):
-                    self._to_token_side(req)
+        if freed and p.role != "prompt":
+            self._blocks_freed(p)  # finished requests' blocks were freed
+        if self.handoff is not None and p.sched.handoffs:
+            self._to_token_side(self.handoff.sampled(p.sched.take_handoffs()))
         self.dirty.add(p)
         return out
 
-    def kv_arrived(self, rid: str, part: Hashable) -> None:
-        """One part of `rid`'s prompt KV is in place on the token side (stale parts are ignored)."""
-        req = self.handoff.kv_arrived(rid, part)
-        if req is not None:
-            self._to_token_side(req)
+    def kv_arrived(self, rids: Iterable[str], part: Hashable) -> None:
+        """One part of the prompt KV of each of `rids` is in place on the token side (stale parts are ignored)."""
+        self._to_token_side(self.handoff.kv_arrived(rids, part))
 
-    def _to_token_side(self, req: Request) -> None:
-        if req.is_finished:
-            self._settle(req)
-        else:
-            self.dirty.add(self.handoff.join(req))
+    def _to_token_side(self, reqs: list[Request]) -> None:
+        dirty, join = self.dirty, self.handoff.join
+        for req in reqs:
+            if req.status is RequestStatus.FINISHED:
+                self._settle(req)
+            else:
+                dirty.add(join(req))
 
     def _blocks_freed(self, p: PipelineState) -> None:
         """Blocks of `p` (a token or colocated pipeline) were freed: what was refused may fit now."""

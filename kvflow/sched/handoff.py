@@ -15,11 +15,24 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
-from kvflow.kv.manager import KVCacheManager
+from kvflow.kv.manager import NO_HIT, KVCacheManager
 from kvflow.sched.request import Request
 from kvflow.sched.scheduler import ScheduledSeq, Scheduler
+
+
+class KVStream(NamedTuple):
+    """Tokens [start, end) of a prompt's KV (of `total` tokens) that a prompt batch streams into the
+    token-side blocks `dest_blocks`; tokens [0, cached) are a token-side prefix-cache hit. (A named
+    tuple: one is made per request, and a simulated run makes millions.)"""
+
+    rid: str
+    start: int
+    end: int
+    total: int
+    dest_blocks: list[int]
+    cached: int
 
 
 class TokenSide(Protocol):
@@ -75,8 +88,10 @@ class Handoff:
         else:
             tokens = self._tokens(entry[0], req)
         tp, table = entry
-        hit = tp.kv_manager.match(req.token_ids, req.block_hashes, len(req.prompt_token_ids) + len(req.output_token_ids))
-        if not tp.kv_manager.ensure(table, tokens, hit):
+        kv = tp.kv_manager
+        hit = kv.match(req.token_ids, req.block_hashes, len(req.prompt_token_ids) + len(req.output_token_ids)) \
+            if kv.prefix_caching else NO_HIT
+        if not kv.ensure(table, tokens, hit):
             return False
         self.cached[rid] = hit.num_tokens
         return True
@@ -120,39 +135,52 @@ class Handoff:
     def target(self, rid: str) -> TokenSide:
         return self.tables[rid][0]
 
-    def stream_range(self, seq: ScheduledSeq) -> tuple[int, int]:
-        """Tokens [lo, hi) of a prompt batch's `seq` whose KV goes to the token side: what its cached
-        prefix there lacks, spread over the prompt's chunks (empty when lo >= hi)."""
-        have = self.cached.get(seq.request.request_id, 0)
-        return (have if seq.full_table else max(seq.start, have)), seq.end
+    def send(self, seqs: Iterable[ScheduledSeq], parts: Iterable[Hashable]) -> list[KVStream]:
+        """A prompt batch is dispatched: the KV each of its `seqs` streams into its reservation (what
+        the token side's cached prefix lacks, spread over the prompt's chunks), and, from a request's
+        first chunk on, that its KV arrives in `parts` (e.g. one per token stage; `kv_arrived`)."""
+        parts = tuple(parts)
+        cached, tables, pending, new = self.cached, self.tables, self.pending, tuple.__new__  # (see KVStream)
+        streams = []
+        for req, n, start, _, full, _ in seqs:  # (a ScheduledSeq's fields)
+            rid, total = req.request_id, len(req.prompt_token_ids) + len(req.output_token_ids)
+            have = cached.get(rid, 0)
+            lo, hi = (have if full else max(start, have)), start + n
+            if lo < hi:
+                streams.append(new(KVStream, (rid, lo, hi, total, list(tables[rid][1]), have)))
+            if full and have < total:
+                pending[rid] = set(parts)
+        return streams
 
-    def cached_tokens(self, rid: str) -> int:
-        return self.cached.get(rid, 0)
+    def kv_arrived(self, rids: Iterable[str], part: Hashable) -> list[Request]:
+        """One part of each of `rids`' KV is in place. Returns, in order, the requests parked waiting
+        for the last of their parts (to `join`, or to `settle` if they finished meanwhile). An
+        unexpected part (e.g. from before a failure) is ignored."""
+        pending, parked, out = self.pending, self.parked, []
+        for rid in rids:
+            left = pending.get(rid)
+            if left is None or part not in left:
+                continue
+            left.discard(part)
+            if left:
+                continue
+            del pending[rid]
+            req = parked.pop(rid, None)
+            if req is not None:
+                out.append(req)
+        return out
 
-    def kv_sent(self, rid: str, parts: Iterable[Hashable]) -> None:
-        """A prompt pass completed `rid`'s prompt: its KV arrives in `parts` (e.g. one per token stage)."""
-        self.pending[rid] = set(parts)
-
-    def kv_arrived(self, rid: str, part: Hashable) -> Request | None:
-        """One part of `rid`'s KV is in place. When it was the last, returns the request parked
-        waiting for it (to `join`, or to `settle` if it finished meanwhile). An unexpected part
-        (e.g. from before a failure) is ignored."""
-        left = self.pending.get(rid)
-        if left is None or part not in left:
-            return None
-        left.discard(part)
-        if left:
-            return None
-        del self.pending[rid]
-        return self.parked.pop(rid, None)
-
-    def sampled(self, req: Request) -> bool:
-        """`req`'s first token was sampled on the prompt side (`Scheduler.take_handoffs`): True if
-        it may `join` the token side now; False if it is parked until its KV has arrived."""
-        if req.request_id in self.pending:
-            self.parked[req.request_id] = req
-            return False
-        return True
+    def sampled(self, reqs: Iterable[Request]) -> list[Request]:
+        """`reqs`' first tokens were sampled on the prompt side (`Scheduler.take_handoffs`): returns
+        those that may `join` the token side now, in order; the rest are parked until their KV has
+        arrived."""
+        pending, parked, out = self.pending, self.parked, []
+        for req in reqs:
+            if req.request_id in pending:
+                parked[req.request_id] = req
+            else:
+                out.append(req)
+        return out
 
     def join(self, req: Request) -> TokenSide:
         """Move unfinished `req` into its token pipeline's scheduler (its KV is in place there)."""

@@ -15,7 +15,7 @@ import itertools
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from kvflow.kv.manager import blocks_for
+from kvflow.kv.manager import NO_HIT, blocks_for
 from kvflow.sched.output import ScheduledSeq, SchedulerOutput
 from kvflow.sched.request import Request, RequestStatus
 
@@ -40,13 +40,14 @@ class MicrobatchPolicy:
             return []
         group: list[Request] = []
         config, kv, waiting, loading, hook = self.config, self.kv_manager, self.waiting, self._loading, self.admit_hook
+        caching = kv.prefix_caching  # (without it, `_match` is NO_HIT)
         room = config.swap_region_blocks if config.swap_regions else None  # device blocks of a region
         while waiting and len(group) < config.microbatch_size:
             req = waiting[0]
             if req.request_id in loading:
                 break
             total = len(req.prompt_token_ids) + req.params.max_tokens  # reserved up front: never preempted
-            hit = self._match(req)
+            hit = self._match(req) if caching else NO_HIT
             if not kv.can_ensure(req.block_ids, total, hit):
                 break
             if room is not None:

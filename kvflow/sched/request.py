@@ -153,9 +153,8 @@ class Request:
 
     def append_token(self, token_id: int, max_model_len: int) -> FinishReason | None:
         """Record a sampled token; returns why the request should finish now, if it should."""
-        now = time.monotonic()
         if self.first_token_time is None:
-            self.first_token_time = now
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         n_out = len(self.output_token_ids)
         p = self.params

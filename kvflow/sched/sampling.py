@@ -99,10 +99,14 @@ class SamplerState:
 
     @classmethod
     def for_params(cls, params: SamplingParams) -> "SamplerState":
+        """A request's state: its own seeded generator, or the one shared state of no generator."""
         if params.greedy or params.seed is None:
-            return cls()
+            return UNSEEDED
         import torch  # only a seeded request needs it
 
         g = torch.Generator()
         g.manual_seed(params.seed)
         return cls(g)
+
+
+UNSEEDED = SamplerState()  # (read only: one per request would be a million in a simulated run)

@@ -76,7 +76,7 @@ class Scheduler(MicrobatchPolicy):
     def add_running(self, request: Request) -> None:
         """Token role: a request whose KV (all tokens but the last) is already in this pool's blocks."""
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = request.num_tokens - 1
+        request.num_computed_tokens = len(request.prompt_token_ids) + len(request.output_token_ids) - 1
         if self.kv_manager.prefix_caching:
             self.kv_manager.cache_blocks(request.block_ids, request.token_ids, request.block_hashes, 0, request.num_computed_tokens)
         self.running.append(request)

@@ -19,6 +19,7 @@ blocks instead of naming them (`KVCacheManager(block_ids=False)`). Neither chang
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 import itertools
@@ -311,11 +312,13 @@ class Simulator:
     # --- handlers ------------------------------------------------------------------------------
 
     def on_arrival(self, now: float, first: int) -> list[Event]:
-        i, n = first, len(self.arrival)
-        rr = self.config.dispatch == "round_robin"
-        while i < n and self.arrival[i] <= now:
-            self.executor.submit(i, self.prompt[i % len(self.prompt)] if rr else None)
-            i += 1
+        n = len(self.arrival)
+        i = bisect.bisect_right(self.arrival, now, first)  # (arrivals are sorted) every one up to `now`
+        if self.config.dispatch == "round_robin":
+            for k in range(first, i):
+                self.executor.submit(k, self.prompt[k % len(self.prompt)])
+        else:
+            self.executor.submit_all(range(first, i))
         return [Arrival(self.arrival[i], i)] if i < n else []
 
     def on_pass_done(self, now: float, p: SimPipeline, wire_id: int) -> list[Event]:
@@ -329,19 +332,19 @@ class Simulator:
         events: list[Event] = []
         if p.role == "prompt":  # handed off, or finished at its first token: both wait for their KV
             part, parked, done = (p, p.epoch), self.handoff.parked, pas.kv_done
-            for s in out.seqs:
-                rid = s.request.request_id
-                if rid not in parked:
-                    continue
-                self.kv_wait[int(rid)] = max(0.0, done - now)
-                if done > now:
+            rids = [rid for s in out.seqs if (rid := s.request.request_id) in parked]
+            if done > now:
+                for rid in rids:
+                    self.kv_wait[int(rid)] = done - now
                     events.append(KVReady(done, rid, part))
-                else:
-                    self.executor.kv_arrived(rid, part)
+            elif rids:
+                for rid in rids:
+                    self.kv_wait[int(rid)] = 0.0
+                self.executor.kv_arrived(rids, part)
         return events
 
     def on_kv_ready(self, now: float, rid: str, part) -> list[Event]:
-        self.executor.kv_arrived(rid, part)  # nothing if re-planned since (its prompt pipeline failed)
+        self.executor.kv_arrived((rid,), part)  # nothing if re-planned since (its prompt pipeline failed)
         return []
 
     def on_failure(self, now: float, p: SimPipeline) -> list[Event]:
