@@ -1,6 +1,6 @@
 """One layer's prompt attention, three ways: PyTorch's SDPA, the AMX kernel and the paged kernel.
 
-    python benchmarks/prompt_attention.py [LENGTHS...]     (default 128 256 512 1024 2048)
+    python benchmarks/prompt_attention.py [--lengths 128 256 512 1024 2048]
 
 SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64), bf16, one torch thread, 128-token
 cache blocks: a whole prompt of each length, and a 512-token chunk after 512 cached tokens (SDPA then
@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 from kvflow.model import cpu_kernels, prompt_attention
 from kvflow.model.batch import SeqSlice
 
@@ -61,4 +62,7 @@ def main(lens: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main([int(x) for x in sys.argv[1:]] or [128, 256, 512, 1024, 2048])
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048],
+                    help="prompt lengths (tokens) of the whole-prompt rows")
+    main(ap.parse_args().lengths)
