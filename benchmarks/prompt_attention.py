@@ -6,19 +6,26 @@ SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64), bf16, one torch t
 cache blocks: a whole prompt of each length, and a 512-token chunk after 512 cached tokens (SDPA then
 over K/V gathered from the cache and masked, as the model does). Thread CPU time, the three paths
 interleaved, the best of 5 passes after a warm-up (on a shared machine only a pass's own slowness
-counts). The AMX column needs `cpu_kernels.fast_prefill_available` (AMX and bf16).
+counts). The AMX column needs `cpu_kernels.fast_prefill_available` (AMX and bf16). Writes
+results/prompt_attention.json.
 """
 
 from __future__ import annotations
 
+import json
+import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from kvflow.cli.args import ArgumentParser, RawDescriptionHelpFormatter
 from kvflow.model import cpu_kernels, prompt_attention
 from kvflow.model.batch import SeqSlice
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def main(lens: list[int]) -> None:
@@ -29,6 +36,7 @@ def main(lens: list[int]) -> None:
     scale, amx = D**-0.5, cpu_kernels.fast_prefill_available(torch.bfloat16, D, H, KVH)
     gen = torch.Generator().manual_seed(0)
     print("chunk/context  sdpa_ms  amx_ms  paged_ms  sdpa/amx")
+    rows = []
     for ql, c in [(n, n) for n in lens] + [(512, 1024)]:
         nb = -(-c // BS)
         kv = torch.randn(2, nb, BS, KVH, D, generator=gen).bfloat16()
@@ -59,6 +67,11 @@ def main(lens: list[int]) -> None:
         a = best.get("amx", float("nan"))
         print(f"{ql}/{c}".ljust(14), f"{best['sdpa'] * 1e3:7.2f}", f"{a * 1e3:7.2f}", f"{best['paged'] * 1e3:9.2f}",
               f"{best['sdpa'] / a:9.2f}", flush=True)
+        rows.append({"chunk": ql, "context": c, **{f"{name}_ms": t * 1e3 for name, t in best.items()}})
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "prompt_attention.json"
+    out.write_text(json.dumps({"cpu": platform.processor() or platform.machine(), "amx": amx, "rows": rows}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
