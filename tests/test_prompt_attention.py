@@ -42,21 +42,22 @@ def test_measured_choice_is_a_measured_length_and_never_batch_invariant(monkeypa
     assert exact.sdpa_from is None and exact.amx_from is None  # a batch-invariant model keeps one kernel for every row
 
 
-def test_prompt_split_separates_long_chunks_from_the_others():
+def test_prompt_bands_split_chunks_by_length_once_per_step():
     seqs = [SeqSlice(0, 12, 12, (0, 1, 2)), SeqSlice(12, 5, 5, (3, 4)), SeqSlice(17, 1, 9, (5, 6, 7)),
             SeqSlice(18, 4, 10, (8, 9, 10))]
     batch = ForwardBatch.build(seqs, 4)
-    long, rest = batch.prompt_split(8)
-    assert long == [0]  # the 5-token prompt and the 4-token chunk are short, the decode row is no chunk
+    mid, long, rest = batch.prompt_bands(None, 8)
+    assert mid is None and long == [0]  # the 5-token prompt and the 4-token chunk are short, the decode row is no chunk
     assert rest[2].tolist() == [5, 4] and rest[3].tolist() == [5, 10] and rest[1].tolist() == [12, 18]
     assert rest[0].tolist() == batch.prefill_block_table[1:].tolist()
-    long, rest = batch.prompt_split(5)
-    assert long == [0, 1] and rest[2].tolist() == [4] and rest[0].tolist() == batch.prefill_block_table[2:].tolist()
-    assert batch.prompt_split(8) is batch.prompt_split(8)  # once per step, for every layer
-    none, everything = batch.prompt_split(None)
-    assert none == [] and everything[0] is batch.prefill_block_table
-    every, nothing = batch.prompt_split(2)
-    assert every == [0, 1, 2] and nothing is None
+    mid, long, rest = batch.prompt_bands(5, 8)  # the 5-token prompt in the middle band
+    assert long == [0] and mid[2].tolist() == [5] and mid[1].tolist() == [12] and rest[2].tolist() == [4]
+    assert rest[0].tolist() == batch.prefill_block_table[2:].tolist()
+    assert batch.prompt_bands(5, 8) is batch.prompt_bands(5, 8)  # once per step, for every layer
+    mid, none, everything = batch.prompt_bands(None, None)
+    assert mid is None and none == [] and everything[0] is batch.prefill_block_table
+    every, nothing, left = batch.prompt_bands(2, None)
+    assert every[0] is batch.prefill_block_table and nothing == [] and left is None
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"])

@@ -54,14 +54,6 @@ class ForwardBatch:
     prefill_context_lens: torch.Tensor  # [Sp] long: cached tokens after the step (the chunk is the last)
     _splits: dict = field(default_factory=dict, repr=False, compare=False)  # prompt_bands', per bounds
 
-    def prompt_split(self, min_query: int | None) -> tuple[list[int], tuple[torch.Tensor, ...] | None]:
-        """(indices into `prefill` of the prompt chunks of at least `min_query` tokens, none for None;
-        the block table, query starts, query lengths and context lengths of the other chunks, None if
-        there are none), computed once per step for all its layers."""
-        if ("split", min_query) not in self._splits:
-            self._splits["split", min_query] = self.prompt_bands(None, min_query)[1:]
-        return self._splits["split", min_query]
-
     def prompt_bands(self, mid_from: int | None, long_from: int | None):
         """The prompt chunks in three bands by length, computed once per step for all its layers:
         (the metadata (block table, query starts, query lengths, context lengths) of the chunks of
