@@ -91,7 +91,7 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplerState:
     """Per-request random state: a seeded generator when the request gave a seed."""
 
@@ -109,4 +109,4 @@ class SamplerState:
         return cls(g)
 
 
-UNSEEDED = SamplerState()  # (read only: one per request would be a million in a simulated run)
+UNSEEDED = SamplerState()  # (shared, hence frozen: one per request would be a million in a simulated run)
