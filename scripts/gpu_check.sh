@@ -8,7 +8,7 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .gpu-wheels \
 #     pyzmq fastapi starlette pydantic pydantic-core uvicorn gguf annotated-types typing-inspection \
-#     typing_extensions opentelemetry-api
+#     typing_extensions opentelemetry-api httptools uvloop
 # Then, on the device:  OUT=$OUT bash scripts/gpu_check.sh [tests|bench|all]
 # "all" runs the tests beside the benchmark (the tests' models are tiny; the benchmark's timings are
 # then taken next to them, so "bench" alone is the run whose figures to report). Limits:

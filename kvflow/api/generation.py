@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from kvflow.api.drain import Drain
@@ -220,19 +220,49 @@ async def close_stream(agen: AsyncIterator[RequestOutput], p: Progress, metrics:
         drain.leave()
 
 
-class SSEResponse(StreamingResponse):
-    """A text/event-stream response that closes its request even when the client leaves before the first chunk."""
+class SSEResponse(Response):
+    """A text/event-stream response of `stream`'s chunks that closes its request even when the client leaves before
+    the first chunk. The client leaving cancels the streaming (the task that runs this), which closes the generator
+    and so aborts the backend request. (Starlette's `StreamingResponse` does the same through a task group, a task
+    and cancel scopes per response: more work than a short request's own on the first token's path.)"""
+
+    media_type = "text/event-stream"
 
     def __init__(self, agen: AsyncIterator[RequestOutput], first: RequestOutput, p: Progress, fmt: ChunkFormat,
                  include_usage: bool, metrics: APIMetrics, drain: Drain) -> None:
-        super().__init__(stream(agen, first, p, fmt, include_usage, metrics, drain), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+        self.status_code, self.background = 200, None
+        self.init_headers({"Cache-Control": "no-cache"})
+        self.chunks = stream(agen, first, p, fmt, include_usage, metrics, drain)
         self._close = lambda: close_stream(agen, p, metrics, "abort", drain)
 
     async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        state = {"sending": True, "gone": False}
+
+        async def watch() -> None:  # the client's disconnect; after the last chunk `receive` says so too: ignored
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if state["sending"]:
+                state["gone"] = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            state["sending"] = False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if self.background is not None:
+                await self.background()
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            task.uncancel()  # the client left: nothing more to send (`stream` has closed the request)
+        except OSError:
+            pass  # the connection broke under a write: as if the client left
         finally:
+            state["sending"] = False
+            watcher.cancel()
+            await self.chunks.aclose()
             await self._close()
-
-

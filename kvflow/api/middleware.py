@@ -1,17 +1,23 @@
 """The ASGI middlewares in front of the routes, and the request body limit: `APIKeyAuth` (the API
-key), `BodyLimit` (a body over the limit gets 413 before anything parses it) and `StatusCounter`
-(responses per route template and status, for /metrics). `build_app` stacks them: the counter
-outermost, so it counts the 401s and 413s; the key check before the body limit, so a stranger's body
-is never read.
+key), `BodyLimit` (a body over the limit gets 413 before anything parses it), `StatusCounter`
+(responses per route template and status, for /metrics) and `DirectRoutes` (the generation routes'
+valid requests straight to their endpoints). `build_app` stacks them: the counter outermost, so it
+counts the 401s and 413s; the key check before the body limit, so a stranger's body is never read;
+the direct routes innermost, so they see only bodies within the limit.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
+from collections.abc import Awaitable, Callable
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
 
-from kvflow.api.errors import error_body
+from kvflow.api.errors import APIError, error_body
 from kvflow.api.metrics import APIMetrics, endpoint_label
 
 BODY_BYTES_PER_TOKEN = 32  # default body limit: this many bytes per context token (JSON escapes included) ...
@@ -59,6 +65,46 @@ class StatusCounter:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+Endpoint = Callable[[BaseModel, Request], Awaitable[Response]]
+
+
+class DirectRoutes:
+    """ASGI middleware: a POST to one of `routes` (path -> body model, endpoint) whose body is JSON that validates
+    against the model is answered by the endpoint at once — FastAPI's routing, dependency solving and middlewares
+    cost more than a short request's own work on its first token's path. Anything else (another content type, a
+    body that does not parse or validate) goes on to the app, which answers it with the same error as ever; an
+    `APIError` from the endpoint becomes its response, as the app's handler makes it."""
+
+    def __init__(self, app, routes: dict[str, tuple[type[BaseModel], Endpoint]]) -> None:
+        self.app, self.routes = app, routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None or not _json_body(scope):
+            return await self.app(scope, receive, send)
+        message = await receive()  # (`BodyLimit` hands on the whole body as one message)
+        try:
+            if message["type"] != "http.request" or message.get("more_body", False):
+                raise ValueError("not one whole body")
+            body = route[0].model_validate(json.loads(message["body"]))
+        except (ValueError, ValidationError):
+            return await self.app(scope, _replay([message], receive), send)
+        try:
+            response = await route[1](body, Request(scope, receive))
+        except APIError as e:
+            response = e.response()
+        await response(scope, receive, send)
+
+
+def _json_body(scope) -> bool:
+    """The request says its body is JSON, as `application/json` (what clients send; FastAPI takes other spellings
+    too, and still does for the requests that do not come this way)."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == b"application/json"
+    return False
 
 
 class BodyLimit:

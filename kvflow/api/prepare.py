@@ -56,6 +56,15 @@ def prompt_chars(req: CompletionRequest | ChatCompletionRequest) -> int:
     return len(p) if isinstance(p, str) else sum(len(x) for x in p) if p and isinstance(p[0], (str, list)) else len(p)
 
 
+def token_id_prompt(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """The prompt is token ids (a completion's list of ints, or one such list in a list): preparing it tokenizes
+    nothing, only checks the ids (`check_prompt`)."""
+    if isinstance(req, ChatCompletionRequest) or isinstance(req.prompt, str):
+        return False
+    p = req.prompt
+    return not p or isinstance(p[0], int) or (isinstance(p[0], list) and len(p) == 1)
+
+
 def pieces(texts: Iterable[str], size: int) -> Iterator[str]:
     """The texts in pieces of about `size` characters: short texts joined by newlines, a long one cut where a
     run of whitespace begins within `size` characters past a piece's end, else right at it."""

@@ -16,7 +16,9 @@ as usual) and `serve` returns 128 + that signal's number.
 Hostile input is bounded before it costs anything: a body over `APIConfig.max_body_bytes` is refused
 with 413 before it is parsed, metric labels come from fixed sets (both middlewares of `kvflow.api.middleware`),
 and prompts are tokenized off the event loop, a large one on its own thread (`Tokenizing`) and only
-until it passes the context (`kvflow.api.prepare`).
+until it passes the context (`kvflow.api.prepare`); a short prompt of token ids, with nothing to tokenize,
+is checked on the loop. A valid generation request goes from the middlewares straight to its endpoint
+(`DirectRoutes`); FastAPI's routing answers everything else.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from kvflow.api import generation as gen
 from kvflow.api.drain import CANCEL_GRACE_S, Drain
 from kvflow.api.errors import APIError, bad_request, install_error_handlers, unavailable
 from kvflow.api.metrics import CONTENT_TYPE, APIMetrics
-from kvflow.api.middleware import APIKeyAuth, BodyLimit, StatusCounter, default_max_body_bytes
-from kvflow.api.prepare import Prepared, piece_chars, prepare_chat, prepare_completion, prompt_chars
+from kvflow.api.middleware import APIKeyAuth, BodyLimit, DirectRoutes, StatusCounter, default_max_body_bytes
+from kvflow.api.prepare import (Prepared, piece_chars, prepare_chat, prepare_completion, prompt_chars,
+                                token_id_prompt)
 from kvflow.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id
 from kvflow.serving.backend import Backend
 
@@ -49,6 +52,7 @@ log = logging.getLogger(__name__)
 _uvicorn_log = logging.getLogger("uvicorn.error")  # where `kvflow serve` prints server lifecycle lines
 
 TOKENIZER_THREADS = 4  # chat templating + tokenization of ordinary prompts run here, never on the event loop
+INLINE_PROMPT_IDS = 2048  # a prompt of at most this many token ids is checked on the event loop (no thread hop)
 LARGE_TOKENIZER_THREADS = 1  # prompts longer than one tokenization piece (`piece_chars`) queue for these
 
 
@@ -82,7 +86,11 @@ class Tokenizing:
         self.small = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvflow-tokenize")
         self.large = ThreadPoolExecutor(LARGE_TOKENIZER_THREADS, thread_name_prefix="kvflow-tokenize-large")
 
-    async def run(self, fn: Callable[[], Prepared], chars: int) -> Prepared:
+    async def run(self, fn: Callable[[], Prepared], chars: int, token_ids: bool = False) -> Prepared:
+        """`fn()`'s answer; `chars`: the prompt's characters, or its token ids when `token_ids` (nothing to tokenize:
+        a short one is checked at once, on the event loop — the hop to a thread and back would cost more)."""
+        if token_ids and chars <= INLINE_PROMPT_IDS:
+            return fn()
         pool = self.large if chars > self.large_chars else self.small
         return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
@@ -109,6 +117,8 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
             tokenizing.shutdown()
 
     app = FastAPI(title="kvflow", summary="OpenAI-compatible API over a kvflow backend", lifespan=lifespan)
+    direct: dict = {}  # the generation routes, for `DirectRoutes` (filled below)
+    app.add_middleware(DirectRoutes, routes=direct)  # added first = innermost: sees bodies within the limit
     app.add_middleware(BodyLimit, limit=max_body)  # inside the key check: a stranger's body is never read
     if config.api_key is not None:
         app.add_middleware(APIKeyAuth, api_key=config.api_key, open_paths=config.open_paths)
@@ -129,13 +139,14 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
         if not healthy():
             raise unavailable("the serving backend is not healthy; try again later")
 
-    async def respond(request: Request, prepare: Callable[[], Prepared], chars: int, chat: bool) -> Response:
+    async def respond(request: Request, prepare: Callable[[], Prepared], chars: int, chat: bool,
+                      token_ids: bool = False) -> Response:
         admit()
         drain.enter()  # in flight from here, tokenization included: a drain waits for it
         metrics.in_flight += 1
         streaming = False  # once the SSE response owns the request, it does the accounting (`close_stream`)
         try:
-            prepared = await tokenizing.run(prepare, chars)
+            prepared = await tokenizing.run(prepare, chars, token_ids)
             request_id = new_id("chatcmpl" if chat else "cmpl")
             fmt = gen.ChunkFormat(chat, request_id, backend.model_name, prepared.return_token_ids)
             progress = gen.Progress(len(prepared.prompt_token_ids))
@@ -163,12 +174,15 @@ def build_app(backend: Backend, config: APIConfig = APIConfig()) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prepare = partial(prepare_completion, body, backend.model_name, backend.tokenizer, backend.max_model_len, vocab_size)
-        return await respond(request, prepare, prompt_chars(body), chat=False)
+        return await respond(request, prepare, prompt_chars(body), chat=False, token_ids=token_id_prompt(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         prepare = partial(prepare_chat, body, backend.model_name, backend.tokenizer, backend.max_model_len, vocab_size)
         return await respond(request, prepare, prompt_chars(body), chat=True)
+
+    direct.update({"/v1/completions": (CompletionRequest, completions),
+                   "/v1/chat/completions": (ChatCompletionRequest, chat_completions)})
 
     def card() -> ModelCard:
         return ModelCard(id=backend.model_name, root=backend.model_name, max_model_len=backend.max_model_len,
