@@ -116,7 +116,8 @@ def test_chooser_bands(monkeypatch):
     longest length down; an exception to a band ends it."""
     monkeypatch.delenv("KVFLOW_PROMPT_ATTENTION", raising=False)
     monkeypatch.setattr(prompt_attention, "_CHOSEN", {})
-    lens = prompt_attention.MEASURED_LENS
+    lens = (128, 256, 512, 1024)
+    monkeypatch.setattr(prompt_attention, "MEASURED_LENS", lens)
     cases = [
         (["paged", "amx", "amx", "amx"], (256, None)),
         (["paged", "amx", "amx", "sdpa"], (256, 1024)),

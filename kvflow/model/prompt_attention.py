@@ -30,7 +30,7 @@ from kvflow.model import cpu_kernels
 from kvflow.model.batch import SeqSlice
 
 # Prompt lengths timed at load; a longer chunk takes the choice of the longest.
-MEASURED_LENS = (128, 256, 512, 1024)
+MEASURED_LENS = (16, 32, 64, 128, 256, 512, 1024)
 _CHOSEN: dict[tuple, int | None] = {}
 
 
