@@ -28,6 +28,10 @@ others are measured, all interleaved in the same run; ratios are then against th
 
     python benchmarks/serving.py --no-vllm --variants "old=--max-num-batched-tokens 320 --prefill-chunk-size 256;new="
 
+Leading `NAME=VALUE` words of a variant's flags are set in its server's environment, as in a shell:
+
+    python benchmarks/serving.py --no-vllm --variants "def=;bind=OMP_PROC_BIND=true OMP_PLACES=cores"
+
 A variant named NAME@DIR runs the kvflow of another checkout (`git worktree add DIR COMMIT`), to compare
 two commits the same way:
 
@@ -44,6 +48,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import socket
@@ -65,11 +70,12 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionH
 class Server:
     """A server in its own process group, so it can be paused and stopped as a whole."""
 
-    def __init__(self, name: str, url: str, cmd: list[str], log: Path, tree: str | None = None) -> None:
+    def __init__(self, name: str, url: str, cmd: list[str], log: Path, tree: str | None = None,
+                 env_vars: dict[str, str] | None = None) -> None:
         self.name, self.url, self.log = name, url, log
-        env = None
+        env = {**os.environ, **env_vars} if env_vars else None
         if tree is not None:  # another checkout's kvflow (an older commit), run with this venv
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tree, os.environ.get("PYTHONPATH"))))}
+            env = {**(env or os.environ), "PYTHONPATH": os.pathsep.join(filter(None, (tree, os.environ.get("PYTHONPATH"))))}
         self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                                      cwd=tree, env=env)
         self.pgid = os.getpgid(self.proc.pid)
@@ -114,10 +120,25 @@ class Server:
             self.signal(signal.SIGKILL)
 
 
+ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def variant_env(flags: str) -> tuple[dict[str, str], str]:
+    """A variant's leading `NAME=VALUE` words (its server's environment, as in a shell command) and the flags after
+    them: `OMP_WAIT_POLICY=passive --threads 2` -> ({"OMP_WAIT_POLICY": "passive"}, "--threads 2")."""
+    words = shlex.split(flags)
+    env = {}
+    while words and ENV_WORD.match(words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return env, shlex.join(words)
+
+
 def variants(args) -> list[tuple[str, str, str | None]]:
     """(name, extra `kvflow serve` flags, checkout or None) of each kvflow server: --variants, or one
     "kvflow" with --kvflow-args. `NAME@DIR=FLAGS` runs the kvflow of the checkout DIR (e.g. a
-    `git worktree` of an older commit) with this Python, to compare code versions interleaved."""
+    `git worktree` of an older commit) with this Python, to compare code versions interleaved; FLAGS may
+    start with `NAME=VALUE` words, set in that server's environment (`variant_env`)."""
     if not args.variants:
         return [("kvflow", args.kvflow_args, None)]
     out = []
@@ -128,7 +149,9 @@ def variants(args) -> list[tuple[str, str, str | None]]:
             raise SystemExit(f"--variants items are NAME[@DIR]=FLAGS (NAME not 'vllm'), got {item!r}")
         if tree and not (Path(tree) / "kvflow" / "__init__.py").is_file():
             raise SystemExit(f"--variants {name}@{tree}: no kvflow package in {tree}")
-        out.append((name, f"{args.kvflow_args} {extra}".strip(), str(Path(tree).resolve()) if tree else None))
+        env, extra = variant_env(extra)
+        words = [f"{k}={shlex.quote(v)}" for k, v in env.items()] + [args.kvflow_args, extra]
+        out.append((name, " ".join(w for w in words if w), str(Path(tree).resolve()) if tree else None))
     return out
 
 
@@ -143,13 +166,14 @@ def start_servers(args, servers: dict[str, Server], peer: Path | None) -> None:
     caller's cleanup stops whatever did start if a later one fails."""
     from kvflow.model.loader import load_config
 
-    for name, extra, tree in variants(args):
+    for name, flags, tree in variants(args):
         port = free_port()
+        env, extra = variant_env(flags)
         kv_cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port), *shlex.split(extra)]
         for s in servers.values():
             s.signal(signal.SIGSTOP)  # an idle server must not slow the next one's start-up measurements
-        servers[name] = Server(name, f"http://127.0.0.1:{port}", kv_cmd, RESULTS / f"serving-{name}.log", tree)
-        print(f"{name}: {' '.join(kv_cmd[1:])} ... ready in {servers[name].wait_ready(900):.0f} s", flush=True)
+        servers[name] = Server(name, f"http://127.0.0.1:{port}", kv_cmd, RESULTS / f"serving-{name}.log", tree, env)
+        print(f"{name}: {''.join(f'{k}={v} ' for k, v in env.items())}{' '.join(kv_cmd[1:])} ... ready in {servers[name].wait_ready(900):.0f} s", flush=True)
     if peer is not None:
         model_dir = load_config(None)[1]  # kvflow's converted copy of the default model: the same weights
         for s in servers.values():
