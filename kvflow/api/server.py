@@ -77,9 +77,10 @@ class APIConfig:
 
 
 class Tokenizing:
-    """Where `prepare_*` runs: never on the event loop. A prompt longer than one tokenization piece
-    (`piece_chars(context)` characters) goes to its own small pool, so a few huge prompts queue behind
-    each other there while ordinary requests keep the other pool to themselves."""
+    """Where `prepare_*` runs: a thread pool whenever there is text to tokenize or template, never the event
+    loop (only a prompt of at most `INLINE_PROMPT_IDS` token ids is checked there). A prompt longer than one
+    tokenization piece (`piece_chars(context)` characters) goes to its own small pool, so a few huge prompts
+    queue behind each other there while ordinary requests keep the other pool to themselves."""
 
     def __init__(self, max_model_len: int) -> None:
         self.large_chars = piece_chars(max_model_len)
