@@ -28,11 +28,8 @@ the timeline and every decision are those of simulating each pass as an event
 from __future__ import annotations
 
 from functools import reduce
-from itertools import islice
 from operator import add
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from kvflow.perf.perf_model import BatchShape
 from kvflow.simulator.events import PIPELINE, PassDone
@@ -43,9 +40,6 @@ if TYPE_CHECKING:
     from kvflow.simulator.simulator import Simulator
 
 UNBOUNDED = 1 << 62  # a run's length: up to the first pass that finishes a request
-# passes from which a two-stage run is first placed in array operations (`_lockstep`): below it
-# their fixed cost exceeds the per-pass loop's
-LOCKSTEP_MIN = 48
 
 
 class _Run:
@@ -157,12 +151,10 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
     # stage time (counted busy as it returns).
     priced: list = [None] * count
     sts = stage_time + priced
-    rows = []  # two stages: each microbatch's prices as an array
     for i in range(min(m, count)):
         turns = len(range(i, count, m))
         n = len(run.groups[i])
-        priced[i::m], sts[m + i::m], r = _prices(sim, p, n, context[i], turns)
-        rows.append(r)
+        priced[i::m], sts[m + i::m] = _prices(sim, p, n, context[i], turns)
         context[i] += n * turns
         steps[i] += turns
     ret = done_at[:]
@@ -170,16 +162,12 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
     put = ret.append
     if depth == 2:
         a, b = sf
-        first = 0
-        if m <= 2 and count >= LOCKSTEP_MIN * m:
-            lead = 0 if ret[0] >= a else 1  # the leader: its passes find stage 0 free
-            if lead < m:
-                if lead:  # the other's pass first
-                    a, b = _place2(ret, priced, 0, 1, a, b)
-                    first, a, b = _lockstep(ret, 1, rows[1], rows[0][1:], a, b)
-                else:
-                    first, a, b = _lockstep(ret, 0, rows[0], rows[1] if m == 2 else None, a, b)
-        sf[0], sf[1] = _place2(ret, priced, first, count, a, b)
+        for t, (hop, s0, s1) in zip(ret, priced):
+            a = (t if t > a else a) + s0
+            t = a + hop
+            b = (t if t > b else b) + s1
+            put(b)
+        sf[0], sf[1] = a, b
     else:
         for t, (hop, *stages) in zip(ret, priced):
             for k in range(depth):
@@ -196,34 +184,16 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
     run.busy, run.played = busy, count
 
 
-def _place2(ret: list[float], priced: list, first: int, last: int, a: float, b: float) -> tuple[float, float]:
-    """`_play`'s loop for two stages over passes [first, last): `SimPipeline.place` with stage 0
-    free at `a` and stage 1 at `b`; appends each pass's return to `ret`; returns the stages' clocks."""
-    put = ret.append
-    for t, (hop, s0, s1) in zip(islice(ret, first, None), priced[first:last]):
-        a = (t if t > a else a) + s0
-        t = a + hop
-        b = (t if t > b else b) + s1
-        put(b)
-    return a, b
-
-
-def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int) -> tuple[list, list, object]:
+def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int) -> tuple[list, list]:
     """(hop, then each stage's time) and the stage time of `turns` one-token passes of a microbatch of
     `n` requests whose contexts sum to `context` before the first: `Simulator.dispatch`'s prices,
-    kept per (pipeline depth, role, n) in two lists indexed by the context; for two stages also
-    as an array of rows (stage 0, hop, stage 1) (else None)."""
-    prices = sim._decode_times.get((p.depth, p.role, n))
-    if prices is None:
-        prices = sim._decode_times[(p.depth, p.role, n)] = [[], [], np.zeros((0, 3)) if p.depth == 2 else None]
-    line, times, table = prices
+    kept per (pipeline depth, role, n) in two lists indexed by the context."""
+    line, times = sim._decode_times.setdefault((p.depth, p.role, n), ([], []))
     hi = context + turns * n
     if len(line) <= hi:
         more = [None] * (hi + 1 - len(line) + len(line) // 2)
         line += more
         times += more
-        if table is not None:
-            table = prices[2] = np.concatenate((table, np.zeros((len(more), 3))))
     got = line[context + n:hi + 1:n]
     if not all(got):
         depth, per_stage = p.depth, p.depth > 1 and not p.perf.uniform_stages
@@ -234,54 +204,7 @@ def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int
                 times[c] = step = sim._step_time(shape, p)
                 got[j] = line[c] = (sim._hop(n, p) if depth > 1 else 0.0,
                                     *([sim._stage_time(shape, p, k) for k in range(depth)] if per_stage else (step,) * depth))
-                if table is not None:
-                    hop, s0, s1 = line[c]
-                    table[c] = s0, hop, s1
-    return got, times[context + n:hi + 1:n], None if table is None else table[context + n:hi + 1:n]
-
-
-def _lockstep(ret: list[float], first: int, lead, follow, a: float, b: float) -> tuple[int, float, float]:
-    """The loop of `_play` for two stages, from pass `first` on, in array operations, for as many
-    passes as the pipeline is in lockstep: one microbatch (the leader, pass `first`, its prices
-    `lead`) finds both stages free when it is sent, the other (if any: pass `first` + 1, its
-    prices `follow`) finds both busy with the leader's pass. Then each of the leader's passes is
-    its previous return plus stage 0, the hop and stage 1, and the other's the leader's stage
-    clocks plus its own times: running sums, in the order the loop adds them, so the same
-    floating-point results. Each pass's branch of the loop is checked (a tie takes either branch
-    to the same value), and the passes from the first that is not in lockstep are left to the
-    loop. Appends the placed passes' returns to `ret`; returns the first pass not placed and the
-    stages' clocks before it. (Each microbatch has at least two passes: `LOCKSTEP_MIN`.)"""
-    n = len(lead)
-    clock = np.empty(3 * n + 1)
-    clock[0] = ret[first]
-    clock[1:].reshape(n, 3)[:] = lead
-    clock = np.add.accumulate(clock)
-    la, lt, lb = clock[1::3], clock[2::3], clock[3::3]  # the leader's stage 0 done, sent on, stage 1 done
-    if ret[first] < a or lt[0] < b:
-        return first, a, b
-    if follow is None:  # alone: each pass is sent as the previous one returns
-        bad = (clock[3:-1:3] < la[:-1]) | (lt[1:] < lb[:-1])
-        i = int(bad.argmax())
-        placed = i + 1 if bad[i] else n
-        ret += lb[:placed].tolist()
-        return first + placed, float(la[placed - 1]), float(lb[placed - 1])
-    f = len(follow)
-    fa = la[:f] + follow[:, 0]
-    ft = fa + follow[:, 1]
-    fb = lb[:f] + follow[:, 2]
-    fbad = ft > lb[:f]  # stage 1 busy with the leader's pass, stage 0 as the follower is sent
-    fbad[1:] |= fb[:-1] > la[1:f]
-    fbad[0] |= ret[first + 1] > la[0]
-    lbad = (clock[3:-1:3] < fa[:n - 1]) | (lt[1:] < fb[:n - 1])  # both free for the leader's next pass
-    i, j = int(fbad.argmax()), int(lbad.argmax())
-    placed = min(2 * i + 1 if fbad[i] else n + f, 2 * j + 2 if lbad.size and lbad[j] else n + f)
-    both = np.empty(n + f)
-    both[0::2], both[1::2] = lb, fb
-    ret += both[:placed].tolist()
-    k = (placed - 1) // 2
-    if placed % 2:
-        return first + placed, float(la[k]), float(lb[k])
-    return first + placed, float(fa[k]), float(fb[k])
+    return got, times[context + n:hi + 1:n]
 
 
 def settle(sim: "Simulator", p: "SimPipeline", now: float, rank: int) -> None:
