@@ -118,10 +118,7 @@ class BlockPool:
         """Drop one reference to each of `ids`. Pass a request's table last block first, so that the
         end of a prefix is evicted before its beginning (a later block is useless without the earlier)."""
         if self.anonymous:  # (a table of copies of ANONYMOUS: only its length counts)
-            n = len(ids) if ids.__class__ is list or isinstance(ids, Sized) else sum(1 for _ in ids)
-            if n > self.num_blocks - self._num_free:
-                raise ValueError(f"freeing {n} blocks, {self.num_blocks - self._num_free} are allocated")
-            self._num_free += n
+            self._count_back(len(ids) if ids.__class__ is list or isinstance(ids, Sized) else sum(1 for _ in ids))
             return
         ids = list(ids)
         counts: dict[int, int] = {}
@@ -137,6 +134,21 @@ class BlockPool:
                     self._cached[b] = None  # most recently released: evicted last
                 else:
                     self._free.append(b)
+
+    def free_tables(self, tables: Iterable[list[int]]) -> None:
+        """`free` of each of `tables` in turn, each last block first (requests' tables released
+        together: an anonymous pool counts them at once)."""
+        if self.anonymous:
+            self._count_back(sum(map(len, tables)))
+            return
+        for t in tables:
+            self.free(reversed(t))
+
+    def _count_back(self, n: int) -> None:
+        """An anonymous pool gets `n` blocks back."""
+        if n > self.num_blocks - self._num_free:
+            raise ValueError(f"freeing {n} blocks, {self.num_blocks - self._num_free} are allocated")
+        self._num_free += n
 
     def lookup(self, hashes: Iterable[bytes]) -> list[int]:
         out = []

@@ -312,9 +312,14 @@ class KVCacheManager:
             self.pool.insert(table[i], hashes[i])
 
     def release(self, table: list[int]) -> None:
-        # a prefix's last blocks are evicted before its first (an anonymous pool only counts them)
-        self.pool.free(table if self.pool.anonymous else reversed(table))
-        table.clear()
+        self.release_all((table,))
+
+    def release_all(self, tables: Sequence[list[int]]) -> None:
+        """Give back every block of each of `tables` (emptied), in order; a prefix's last blocks are
+        evicted before its first (an anonymous pool only counts them)."""
+        self.pool.free_tables(tables)
+        for table in tables:
+            table.clear()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix in every tier, and any copy not yet handed to an executor."""

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
-from kvflow.sched.sampling import SamplerState, SamplingParams
+from kvflow.sched.sampling import UNSEEDED, SamplerState, SamplingParams
 from kvflow.model.tokenizer import IncrementalDetokenizer
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -120,8 +120,9 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = TokenIds(self.prompt_token_ids, self.output_token_ids)  # what the model consumes
-        self.sampler = SamplerState.for_params(self.params)
-        self._max_stop_len = max(map(len, self.params.stop), default=0)
+        params = self.params
+        self.sampler = UNSEEDED if params.seed is None else SamplerState.for_params(params)
+        self._max_stop_len = max(map(len, params.stop)) if params.stop else 0
 
     def take_kv_source(self) -> str | None:
         """`kv_source`, once: one pull, and what it does not bring is recomputed."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvflow.kv.manager import KVCacheManager, PrefixHit, blocks_for
 from kvflow.sched.config import POLICIES, ROLES, SchedulerConfig  # noqa: F401  (re-exported)
@@ -241,8 +241,7 @@ class Scheduler(MicrobatchPolicy):
         for req, n, start, _, _, _ in out.seqs:  # (a ScheduledSeq's fields)
             rid = req.request_id
             in_flight.discard(rid)
-            if req.status is finished:  # aborted while in flight
-                self._release(req)
+            if req.status is finished:  # aborted while in flight (its blocks are given back below)
                 gone.append(req)
                 changed.append(req)
                 continue
@@ -255,15 +254,14 @@ class Scheduler(MicrobatchPolicy):
             reason = req.append_token(tok, limit)
             if reason is not None:
                 req.finish(reason)
-                self._release(req)
                 gone.append(req)
-            elif prompt:
-                self._release(req)  # its KV has been streamed to the token side during this batch
+            elif prompt:  # its KV has been streamed to the token side during this batch
                 gone.append(req)
                 req.status = RequestStatus.WAITING
                 self.handoffs.append(req)
             changed.append(req)
         if gone:
+            self._release(gone)
             self._drop(gone)
         return changed
 
@@ -328,7 +326,7 @@ class Scheduler(MicrobatchPolicy):
     # ------------------------------------------------------------------ helpers
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._release(req)
+        self._release((req,))
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         if self.role == "token":
@@ -339,19 +337,24 @@ class Scheduler(MicrobatchPolicy):
 
     def _remove(self, req: Request) -> None:
         self._drop([req])
-        self._release(req)
+        self._release((req,))
 
     def _drop(self, reqs: list[Request]) -> None:
         """Take `reqs` out of the running list and their microbatches (their blocks are not touched)."""
-        ids = set(map(id, reqs))
-        self.running[:] = [r for r in self.running if id(r) not in ids]
+        gone = set(reqs)  # (a request hashes and compares by identity)
+        self.running[:] = [r for r in self.running if r not in gone]
         for g in self.groups:
-            if not ids.isdisjoint(map(id, g)):
-                g[:] = [r for r in g if id(r) not in ids]
+            if not gone.isdisjoint(g):
+                g[:] = [r for r in g if r not in gone]
         self.groups = [g for g in self.groups if g]
 
-    def _release(self, req: Request) -> None:
-        self._full_table.discard(req.request_id)
-        if req.block_ids:
-            self.kv_manager.release(req.block_ids)
-            self._freed.append(req.request_id)
+    def _release(self, reqs: Sequence[Request]) -> None:
+        """Give back the blocks of `reqs`, in order (the executor's workers may forget their tables)."""
+        full_table, freed, tables = self._full_table, self._freed, []
+        for req in reqs:
+            full_table.discard(req.request_id)
+            if req.block_ids:
+                tables.append(req.block_ids)
+                freed.append(req.request_id)
+        if tables:
+            self.kv_manager.release_all(tables)

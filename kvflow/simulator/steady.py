@@ -188,7 +188,10 @@ def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int
     """(hop, then each stage's time) and the stage time of `turns` one-token passes of a microbatch of
     `n` requests whose contexts sum to `context` before the first: `Simulator.dispatch`'s prices,
     kept per (pipeline depth, role, n) in two lists indexed by the context."""
-    line, times = sim._decode_times.setdefault((p.depth, p.role, n), ([], []))
+    prices = sim._decode_times.get((p.depth, p.role, n))
+    if prices is None:
+        prices = sim._decode_times[(p.depth, p.role, n)] = ([], [])
+    line, times = prices
     hi = context + turns * n
     if len(line) <= hi:
         more = [None] * (hi + 1 - len(line) + len(line) // 2)
