@@ -46,7 +46,9 @@ was split) and one `kvflow router` process per policy, all on free ports; client
    comparison of the decisions and the queueing). The simulated TTFT counts the serving
    stack's own time (`hop_s`: the TTFT of 8-token requests of one output token through a router on idle instances,
    measured before the replays, less the engine step each took: the instances' busy seconds); the error without it
-   is printed beside.
+   is printed beside. A third pricing takes each run's own stack time too: the client's mean TTFT in that replay less
+   the mean TTFT the instances' APIs timed for the same requests (the prefill instance's, for `pd`), since the stack
+   slows under the replay's load while `hop_s` is measured idle.
 6. P/D pools (`--parts pd`): two instances of their own with a host tier (`--host-kv-bytes`), first both in the
    mixed pool (a least-load router), then one prefill and one decode instance (a router with `--prefill` /
    `--decode`: each request's prompt and first token on the prefill instance, the rest on the decode instance, which
@@ -411,6 +413,7 @@ async def replay(url: str, w) -> list:
 
 FIDELITY_KEYS = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s")
 BUSY = 'kvflow_worker_busy_seconds_total{worker="engine"}'  # an instance's seconds in engine steps
+TTFT_SUM, TTFT_COUNT = (f"kvflow_time_to_first_token_seconds_{s}" for s in ("sum", "count"))  # an API's own TTFTs
 
 
 def fidelity_part(args) -> dict:
@@ -463,8 +466,11 @@ def fidelity_part(args) -> dict:
                 w = fidelity_workload(args, seed=100 * rep + k)
                 before = [sum(_metric(u, f"kvflow_kv_pull{s}_total") for u in urls) for s in ("ed_blocks", "_seconds")]
                 busy = -sum(_metric(u, BUSY) for u in urls)
+                firsts = urls[:1] if pol == "pd" else urls  # the instances whose API times the first tokens
+                inst_ttft = [-sum(_metric(u, m) for u in firsts) for m in (TTFT_SUM, TTFT_COUNT)]
                 results = asyncio.run(replay(routers[pol].url, w))
                 busy += sum(_metric(u, BUSY) for u in urls)
+                inst_ttft = [x + sum(_metric(u, m) for u in firsts) for x, m in zip(inst_ttft, (TTFT_SUM, TTFT_COUNT))]
                 if pol == "pd":
                     for j, s in enumerate(("ed_blocks", "_seconds")):
                         pull[j] += sum(_metric(u, f"kvflow_kv_pull{s}_total") for u in urls) - before[j]
@@ -474,10 +480,13 @@ def fidelity_part(args) -> dict:
                 real = serving_metrics(*map(np.asarray, (sent, [s + r.ttft for s, r in results],
                                                          [s + r.latency for s, r in results],
                                                          [r.output_len for _, r in results])))
-                runs[pol].append((real, w, busy))
+                # the stack's time in this replay: the client's mean TTFT less the instances' own (their APIs' clocks
+                # start after a request is parsed and checked there; the rest, router and client, is the stack's)
+                stack_s = max(0.0, statistics.fmean(r.ttft for _, r in results) - inst_ttft[0] / max(inst_ttft[1], 1))
+                runs[pol].append((real, w, busy, stack_s))
                 print(f"  rep {rep} {pol:13s} real {real['throughput_tok_s']:6.2f} tok/s  TTFT p50 "
                       f"{real['ttft_p50_s'] * 1e3:7.1f} ms  TPOT p50 {real['tpot_p50_s'] * 1e3:6.1f} ms  engines busy "
-                      f"{busy:.1f} s", flush=True)
+                      f"{busy:.1f} s  stack {stack_s * 1e3:.1f} ms", flush=True)
     finally:
         for r in (*routers.values(), *insts):
             r.stop()
@@ -491,8 +500,9 @@ def fidelity_part(args) -> dict:
     out = {"co_run": list(co_run), "windows": len(windows), "stack_ttft_s": stack_ttft, "hop_s": hop_s, "policies": {},
            "pull_blocks": pull[0], "pull_seconds": pull[1], "pull_bandwidth": pull_bw}
     for pol, rs in runs.items():
-        real = {k: statistics.median(r[k] for r, _, _ in rs) for k in FIDELITY_KEYS}
-        row = {"real": real, "real_runs": [r for r, _, _ in rs], "real_busy_s": [b for _, _, b in rs]}
+        real = {k: statistics.median(r[k] for r, _, _, _ in rs) for k in FIDELITY_KEYS}
+        row = {"real": real, "real_runs": [r for r, _, _, _ in rs], "real_busy_s": [b for _, _, b, _ in rs],
+               "stack_s": [h for _, _, _, h in rs]}
         roles = ("prefill",) + ("decode",) * (len(insts) - 1) if pol == "pd" else ()
         config = RouterConfig(policy="least_load" if pol == "pd" else pol)
 
@@ -502,9 +512,10 @@ def fidelity_part(args) -> dict:
 
         # the stack's time counted, and not; and the run's own speed: the window's profile scaled by the run's
         # engine busy seconds over the simulated ones (twice: the batches, and so the busy time, follow the speed)
-        sims: dict[str, list] = {"": [], "_no_hop": [], "_speed": []}
+        # and, beside it, at its own speed with its own stack time (measured in the replay, not idle)
+        sims: dict[str, list] = {"": [], "_no_hop": [], "_speed": [], "_speed_stack": []}
         speeds = []
-        for _, w, busy in rs:
+        for _, w, busy, stack_s in rs:
             res = simulate(w, perf, hop_s)
             sims[""].append(res)
             sims["_no_hop"].append(simulate(w, perf, 0.0))
@@ -514,6 +525,7 @@ def fidelity_part(args) -> dict:
                 res = simulate(w, ProfiledPerfModel(profile.scaled(speed)), hop_s)
             speeds.append(speed)
             sims["_speed"].append(res)
+            sims["_speed_stack"].append(simulate(w, ProfiledPerfModel(profile.scaled(speed)), stack_s))
         row["speed"] = speeds
         for name, results in sims.items():
             ms = [serving_metrics(res.arrival, res.first_token, res.finish, res.output_len) for res in results]
@@ -766,13 +778,17 @@ def main() -> None:
               f"{args.fidelity_rate:g}/s, {args.reps} runs per policy; sim / real - 1, target within 15%):")
         print(f"{'policy':14s} | {'throughput tok/s':^24s} | {'TTFT p50 ms':^24s} | {'TPOT p50 ms':^24s}")
         for variant, label in (("", "priced from the calibration windows"),
-                               ("_speed", "priced at each run's own speed (engine busy seconds, real / simulated)")):
+                               ("_speed", "priced at each run's own speed (engine busy seconds, real / simulated)"),
+                               ("_speed_stack", "and with each run's own stack time (client TTFT less the instances' "
+                                                "API TTFT, mean)")):
             print(f"{label}:")
             for pol, r in out["fidelity"]["policies"].items():
                 cells = [f"{r['real'][k] * m:7.1f} {r['sim' + variant][k] * m:7.1f} {r['error' + variant][k]:+7.1%}"
                          for k, m in zip(FIDELITY_KEYS, (1, 1e3, 1e3))]
                 print(f"{pol:14s} | " + " | ".join(cells))
         f = out["fidelity"]
+        print("the runs' stack time: " + ", ".join(
+            f"{pol} " + "/".join(f"{x * 1e3:.1f}" for x in r["stack_s"]) + " ms" for pol, r in f["policies"].items()))
         print("the runs' speed against the windows': " + ", ".join(
             f"{pol} " + "/".join(f"{x:.2f}" for x in r["speed"]) for pol, r in f["policies"].items()))
         print(f"(the stack's own TTFT on idle instances {f['stack_ttft_s'] * 1e3:.1f} ms, hop_s {f['hop_s'] * 1e3:.1f} ms; "
