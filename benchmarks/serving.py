@@ -134,13 +134,13 @@ def variant_env(flags: str) -> tuple[dict[str, str], str]:
     return env, shlex.join(words)
 
 
-def variants(args) -> list[tuple[str, str, str | None]]:
-    """(name, extra `kvflow serve` flags, checkout or None) of each kvflow server: --variants, or one
+def variants(args) -> list[tuple[str, str, str | None, dict[str, str]]]:
+    """(name, extra `kvflow serve` flags, checkout or None, environment) of each kvflow server: --variants, or one
     "kvflow" with --kvflow-args. `NAME@DIR=FLAGS` runs the kvflow of the checkout DIR (e.g. a
     `git worktree` of an older commit) with this Python, to compare code versions interleaved; FLAGS may
     start with `NAME=VALUE` words, set in that server's environment (`variant_env`)."""
     if not args.variants:
-        return [("kvflow", args.kvflow_args, None)]
+        return [("kvflow", args.kvflow_args, None, {})]
     out = []
     for item in filter(None, (v.strip() for v in args.variants.split(";"))):
         name, sep, extra = item.partition("=")
@@ -150,8 +150,7 @@ def variants(args) -> list[tuple[str, str, str | None]]:
         if tree and not (Path(tree) / "kvflow" / "__init__.py").is_file():
             raise SystemExit(f"--variants {name}@{tree}: no kvflow package in {tree}")
         env, extra = variant_env(extra)
-        words = [f"{k}={shlex.quote(v)}" for k, v in env.items()] + [args.kvflow_args, extra]
-        out.append((name, " ".join(w for w in words if w), str(Path(tree).resolve()) if tree else None))
+        out.append((name, f"{args.kvflow_args} {extra}".strip(), str(Path(tree).resolve()) if tree else None, env))
     return out
 
 
@@ -166,14 +165,14 @@ def start_servers(args, servers: dict[str, Server], peer: Path | None) -> None:
     caller's cleanup stops whatever did start if a later one fails."""
     from kvflow.model.loader import load_config
 
-    for name, flags, tree in variants(args):
+    for name, extra, tree, env in variants(args):
         port = free_port()
-        env, extra = variant_env(flags)
         kv_cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port), *shlex.split(extra)]
         for s in servers.values():
             s.signal(signal.SIGSTOP)  # an idle server must not slow the next one's start-up measurements
         servers[name] = Server(name, f"http://127.0.0.1:{port}", kv_cmd, RESULTS / f"serving-{name}.log", tree, env)
-        print(f"{name}: {''.join(f'{k}={v} ' for k, v in env.items())}{' '.join(kv_cmd[1:])} ... ready in {servers[name].wait_ready(900):.0f} s", flush=True)
+        shown = " ".join([*(f"{k}={v}" for k, v in env.items()), *kv_cmd[1:]])
+        print(f"{name}: {shown} ... ready in {servers[name].wait_ready(900):.0f} s", flush=True)
     if peer is not None:
         model_dir = load_config(None)[1]  # kvflow's converted copy of the default model: the same weights
         for s in servers.values():
@@ -369,7 +368,7 @@ def report(args, names: list[str], rates: list[float], temps: list[float], clien
                     table.append(row)
                     print(f"{client:>6} {temp:>4g} {rate:>5g} {name:>8} | " + " | ".join(cells))
     print("(median, ± half the spread, ratio against the reference; throughput wants >= x1.00, TTFT and TPOT <= x1.00)")
-    doc = {"config": vars(args), "variants": {n: {"flags": f, "tree": t} for n, f, t in variants(args)}, "reference": ref, "table": table, "runs": runs}
+    doc = {"config": vars(args), "variants": {n: {"flags": f, "tree": t, "env": e} for n, f, t, e in variants(args)}, "reference": ref, "table": table, "runs": runs}
     (RESULTS / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     plot(table, names, clients, temps, rates, RESULTS / f"{stem}.png")
     print(f"wrote {RESULTS / stem}.json and .png")
