@@ -96,6 +96,7 @@ def test_the_kv_cache_takes_what_the_gpu_memory_leaves():
     and a step's measured peak (one GiB over what is held now, here), and serves the same tokens."""
     from kvflow.engine.memory import RESERVE_BYTES
 
+    torch.cuda.empty_cache()  # (as the engine's measurement does: memory this process cached but holds no tensor in is free)
     free, total = torch.cuda.mem_get_info()
     util = (total - free + (1 << 30)) / total
     eng = engine("cuda", gpu_memory_utilization=util)

@@ -59,13 +59,13 @@ def reference(q, cache, seqs, tables, block_size):
     out, row = torch.zeros_like(q, dtype=torch.float64), 0
     heads, kv_heads = q.shape[1], cache.shape[3]
     for (ql, ctx), blocks in zip(seqs, tables):
-        idx = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(ctx)])
+        idx = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(ctx)], device=cache.device)
         k = cache[0].reshape(-1, kv_heads, cache.shape[-1])[idx].double().repeat_interleave(heads // kv_heads, 1)
         v = cache[1].reshape(-1, kv_heads, cache.shape[-1])[idx].double().repeat_interleave(heads // kv_heads, 1)
         qs = q[row:row + ql].double()
         scores = torch.einsum("qhd,khd->hqk", qs, k) * 0.125
-        pos = torch.arange(ctx - ql, ctx)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx)[None, :] > pos, float("-inf"))
+        pos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+        scores = scores.masked_fill(torch.arange(ctx, device=q.device)[None, :] > pos, float("-inf"))
         out[row:row + ql] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         row += ql
     return out

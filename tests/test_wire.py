@@ -30,6 +30,12 @@ def test_round_trip_with_tensor_and_nested_messages():
     x = torch.randn(6, 8, dtype=torch.bfloat16)
     msg, t = decode(encode(step, SECRET, x), SECRET)
     assert msg == step and torch.equal(t, x)
+    empty = Step(0, 1, [])  # no sequences: empty columns
+    assert decode(encode(empty, SECRET), SECRET) == (empty, None)
+    # columns in another order, or without the fields that have defaults, give the same items
+    head = {"t": "Step", "d": {"epoch": 3, "batch": 7, "seqs": {"num_new": [5, 1], "rid": ["a", "b"], "start": [0, 9],
+                                                               "new_blocks": [[1, 2], []], "full_table": [True, False]}}}
+    assert decode(_signed(head), SECRET)[0].seqs == step.seqs
     msg, t = decode(encode(StepResult(1, 2, ["a"]), SECRET), SECRET)
     assert msg == StepResult(1, 2, ["a"]) and t is None
 
@@ -57,7 +63,12 @@ def _signed(head) -> list:
     ({"t": "Heartbeat", "d": {"name": "w", "busy_s": 0.0, "steps": True, "kv_bytes_sent": 0, "kv_bytes_received": 0}}, "steps"),
     ({"t": "Heartbeat", "d": {"name": "w"}}, "missing"),
     ({"t": "Heartbeat", "d": {"name": "w", "busy_s": 0.0, "steps": 0, "kv_bytes_sent": 0, "kv_bytes_received": 0, "x": 1}}, "unknown fields"),
-    ({"t": "Step", "d": {"epoch": 0, "batch": 0, "seqs": [{"rid": "a"}]}}, "missing"),
+    ({"t": "Step", "d": {"epoch": 0, "batch": 0, "seqs": {"rid": ["a"]}}}, "missing"),
+    ({"t": "Step", "d": {"epoch": 0, "batch": 0, "seqs": [{"rid": "a"}]}}, "mapping of field lists"),
+    ({"t": "Step", "d": {"epoch": 0, "batch": 0, "seqs": {"rid": ["a", "b"], "start": [0], "num_new": [1, 1],
+                                                          "new_blocks": [[], []]}}}, "differ in length"),
+    ({"t": "Step", "d": {"epoch": 0, "batch": 0, "seqs": {"rid": ["a"], "start": [0], "num_new": [1],
+                                                          "new_blocks": [[1, True]]}}}, "new_blocks"),
     ({"t": "Step", "d": {"epoch": 0, "batch": 0, "seqs": "no"}}, "list"),
     ([1, 2], "not a message"),
     ({"t": "StepResult", "d": {"epoch": 0, "batch": 0, "rids": []}, "tensor": {"dtype": "float32", "shape": [2]}}, "carries none"),
