@@ -16,7 +16,8 @@ SmolLM2-135M shape and a Llama-3.2-1B-like shape, bf16, vocab 49,152. For each s
   `transformers.generate` eager with the same prompts (with `--compile`, also its static cache +
   `torch.compile`);
 - (135M shape) the same requests sent at once to each serving backend, as the server runs them
-  without HTTP: the engine, colocated depth 2, disaggregated (1, 1) (needs pyzmq).
+  without HTTP: the engine, colocated depth 2, disaggregated (1, 1), the pipelines with their default
+  KV replication and without it (needs pyzmq).
 
 Writes a table to stdout and `gpu.json` (+ `gpu.png` with matplotlib) to --out. On a machine
 without CUDA, `--device cpu --shapes tiny` runs the same code on a small model (a check of the
@@ -321,7 +322,8 @@ def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: b
 def backends(ckpt: Path, device: str, n: int, new: int, vocab: int) -> dict:
     """Output tok/s of `n` requests of 256 + `new` tokens sent at once to each serving backend (the
     server's `Backend`, without HTTP): the engine, colocated depth 2 (two microbatches of n/2 in flight,
-    as a pipeline of depth 2 is run), disaggregated (1, 1) (one token microbatch of n); bf16."""
+    as a pipeline of depth 2 is run), disaggregated (1, 1) (one token microbatch of n); the pipelines
+    with their default KV replication and without it; bf16."""
     try:
         import zmq  # noqa: F401  (the pipelines' transport)
     except ImportError:
@@ -336,10 +338,18 @@ def backends(ckpt: Path, device: str, n: int, new: int, vocab: int) -> dict:
 
     engine = EngineConfig(model=str(ckpt), dtype="bfloat16", device=device, block_size=16, num_kv_blocks=4096,
                           scheduler=SchedulerConfig(max_num_seqs=n))
+    def colocated(replication: str) -> Controller:
+        return Controller(ClusterConfig(engine=engine, mode="colocated", depth=2, microbatch_size=-(-n // 2), replication=replication))
+
+    def disaggregated(replication: str) -> Controller:
+        return Controller(ClusterConfig(engine=engine, mode="disaggregated", prompt_depth=1, token_depth=1, microbatch_size=n,
+                                        prompt_microbatch_size=n, replication=replication))
+
+    # the pipelines as served by default (KV replicated every step, for recovery), and without replication
     layouts = {"engine": lambda: EngineBackend.from_config(engine),
-               "colocated-2": lambda: Controller(ClusterConfig(engine=engine, mode="colocated", depth=2, microbatch_size=-(-n // 2))),
-               "disaggregated-1-1": lambda: Controller(ClusterConfig(engine=engine, mode="disaggregated", prompt_depth=1,
-                                                                     token_depth=1, microbatch_size=n, prompt_microbatch_size=n))}
+               "colocated-2": lambda: colocated("ring"), "colocated-2-no-replication": lambda: colocated("none"),
+               "disaggregated-1-1": lambda: disaggregated("ring"),
+               "disaggregated-1-1-no-replication": lambda: disaggregated("none")}
     ps = prompts([256] * n, vocab, seed=11)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
 
