@@ -352,7 +352,11 @@ def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, timeout_s: f
         if proc.is_alive():
             proc.kill()
         kind, value = got
-        out[f"{name}_tok_s" if kind == "ok" else f"{name}_error"] = value
+        if kind == "ok":
+            out[f"{name}_tok_s"] = value.pop("tok_s")
+            out.update({f"{name}_{k}": v for k, v in value.items()})
+        else:
+            out[f"{name}_error"] = value
     return out
 
 
@@ -363,8 +367,10 @@ def _serve_in_child(conn, ckpt: str, device: str, n: int, new: int, vocab: int, 
         conn.send(("error", f"{type(e).__name__}: {e}"[:300]))
 
 
-def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> float:
-    """One backend of `BACKENDS`: two warm-up requests, then `n` at once; output tok/s."""
+def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> dict:
+    """One backend of `BACKENDS`: two warm-up requests, then `n` at once; output tok/s and, for a
+    pipeline, the median token step (a batch of at most `n` tokens) of the pipeline that decodes: its
+    round trip as the controller saw it, its compute summed over the stages, in ms."""
     import asyncio
 
     from kvflow.config import ClusterConfig, EngineConfig
@@ -393,13 +399,20 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> f
             got += len(out.new_token_ids)
         return got
 
-    async def run() -> float:
+    async def run() -> dict:
         await backend.start()
         try:
             await asyncio.gather(*[one(p, f"warm{i}") for i, p in enumerate(ps[:2])])
+            log = backend.pipelines[-1].step_log if name != "engine" else None
+            before = len(log) if log is not None else 0
             t0 = time.perf_counter()
             got = await asyncio.gather(*[one(p, f"r{i}") for i, p in enumerate(ps)])
-            return sum(got) / (time.perf_counter() - t0)
+            result = {"tok_s": sum(got) / (time.perf_counter() - t0)}
+            token_steps = [r for r in list(log)[before:] if r.tokens <= n] if log is not None else []
+            if token_steps:
+                result["token_step_round_trip_ms"] = 1e3 * statistics.median(r.round_trip_s for r in token_steps)
+                result["token_step_compute_ms"] = 1e3 * statistics.median(r.busy_s for r in token_steps)
+            return result
         finally:
             await backend.shutdown()
 

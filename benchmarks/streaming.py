@@ -82,7 +82,7 @@ async def one_round(ctrl, variant: str, r: int, args, prompts) -> dict:
     await asyncio.gather(*[go(i, pr) for i, pr in enumerate(prompts)])
     wall = time.perf_counter() - t0
     steps = list(p.step_log)[before:]
-    return {"steps": [list(s) for s in steps], "busy_s": sum(b for _, b in steps), "wall_s": wall}
+    return {"steps": [[s.tokens, s.busy_s] for s in steps], "busy_s": sum(s.busy_s for s in steps), "wall_s": wall}
 
 
 def pin(ctrls: dict, args) -> dict | None:

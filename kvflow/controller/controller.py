@@ -32,7 +32,7 @@ import torch
 
 from kvflow.config import ClusterConfig
 from kvflow.controller.launcher import Launcher, SubprocessLauncher, local_gpus
-from kvflow.controller.pipeline import Pipeline, StageHandle, even_split
+from kvflow.controller.pipeline import Pipeline, StageHandle, StepRecord, even_split
 from kvflow.controller.recovery import Recovery
 from kvflow.controller.replica_store import ReplicaStore
 from kvflow.controller.workers import StartError, Workers
@@ -275,7 +275,8 @@ class Controller:
         if p is None:
             return
         p.in_flight[msg.batch].tiers.failed = list(msg.tier_failed)  # disk blocks some stage rejected: recomputed
-        p.step_log.append((p.in_flight[msg.batch].num_tokens, msg.busy_s))
+        now = time.perf_counter()
+        p.step_log.append(StepRecord(p.in_flight[msg.batch].num_tokens, msg.busy_s, now - p.sent_at.pop(msg.batch, now)))
         self.executor.complete(p, msg.batch, (msg, logits))
 
     def _take_submissions(self) -> None:
@@ -304,6 +305,9 @@ class Controller:
         kv_out = [KVOut(k.rid, k.start, k.end, k.total, k.dest_blocks, k.cached) for k in streams]
         kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(kv_out))] if kv_out else []
         argmax = [i for i, s in enumerate(out.seqs) if s.completes_prompt and argmax_only(s.request)]
+        if len(p.sent_at) > p.depth:  # batches dropped by a recovery never return
+            p.sent_at = {w: t for w, t in p.sent_at.items() if w in p.in_flight}
+        p.sent_at[wire_id] = time.perf_counter()
         self.workers.send(p.stages[0].name, Step(self.epoch, wire_id, seqs, out.token_ids, free, kv_out, kv_plan, out.tiers.to_wire(),
                                                  swap_region=out.swap_region, argmax_rows=argmax))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvflow.config import PipelineSpec
 from kvflow.controller.launcher import WorkerHandle
@@ -20,6 +21,16 @@ def even_split(num_layers: int, depth: int) -> list[tuple[int, int]]:
 
     bounds = PipelineTopology.even(num_layers, depth, [1]).layer_bounds
     return list(zip(bounds, bounds[1:]))
+
+
+class StepRecord(NamedTuple):
+    """One returned batch of a pipeline: its tokens, its compute summed over the stages (what the
+    workers timed), and its round trip as the controller saw it (dispatch to result: the compute plus
+    every hop's encoding, transport and decoding, and waiting behind the pipeline's other batches)."""
+
+    tokens: int
+    busy_s: float
+    round_trip_s: float
 
 
 @dataclass
@@ -47,8 +58,8 @@ class Pipeline(PipelineState):
     def __init__(self, spec: PipelineSpec, stages: list[StageHandle], kv: KVCacheManager, sched: Scheduler) -> None:
         super().__init__(spec.role, len(stages), spec.microbatch_size, sched, kv)
         self.spec, self.stages = spec, stages
-        # (tokens, the step's compute seconds summed over the stages) of the latest LOG_LEN steps
-        self.step_log: deque[tuple[int, float]] = deque(maxlen=LOG_LEN)
+        self.step_log: deque[StepRecord] = deque(maxlen=LOG_LEN)  # the latest LOG_LEN returned batches
+        self.sent_at: dict[int, float] = {}  # wire id of a batch in flight -> when it was dispatched
         # replication watermark: stage -> request -> tokens [0, n) of that stage's KV held by its replica
         self.watermark: dict[int, dict[str, int]] = {}
 

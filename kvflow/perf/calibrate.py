@@ -214,11 +214,11 @@ def executor_overhead(model: str | None, batches: tuple[int, ...] = (1, 2, 4), d
 
                 await asyncio.gather(*[one(i) for i in range(b)])
                 # the decode steps of this round (one new token per sequence), after the first one
-                busy = [s for n, s in list(log)[before:] if n == b][1:]
+                busy = [r.busy_s for r in list(log)[before:] if r.tokens == b][1:]
                 gap = float(np.median(np.diff(stamps)[1:]))
                 if k:
                     over[b] = gap - float(np.median(busy))
-                    n, prefill_busy = list(log)[before]  # the round's first step: request 0's prefill
+                    n, prefill_busy, _ = list(log)[before]  # the round's first step: request 0's prefill
                     first.append((max(1, n // prompt_len), stamps[0] - submitted - prefill_busy))
         finally:
             await ctrl.shutdown()
