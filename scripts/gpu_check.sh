@@ -10,10 +10,10 @@
 #     pyzmq fastapi starlette pydantic pydantic-core uvicorn gguf annotated-types typing-inspection \
 #     typing_extensions opentelemetry-api httptools uvloop
 # Then, on the device:  OUT=$OUT bash scripts/gpu_check.sh [tests|bench|all]
-# "all" runs the tests beside the benchmark (the tests' models are tiny; the benchmark's timings are
-# then taken next to them, so "bench" alone is the run whose figures to report). Limits:
-# TEST_LIMIT (default 150 s), BENCH_LIMIT (default 400 s); gpu.json is rewritten after every model
-# shape, so a run cut off at its limit keeps what it measured. BENCH_ARGS adds benchmark options.
+# "all" runs the tests, then the benchmark alone (its timings taken beside the tests would share the
+# GPU and the host with them; and lent machines differ, so compare figures within one run).
+# Limits: TEST_LIMIT (default 150 s), BENCH_LIMIT (default 400 s); gpu.json is rewritten after every
+# model shape, so a run cut off at its limit keeps what it measured. BENCH_ARGS adds benchmark options.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -43,6 +43,6 @@ bench() {
 case "$PART" in
   tests) tests ;;
   bench) bench ;;
-  all) tests & bench; wait ;;
+  all) tests; bench ;;
   *) echo "usage: gpu_check.sh [tests|bench|all]" >&2; exit 2 ;;
 esac
