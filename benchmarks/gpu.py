@@ -12,6 +12,8 @@ SmolLM2-135M shape and a Llama-3.2-1B-like shape, bf16, vocab 49,152. For each s
 - the decode step (`LLMEngine.step`, host work and sampling included) at each batch size, with CUDA
   graphs and eager, beside the floor: weight bytes + the KV bytes a step reads, over the device's
   measured copy bandwidth (bytes read + written by a device-to-device copy, per second);
+- a prompt step of 2,048 tokens (8 fresh 256-token prompts, eager as every prompt step is), and
+  (CUDA) the host time of a Triton kernel's launch against a PyTorch op's;
 - offline output tok/s (`LLM.generate`, 256 in / 128 out, `--offline-batch` requests) against
   `transformers.generate` eager with the same prompts (with `--compile`, also its static cache +
   `torch.compile`);
@@ -204,6 +206,53 @@ def forward_only(eng, device: str, steps: int) -> float:
         sync(device)
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
+
+
+def prompt_steps(ckpt: Path, device: str, vocab: int, reps: int = 5) -> dict:
+    """Median wall time of an engine step that computes 8 fresh 256-token prompts (2,048 tokens, the
+    server's default chunk budget; eager, as every prompt step is), and the host time a Triton kernel's
+    launch from Python takes against a PyTorch op's: eager steps are launch-bound on a GPU."""
+    from kvflow.engine.llm import LLM
+    from kvflow.sched.sampling import SamplingParams
+
+    llm = LLM(str(ckpt), dtype="bfloat16", device=device, max_num_seqs=8, max_num_batched_tokens=2048 + 8)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    times = []
+    for rep in range(reps + 1):
+        ids = [eng.add_request(p, params).request_id for p in prompts([256] * 8, vocab, seed=100 + rep)]
+        sync(device)
+        t0 = time.perf_counter()
+        eng.step()
+        sync(device)
+        if rep:  # (the first warms up)
+            times.append(time.perf_counter() - t0)
+        for rid in ids:
+            eng.abort_request(rid)
+    out = {"tokens": 2048, "step_ms": 1e3 * statistics.median(times)}
+    del llm, eng
+    if device == "cuda":
+        from kvflow.model import triton_fused
+
+        x = torch.randn(1, 576, dtype=torch.bfloat16, device=device)
+        w = torch.ones(576, dtype=torch.bfloat16, device=device)
+        out["launch_us"] = {"triton_rms_norm": _host_us(lambda: triton_fused.rms_norm(x, w, 1e-5)),
+                            "torch_add": _host_us(lambda: x + x),
+                            "torch_rms_norm": _host_us(lambda: torch.nn.functional.rms_norm(x, (576,), w, 1e-5))}
+    return out
+
+
+def _host_us(fn, n: int = 2000) -> float:
+    """Host microseconds per call of `fn` (its launch, not its kernel's time)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    return 1e6 * host
 
 
 def profile_step(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, path: Path) -> None:
@@ -463,6 +512,8 @@ def main() -> None:
                 for a in r["attention"]:
                     print(f"[{shape}] decode attention " + (f"batch {a['batch']:3d}: invariant {a['invariant_us']:.1f} us, "
                           f"split ({a['parts']} parts) {a['split_us']:.1f} us" if "error" not in a else f"failed: {a['error']}"), flush=True)
+            r["prompt_step"] = prompt_steps(ckpt, args.device, vocab)
+            print(f"[{shape}] prompt step {r['prompt_step']}", flush=True)
             if args.profile:
                 for b in sorted({args.batches[0], args.batches[-1]}):
                     for graphs in (False, True):
