@@ -55,21 +55,21 @@ class SSEClient:
         watch = None
         try:
             while True:
+                if abort_on is not None and abort_on.is_set():
+                    raise HTTPFailed("aborted")
                 conn, reused = self._take(key), True
                 if conn is None:
                     conn, reused = await self._open(key, parsed.scheme == "https"), False
+                # watched from the request on: an instance that hangs before it answers is broken off too
+                watch = _abort_when(abort_on, conn) if abort_on is not None else None
                 try:
                     status, headers = await _send(conn, head, reused)
                     break
                 except _Stale:
+                    if watch is not None:
+                        watch.cancel()
                     conn[1].transport.abort()
                     conn = None
-            if abort_on is not None:
-                if abort_on.is_set():
-                    raise HTTPFailed("aborted")
-                transport = conn[1].transport
-                watch = asyncio.ensure_future(abort_on.wait())
-                watch.add_done_callback(lambda t: t.cancelled() or transport.abort())
             body_chunks = _body(conn[0], headers)
             if status != 200:
                 text = b"".join([c async for c in body_chunks]).decode(errors="replace")
@@ -124,6 +124,14 @@ class SSEClient:
             for _, writer in idle:
                 writer.transport.abort()
         self._idle.clear()
+
+
+def _abort_when(event: asyncio.Event, conn: Connection) -> asyncio.Future:
+    """Abort `conn`'s transport once `event` is set (its reads then fail); cancel the result to stop watching."""
+    transport = conn[1].transport
+    watch = asyncio.ensure_future(event.wait())
+    watch.add_done_callback(lambda t: t.cancelled() or transport.abort())
+    return watch
 
 
 async def _send(conn: Connection, request: bytes, reused: bool) -> tuple[int, dict[bytes, bytes]]:

@@ -106,6 +106,60 @@ def test_abort_on_breaks_off_a_held_stream():
     asyncio.run(main())
 
 
+def test_abort_on_breaks_off_a_request_that_was_never_answered():
+    """An instance that hangs with the request in its socket (SIGSTOPped before it wrote the answer's head): once it
+    is taken out of the pool the request fails at once, whether its connection was fresh or pooled, and is not sent
+    to it again (it used to wait for a head that never came, and the client's stream with it)."""
+    async def main():
+        whole = chunked(b'data: {"a": 1}\n\ndata: [DONE]\n\n') + b"0\r\n\r\n"
+        arrived, release, requests = asyncio.Event(), asyncio.Event(), [0]
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                await reader.readexactly(length)
+                requests[0] += 1
+                if requests[0] == 1:  # the first is answered: its connection goes back to the pool
+                    writer.write(whole)
+                    await writer.drain()
+                    continue
+                arrived.set()
+                await release.wait()  # the others never are
+                break
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = SSEClient(connect_timeout_s=5.0)
+        try:
+            assert await collect(client, url, {}) == [{"a": 1}]
+            for fresh in (False, True):  # the pooled connection, then a new one
+                if fresh:
+                    await client.aclose()
+                down = asyncio.Event()
+                arrived.clear()
+                pending = asyncio.ensure_future(collect(client, url, {}, down))
+                await arrived.wait()
+                assert not pending.done()  # waiting for the answer's head
+                sent = requests[0]
+                down.set()  # the instance is taken out of the pool
+                with pytest.raises(HTTPFailed, match="aborted"):
+                    await asyncio.wait_for(pending, 30)  # (a guard against the old hang, not a timing)
+                assert requests[0] == sent  # not sent again
+        finally:
+            release.set()
+            await client.aclose()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+
+
 async def raw_server(answers: list[bytes | None]) -> tuple[asyncio.AbstractServer, str, list[int]]:
     """Reads requests on keep-alive connections and answers the k-th with `answers[k]`; None: closes that connection
     without answering (as a server drops a connection it considers idle, as the request arrives)."""
