@@ -47,6 +47,8 @@ def serve(cfg: ClusterConfig, prompts, lengths):
             results = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, lengths))])
             stats = ctrl.stats()
             free = [p.kv_manager.num_free_blocks for p in ctrl.pipelines]
+            for p in ctrl.pipelines:  # every batch came back, timed: its round trip holds its stages' compute
+                assert p.step_log and not p.sent_at and all(0 < r.busy_s <= r.round_trip_s for r in p.step_log)
         finally:
             await ctrl.shutdown()
         return results, stats, free
