@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -371,7 +372,8 @@ def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: b
 BACKENDS = ("engine", "colocated-2", "colocated-2-no-replication", "disaggregated-1-1", "disaggregated-1-1-no-replication")
 
 
-def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, timeout_s: float = 240.0) -> dict:
+def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Path | None = None,
+             timeout_s: float = 240.0) -> dict:
     """Output tok/s of `n` requests of 256 + `new` tokens sent at once to each serving backend (the
     server's `Backend`, without HTTP): the engine, colocated depth 2 (two microbatches of n/2 in flight,
     as a pipeline of depth 2 is run), disaggregated (1, 1) (one token microbatch of n); the pipelines
@@ -379,41 +381,43 @@ def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, timeout_s: f
 
     Each backend runs in a fresh process, as a server does: on the H200, the engine measured in this
     benchmark's own process (after the earlier parts) gave a quarter of what the same code gave in a
-    fresh one (docs/results.md, 2026-11-27)."""
+    fresh one (docs/results.md, 2026-11-27). With `baseline` (another checkout's root), each backend
+    also runs on that tree's `kvflow`, right before this tree's (figures prefixed `baseline_`): lent
+    machines differ, so a change is measured against its alternative in one run."""
     try:
         import zmq  # noqa: F401  (the pipelines' transport)
     except ImportError:
         return {"skipped": "pyzmq is not installed (scripts/gpu_check.sh says how to carry it)"}
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
     out = {"requests": n, "prompt": 256, "new_tokens": new}
+    trees = ([("baseline_", baseline.resolve())] if baseline is not None else []) + [("", ROOT)]
     for name in BACKENDS:
-        ours, theirs = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_serve_in_child, args=(theirs, str(ckpt), device, n, new, vocab, name))
-        proc.start()
-        theirs.close()
-        try:
-            got = ours.recv() if ours.poll(timeout_s) else ("error", f"no answer within {timeout_s:.0f} s")
-        except EOFError:
-            got = ("error", f"the process exited with {proc.exitcode} before answering")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-        kind, value = got
-        if kind == "ok":
-            out[f"{name}_tok_s"] = value.pop("tok_s")
-            out.update({f"{name}_{k}": v for k, v in value.items()})
-        else:
-            out[f"{name}_error"] = value
+        for prefix, tree in trees:
+            got = _serve_in(tree, [str(ckpt), device, str(n), str(new), str(vocab), name], timeout_s)
+            if "tok_s" in got:
+                out.update({f"{prefix}{name}_{k}": v for k, v in got.items()})
+            else:
+                out[f"{prefix}{name}_error"] = got.get("error", "no answer")
     return out
 
 
-def _serve_in_child(conn, ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> None:
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _serve_in(tree: Path, args: list[str], timeout_s: float) -> dict:
+    """`_serve` in a fresh interpreter whose `kvflow` is `tree`'s (its root the working directory and
+    first on the path, so the pipelines' worker processes import the same one): its JSON line."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     try:
-        conn.send(("ok", _serve(ckpt, device, n, new, vocab, name)))
-    except Exception as e:  # one layout failing must not hide the others' figures
-        conn.send(("error", f"{type(e).__name__}: {e}"[:300]))
+        run = subprocess.run([sys.executable, __file__, "--serve-one", *args], cwd=tree, env=env, capture_output=True,
+                             text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no answer within {timeout_s:.0f} s"}
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode or not lines:
+        return {"error": f"exit {run.returncode}: {(run.stderr or run.stdout).strip()[-300:]}"}
+    return json.loads(lines[-1])
 
 
 def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> dict:
@@ -457,10 +461,11 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
             t0 = time.perf_counter()
             got = await asyncio.gather(*[one(p, f"r{i}") for i, p in enumerate(ps)])
             result = {"tok_s": sum(got) / (time.perf_counter() - t0)}
-            token_steps = [r for r in list(log)[before:] if r.tokens <= n] if log is not None else []
+            token_steps = [r for r in list(log)[before:] if r[0] <= n] if log is not None else []  # (tokens, busy[, trip])
             if token_steps:
-                result["token_step_round_trip_ms"] = 1e3 * statistics.median(r.round_trip_s for r in token_steps)
-                result["token_step_compute_ms"] = 1e3 * statistics.median(r.busy_s for r in token_steps)
+                result["token_step_compute_ms"] = 1e3 * statistics.median(r[1] for r in token_steps)
+                if len(token_steps[0]) > 2:  # (a baseline tree's log may not time round trips)
+                    result["token_step_round_trip_ms"] = 1e3 * statistics.median(r[2] for r in token_steps)
             return result
         finally:
             await backend.shutdown()
@@ -469,6 +474,13 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--serve-one"]:  # (one serving backend, in its own process: `backends`)
+        ckpt, device, n, new, vocab, name = sys.argv[2:8]
+        try:
+            print(json.dumps(_serve(ckpt, device, int(n), int(new), int(vocab), name)), flush=True)
+        except Exception as e:  # one layout failing must not hide the others' figures
+            print(json.dumps({"error": f"{type(e).__name__}: {e}"[:300]}), flush=True)
+        return
     ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="where to run (cpu: a check of the script only)")
     ap.add_argument("--shapes", nargs="+", default=["135m", "1b"], choices=sorted(SHAPES), help="model shapes to measure")
@@ -480,7 +492,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also write profile-<shape>.txt: 5 decode steps at batch 1 and the "
                     "largest batch, eager and graphed, under torch.profiler")
     ap.add_argument("--out", type=Path, default=Path("results/gpu"), help="directory for gpu.json and gpu.png")
+    ap.add_argument("--baseline", type=Path, help="another kvflow checkout's root: each serving backend also runs on it, "
+                    "alternating with this tree's (e.g. `git worktree add /tmp/base <commit>`)")
     args = ap.parse_args()
+    if args.baseline is not None and not (args.baseline / "kvflow" / "__init__.py").is_file():
+        ap.error(f"--baseline {args.baseline}: not a kvflow checkout (no kvflow/__init__.py there)")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device here (use --device cpu --shapes tiny to check the script)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -524,7 +540,7 @@ def main() -> None:
             r["offline"] = offline(ckpt, args.device, args.offline_batch, args.new_tokens, vocab, args.compile)
             print(f"[{shape}] offline {r['offline']}", flush=True)
             if shape != "1b":  # (the issue's serving figure is the 135M shape's)
-                r["backends"] = backends(ckpt, args.device, args.offline_batch, args.new_tokens, vocab)
+                r["backends"] = backends(ckpt, args.device, args.offline_batch, args.new_tokens, vocab, args.baseline)
                 print(f"[{shape}] backends {r['backends']}", flush=True)
             r["seconds"] = time.perf_counter() - t0
             report["shapes"][shape] = r

@@ -13,7 +13,9 @@
 # "all" runs the tests, then the benchmark alone (its timings taken beside the tests would share the
 # GPU and the host with them; and lent machines differ, so compare figures within one run).
 # Limits: TEST_LIMIT (default 150 s), BENCH_LIMIT (default 400 s); gpu.json is rewritten after every
-# model shape, so a run cut off at its limit keeps what it measured. BENCH_ARGS adds benchmark options.
+# model shape, so a run cut off at its limit keeps what it measured. BENCH_ARGS adds benchmark options,
+# e.g. BENCH_ARGS="--baseline .gpu-base" serves each backend with an older tree's kvflow too, alternating
+# (mkdir .gpu-base && git archive <commit> | tar -x -C .gpu-base; ignored, carry it like .gpu-wheels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
