@@ -18,8 +18,9 @@ SmolLM2-135M shape and a Llama-3.2-1B-like shape, bf16, vocab 49,152. For each s
   `transformers.generate` eager with the same prompts (with `--compile`, also its static cache +
   `torch.compile`);
 - (135M shape) the same requests sent at once to each serving backend, as the server runs them
-  without HTTP: the engine, colocated depth 2, disaggregated (1, 1), the pipelines with their default
-  KV replication and without it (needs pyzmq).
+  without HTTP, each in a fresh process: the engine, colocated depth 2, disaggregated (1, 1), the
+  pipelines with their default KV replication and without it, a pipeline's median token step (round
+  trip and compute); with `--baseline DIR`, each also on an older checkout's kvflow (needs pyzmq).
 
 Writes a table to stdout and `gpu.json` (+ `gpu.png` with matplotlib) to --out. On a machine
 without CUDA, `--device cpu --shapes tiny` runs the same code on a small model (a check of the
