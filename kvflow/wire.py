@@ -24,6 +24,7 @@ import operator
 import os
 import typing
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,13 +227,36 @@ _NESTED = {"seqs": SeqStep, "kv_out": KVOut}
 
 
 # ---------------------------------------------------------------------------------------- codec
+LEAF_BYTES = 1 << 20  # a tensor frame longer than this is MACed as leaves hashed in parallel
+
+
 def _mac(secret: bytes, header: bytes, payload) -> bytes:
-    h = hashlib.blake2b(key=secret, digest_size=MAC_BYTES)
+    """Keyed BLAKE2b over the header and the tensor frame. A frame of more than `LEAF_BYTES` (a prompt
+    chunk's hidden states: megabytes, ~1 ms per MB on one core) is MACed as its leaves' keyed digests,
+    each bound to its index and the frame's length, computed on a thread pool (hashlib lets go of the
+    GIL while it hashes), so a stage does not spend its step hashing on one core."""
+    view = memoryview(payload).cast("B") if payload is not None else None
+    leaves = view is not None and len(view) > LEAF_BYTES
+    h = hashlib.blake2b(key=secret, digest_size=MAC_BYTES, person=b"kvflow-leaves" if leaves else b"")
     h.update(len(header).to_bytes(8, "little"))
     h.update(header)
-    if payload is not None:
-        h.update(payload)
+    if leaves:
+        h.update(len(view).to_bytes(8, "little"))
+        parts = [view[i:i + LEAF_BYTES] for i in range(0, len(view), LEAF_BYTES)]
+        for digest in _hash_pool().map(_leaf, [secret] * len(parts), range(len(parts)), parts):
+            h.update(digest)
+    elif view is not None:
+        h.update(view)
     return h.digest()
+
+
+def _leaf(secret: bytes, index: int, data: memoryview) -> bytes:
+    return hashlib.blake2b(data, key=secret, digest_size=32, node_offset=index, node_depth=0).digest()
+
+
+@functools.cache
+def _hash_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="wire-mac")
 
 
 @functools.cache

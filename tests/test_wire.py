@@ -50,6 +50,27 @@ def test_a_stranger_without_the_secret_cannot_forge_or_alter_messages():
         decode(frames, SECRET)
 
 
+def test_a_large_tensor_frame_is_authenticated_leaf_by_leaf():
+    """A frame longer than LEAF_BYTES is MACed as leaves hashed in parallel: it round-trips, and a changed
+    byte in any leaf, two leaves swapped, or the frame cut short are all rejected."""
+    from kvflow.wire import LEAF_BYTES
+
+    x = torch.randn(3 * LEAF_BYTES // 4 + 1000, dtype=torch.float32)  # 3 leaves and a bit
+    frames = encode(StepResult(1, 2, ["a"]), SECRET, x)
+    msg, t = decode(frames, SECRET)
+    assert torch.equal(t, x)
+    payload = bytes(frames[2])
+    assert len(payload) > 3 * LEAF_BYTES
+    tampered = bytearray(payload)
+    tampered[2 * LEAF_BYTES + 5] ^= 1
+    swapped = payload[LEAF_BYTES:2 * LEAF_BYTES] + payload[:LEAF_BYTES] + payload[2 * LEAF_BYTES:]
+    for bad in (bytes(tampered), swapped):
+        with pytest.raises(WireError, match="authentication"):
+            decode([frames[0], frames[1], bad], SECRET)
+    with pytest.raises(WireError):
+        decode([frames[0], frames[1], payload[:-4]], SECRET)
+
+
 def _signed(head) -> list:
     from kvflow.wire import _mac
 
