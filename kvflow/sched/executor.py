@@ -218,11 +218,14 @@ class PipelineExecutor:
             toks = self.driver.sample(p, out, rows, result)
             sampled = {out.seqs[i].request.request_id: t for i, t in zip(rows, toks)}
         emit, freed = self.driver.emit, False
+        # (a request that joined a token pipeline holds nothing of the hand-off: its reservation became
+        # its table, its KV is all in)
+        settle = self.driver.settled if p.role == "token" else self._settle
         for req in p.sched.update(out, sampled):
             emit(req)
             if req.status is finished:
                 freed = True
-                self._settle(req)
+                settle(req)
         if freed and p.role != "prompt":
             self._blocks_freed(p)  # finished requests' blocks were freed
         if self.handoff is not None and p.sched.handoffs:

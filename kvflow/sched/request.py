@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, overload
 
 from kvflow.sched.sampling import UNSEEDED, SamplerState, SamplingParams
@@ -119,10 +120,15 @@ class Request:
     _reported_text: int = 0
 
     def __post_init__(self) -> None:
-        self.token_ids = TokenIds(self.prompt_token_ids, self.output_token_ids)  # what the model consumes
         params = self.params
         self.sampler = UNSEEDED if params.seed is None else SamplerState.for_params(params)
         self._max_stop_len = max(map(len, params.stop)) if params.stop else 0
+
+    @cached_property
+    def token_ids(self) -> TokenIds:
+        """The prompt followed by the output, what the model consumes (made on first use: a simulated
+        request without prefix caching never reads it)."""
+        return TokenIds(self.prompt_token_ids, self.output_token_ids)
 
     def take_kv_source(self) -> str | None:
         """`kv_source`, once: one pull, and what it does not bring is recomputed."""
