@@ -67,7 +67,11 @@ class MicrobatchPolicy:
     def _whole(self: Scheduler, group: list[Request]) -> list[ScheduledSeq]:
         """Each request of microbatch `group` with all its pending tokens (its whole table when the
         executor's copy must be replaced)."""
-        full_table, out, new = self._full_table, [], tuple.__new__  # (a named tuple's own constructor is Python code)
+        full_table, new = self._full_table, tuple.__new__  # (a named tuple's own constructor is Python code)
+        if not full_table:  # (most batches: a microbatch sent again)
+            return [new(ScheduledSeq, (r, len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens,
+                                       r.num_computed_tokens, (), False, ())) for r in group]
+        out = []
         for r in group:
             c = r.num_computed_tokens
             n = len(r.prompt_token_ids) + len(r.output_token_ids) - c
