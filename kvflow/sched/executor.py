@@ -186,6 +186,8 @@ class PipelineExecutor:
     @staticmethod
     def _take_back(p: PipelineState, offered: list[Request]) -> None:
         """Return the offered requests `p` did not admit to the front of its queue, in order."""
+        if not p.sched.waiting:
+            return  # (it admitted them all)
         ids = {id(r) for r in offered}
         back = []
         while p.sched.waiting and id(p.sched.waiting[-1]) in ids:

@@ -15,12 +15,16 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from kvflow.kv.manager import KVCacheManager, PrefixHit, blocks_for
 from kvflow.sched.config import POLICIES, ROLES, SchedulerConfig  # noqa: F401  (re-exported)
 from kvflow.sched.microbatch import MicrobatchPolicy
 from kvflow.sched.output import ScheduledSeq, SchedulerOutput  # noqa: F401  (re-exported)
 from kvflow.sched.request import Request, RequestStatus
+
+
+_seq_request_id = attrgetter("request.request_id")
 
 
 class Scheduler(MicrobatchPolicy):
@@ -112,8 +116,7 @@ class Scheduler(MicrobatchPolicy):
             seqs, preempted = self._schedule_microbatch(), []
         else:
             seqs, preempted = self._schedule_continuous()
-        for s in seqs:
-            self.in_flight.add(s.request.request_id)
+        self.in_flight.update(map(_seq_request_id, seqs))
         freed, self._freed = self._freed, []
         region = -1
         if seqs:
