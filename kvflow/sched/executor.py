@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from kvflow.kv.manager import KVCacheManager
 from kvflow.sched.handoff import Handoff, KVStream  # noqa: F401  (KVStream re-exported)
-from kvflow.sched.request import Request, RequestStatus
+from kvflow.sched.request import FINISHED, Request
 from kvflow.sched.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 LOG_LEN = 100_000  # batches a pipeline's `batch_log` keeps
@@ -212,9 +212,8 @@ class PipelineExecutor:
         out = p.in_flight.pop(wire_id, None)
         if out is None:
             return None
-        finished = RequestStatus.FINISHED
         rows = [i for i, (req, n, start, _, _, _) in enumerate(out.seqs)  # (`completes_prompt`, unfinished)
-                if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and req.status is not finished]
+                if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and req.status is not FINISHED]
         sampled = {}
         if rows:
             toks = self.driver.sample(p, out, rows, result)
@@ -225,7 +224,7 @@ class PipelineExecutor:
         settle = self.driver.settled if p.role == "token" else self._settle
         for req in p.sched.update(out, sampled):
             emit(req)
-            if req.status is finished:
+            if req.status is FINISHED:
                 freed = True
                 settle(req)
         if freed and p.role != "prompt":
@@ -242,7 +241,7 @@ class PipelineExecutor:
     def _to_token_side(self, reqs: list[Request]) -> None:
         dirty, join = self.dirty, self.handoff.join
         for req in reqs:
-            if req.status is RequestStatus.FINISHED:
+            if req.status is FINISHED:
                 self._settle(req)
             else:
                 dirty.add(join(req))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvflow.kv.manager import NO_HIT, blocks_for
 from kvflow.sched.output import ScheduledSeq, SchedulerOutput
-from kvflow.sched.request import Request, RequestStatus
+from kvflow.sched.request import FINISHED, Request
 
 if TYPE_CHECKING:
     from kvflow.sched.scheduler import Scheduler
@@ -89,7 +89,7 @@ class MicrobatchPolicy:
         steps, limit = None, self.max_model_len
         for r in group:
             if len(r.prompt_token_ids) + len((out := r.output_token_ids)) - r.num_computed_tokens != 1 or not out \
-                    or r.status is RequestStatus.FINISHED:
+                    or r.status is FINISHED:
                 return None
             left = r.steps_to_length(token, limit)
             if left is None:

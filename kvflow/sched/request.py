@@ -22,6 +22,11 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# The members as plain names: reading one off the class costs ~0.1 µs in Python 3.11 (a descriptor),
+# and a simulated run reads them millions of times.
+WAITING, RUNNING, FINISHED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.FINISHED
+
+
 @dataclass
 class RequestOutput:
     """What a request produced so far. `new_token_ids`/`new_text` are the delta since the last report."""
@@ -102,7 +107,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     detokenizer: IncrementalDetokenizer | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    status: RequestStatus = RequestStatus.WAITING
+    status: RequestStatus = WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of token_ids' full blocks, as far as computed
@@ -150,7 +155,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is FINISHED
 
     def banned_token_ids(self) -> tuple[int, ...]:
         """Ids this request may not produce at its next step (stop/EOS ids before min_tokens)."""
@@ -202,7 +207,7 @@ class Request:
         self.output_token_ids += tokens
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
-        self.status = RequestStatus.FINISHED
+        self.status = FINISHED
         self.finish_reason = reason
         self.error = error
         self.finish_time = time.monotonic()

@@ -30,7 +30,7 @@ from kvflow.kv.manager import KVCacheManager
 from kvflow.perf.perf_model import BatchShape, PerfModel
 from kvflow.sched.executor import KVStream, PipelineExecutor
 from kvflow.sched.config import SwapLayout
-from kvflow.sched.request import Request, RequestStatus
+from kvflow.sched.request import FINISHED, Request
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
 from kvflow.simulator.config import PipelineGroup, SimConfig
@@ -242,7 +242,7 @@ class Simulator:
         i = int(req.request_id)
         if self.first_token[i] != self.first_token[i]:  # NaN: its first token
             self.first_token[i] = self.now
-        if req.status is RequestStatus.FINISHED:
+        if req.status is FINISHED:
             self.finish[i] = self.now
             self.completions[i] += 1
 
