@@ -43,7 +43,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.anonymous = anonymous
-        self._num_free = num_blocks  # anonymous pools: the count is all there is
+        self.num_free = num_blocks  # blocks `allocate` can hand out now: free plus evictable cached ones
         self.ref = [] if anonymous else [0] * num_blocks  # (an anonymous pool names no block)
         self.hash_of: dict[int, bytes] = {}  # block -> its content hash (registered blocks only)
         self.by_hash: dict[bytes, int] = {}  # hash -> block
@@ -55,13 +55,6 @@ class BlockPool:
         self.generation = [] if anonymous else [0] * num_blocks
         # called with (block, hash) as a cached block is evicted, before anyone can write it (lower tiers)
         self.on_evict: Callable[[int, bytes], None] | None = None
-
-    @property
-    def num_free(self) -> int:
-        """Blocks `allocate` can hand out now: free ones plus evictable cached ones."""
-        if self.anonymous:
-            return self._num_free
-        return len(self._free) + len(self._cached)
 
     @property
     def num_cached(self) -> int:
@@ -81,11 +74,11 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if self.anonymous and n <= self._num_free:
-            self._num_free -= n
-            return [ANONYMOUS] * n
         if n > self.num_free:
             raise OutOfBlocks(f"asked for {n} KV blocks, {self.num_free} of {self.num_blocks} free")
+        self.num_free -= n
+        if self.anonymous:
+            return [ANONYMOUS] * n
         ids = []
         for _ in range(n):
             if self._free:
@@ -112,6 +105,7 @@ class BlockPool:
         for b in ids:
             if self.ref[b] == 0:
                 del self._cached[b]
+                self.num_free -= 1
             self.ref[b] += 1
 
     def free(self, ids: Iterable[int]) -> None:
@@ -130,6 +124,7 @@ class BlockPool:
         for b in ids:
             self.ref[b] -= 1
             if self.ref[b] == 0:
+                self.num_free += 1
                 if b in self.hash_of:
                     self._cached[b] = None  # most recently released: evicted last
                 else:
@@ -146,9 +141,9 @@ class BlockPool:
 
     def _count_back(self, n: int) -> None:
         """An anonymous pool gets `n` blocks back."""
-        if n > self.num_blocks - self._num_free:
-            raise ValueError(f"freeing {n} blocks, {self.num_blocks - self._num_free} are allocated")
-        self._num_free += n
+        if n > self.num_blocks - self.num_free:
+            raise ValueError(f"freeing {n} blocks, {self.num_blocks - self.num_free} are allocated")
+        self.num_free += n
 
     def lookup(self, hashes: Iterable[bytes]) -> list[int]:
         out = []
@@ -182,8 +177,9 @@ class BlockPool:
     def check(self) -> None:
         """Internal invariants: the three states partition the ids and the hash maps agree."""
         if self.anonymous:
-            assert 0 <= self._num_free <= self.num_blocks, "free count out of range"
+            assert 0 <= self.num_free <= self.num_blocks, "free count out of range"
             return
+        assert self.num_free == len(self._free) + len(self._cached), "free count disagrees with the lists"
         free, cached = set(self._free), set(self._cached)
         assert len(free) == len(self._free), "duplicate id in the free list"
         assert not (free & cached), "id both free and cached"
