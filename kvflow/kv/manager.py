@@ -14,6 +14,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+_ANONYMOUS_TABLES: dict[int, tuple[int, ...]] = {}  # an anonymous pool's table of each length, frozen (`frozen`)
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     """The cached blocks holding a request's first `num_tokens` tokens, found by a lookup of
@@ -248,6 +251,17 @@ class KVCacheManager:
     def still_held(self, hashes: Sequence[bytes], held: Sequence[tuple[int, int, int]]) -> list[bool]:
         """For each of `held` (from `held_blocks(hashes)`): whether its block still holds that content, unchanged since."""
         return [self.pool.hash_of.get(b) == hashes[i] and self.pool.generation[b] == g for i, b, g in held]
+
+    def frozen(self, table: list[int]) -> tuple[int, ...]:
+        """`tuple(table)`: a table as a batch records it (`ScheduledSeq.new_block_ids`). The tables of an
+        anonymous pool hold copies of one id, so theirs is one shared tuple per length (a simulated
+        run records millions of tables of ~100 blocks)."""
+        if not self.pool.anonymous:
+            return tuple(table)
+        t = _ANONYMOUS_TABLES.get(len(table))
+        if t is None:
+            t = _ANONYMOUS_TABLES[len(table)] = tuple(table)
+        return t
 
     def missing_blocks(self, table: list[int], num_tokens: int) -> int:
         return max(0, blocks_for(num_tokens, self.block_size) - len(table))

@@ -71,13 +71,13 @@ class MicrobatchPolicy:
         if not full_table:  # (most batches: a microbatch sent again)
             return [new(ScheduledSeq, (r, len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens,
                                        r.num_computed_tokens, (), False, ())) for r in group]
-        out = []
+        out, frozen = [], self.kv_manager.frozen
         for r in group:
             c = r.num_computed_tokens
             n = len(r.prompt_token_ids) + len(r.output_token_ids) - c
             if r.request_id in full_table:
                 full_table.discard(r.request_id)
-                out.append(new(ScheduledSeq, (r, n, c, tuple(r.block_ids), True, ())))
+                out.append(new(ScheduledSeq, (r, n, c, frozen(r.block_ids), True, ())))
             else:
                 out.append(new(ScheduledSeq, (r, n, c, (), False, ())))
         return out

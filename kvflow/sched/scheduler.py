@@ -200,7 +200,7 @@ class Scheduler(MicrobatchPolicy):
         rid = req.request_id
         full = rid in self._full_table
         self._full_table.discard(rid)
-        new = tuple(req.block_ids) if full else tuple(req.block_ids[before:])
+        new = self.kv_manager.frozen(req.block_ids) if full else tuple(req.block_ids[before:])
         return ScheduledSeq(req, n, req.num_computed_tokens, new, full)
 
     def _match(self, req: Request) -> PrefixHit:
