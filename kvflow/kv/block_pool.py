@@ -8,6 +8,16 @@ from collections.abc import Callable, Iterable, Sequence, Sized
 
 
 ANONYMOUS = 0  # the id every block of an anonymous pool has (tables of such a pool only count blocks)
+_RUNS: dict[int, tuple[int, ...]] = {}
+
+
+def anonymous_blocks(n: int) -> tuple[int, ...]:
+    """`n` copies of `ANONYMOUS`, one shared tuple per count (a simulated run's tables are millions
+    of such runs of ~100 blocks: extended from, and recorded in batches, without a copy each)."""
+    run = _RUNS.get(n)
+    if run is None:
+        run = _RUNS[n] = (ANONYMOUS,) * n
+    return run
 
 
 class OutOfBlocks(RuntimeError):
@@ -94,6 +104,14 @@ class BlockPool:
             self.ref[b] = 1
             ids.append(b)
         return ids
+
+    def allocate_to(self, table: list[int], n: int) -> None:
+        """`table.extend(allocate(n))` (an anonymous pool's blocks come from `anonymous_blocks`)."""
+        if self.anonymous and 0 <= n <= self.num_free:
+            self.num_free -= n
+            table += _RUNS.get(n) or anonymous_blocks(n)
+        else:
+            table.extend(self.allocate(n))
 
     def take(self, ids: Sequence[int]) -> None:
         """One more reference to each of `ids` (registered blocks from `lookup`)."""

@@ -5,16 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvflow.kv.block_pool import BlockPool
+from kvflow.kv.block_pool import BlockPool, anonymous_blocks
 from kvflow.kv.prefix_hash import extend_hashes
 from kvflow.kv.tiers import TierPlan, TierPool, TierStats
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-_ANONYMOUS_TABLES: dict[int, tuple[int, ...]] = {}  # an anonymous pool's table of each length, frozen (`frozen`)
 
 
 @dataclass(frozen=True)
@@ -253,15 +250,9 @@ class KVCacheManager:
         return [self.pool.hash_of.get(b) == hashes[i] and self.pool.generation[b] == g for i, b, g in held]
 
     def frozen(self, table: list[int]) -> tuple[int, ...]:
-        """`tuple(table)`: a table as a batch records it (`ScheduledSeq.new_block_ids`). The tables of an
-        anonymous pool hold copies of one id, so theirs is one shared tuple per length (a simulated
-        run records millions of tables of ~100 blocks)."""
-        if not self.pool.anonymous:
-            return tuple(table)
-        t = _ANONYMOUS_TABLES.get(len(table))
-        if t is None:
-            t = _ANONYMOUS_TABLES[len(table)] = tuple(table)
-        return t
+        """`tuple(table)`: a table as a batch records it (`ScheduledSeq.new_block_ids`); an anonymous
+        pool's is one shared tuple per length (`anonymous_blocks`)."""
+        return anonymous_blocks(len(table)) if self.pool.anonymous else tuple(table)
 
     def missing_blocks(self, table: list[int], num_tokens: int) -> int:
         return max(0, blocks_for(num_tokens, self.block_size) - len(table))
@@ -279,7 +270,7 @@ class KVCacheManager:
                 return True
             if new > self.pool.num_free:
                 return False
-            table.extend(self.pool.allocate(new))
+            self.pool.allocate_to(table, new)
             return True
         if (hit.blocks or hit.promote) and table:
             raise ValueError("a prefix hit starts a table: the table must be empty")
