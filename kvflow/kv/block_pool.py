@@ -8,6 +8,16 @@ from collections.abc import Callable, Iterable, Sequence, Sized
 
 
 ANONYMOUS = 0  # the id every block of an anonymous pool has (tables of such a pool only count blocks)
+_RUNS: dict[int, tuple[int, ...]] = {}
+
+
+def anonymous_blocks(n: int) -> tuple[int, ...]:
+    """`n` copies of `ANONYMOUS`, one shared tuple per count (a simulated run's tables are millions
+    of such runs of ~100 blocks: extended from, and recorded in batches, without a copy each)."""
+    run = _RUNS.get(n)
+    if run is None:
+        run = _RUNS[n] = (ANONYMOUS,) * n
+    return run
 
 
 class OutOfBlocks(RuntimeError):
@@ -43,7 +53,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.anonymous = anonymous
-        self._num_free = num_blocks  # anonymous pools: the count is all there is
+        self.num_free = num_blocks  # blocks `allocate` can hand out now: free plus evictable cached ones
         self.ref = [] if anonymous else [0] * num_blocks  # (an anonymous pool names no block)
         self.hash_of: dict[int, bytes] = {}  # block -> its content hash (registered blocks only)
         self.by_hash: dict[bytes, int] = {}  # hash -> block
@@ -55,13 +65,6 @@ class BlockPool:
         self.generation = [] if anonymous else [0] * num_blocks
         # called with (block, hash) as a cached block is evicted, before anyone can write it (lower tiers)
         self.on_evict: Callable[[int, bytes], None] | None = None
-
-    @property
-    def num_free(self) -> int:
-        """Blocks `allocate` can hand out now: free ones plus evictable cached ones."""
-        if self.anonymous:
-            return self._num_free
-        return len(self._free) + len(self._cached)
 
     @property
     def num_cached(self) -> int:
@@ -81,11 +84,11 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if self.anonymous and n <= self._num_free:
-            self._num_free -= n
-            return [ANONYMOUS] * n
         if n > self.num_free:
             raise OutOfBlocks(f"asked for {n} KV blocks, {self.num_free} of {self.num_blocks} free")
+        self.num_free -= n
+        if self.anonymous:
+            return [ANONYMOUS] * n
         ids = []
         for _ in range(n):
             if self._free:
@@ -102,6 +105,14 @@ class BlockPool:
             ids.append(b)
         return ids
 
+    def allocate_to(self, table: list[int], n: int) -> None:
+        """`table.extend(allocate(n))` (an anonymous pool's blocks come from `anonymous_blocks`)."""
+        if self.anonymous and 0 <= n <= self.num_free:
+            self.num_free -= n
+            table += _RUNS.get(n) or anonymous_blocks(n)
+        else:
+            table.extend(self.allocate(n))
+
     def take(self, ids: Sequence[int]) -> None:
         """One more reference to each of `ids` (registered blocks from `lookup`)."""
         if self.anonymous and ids:
@@ -112,6 +123,7 @@ class BlockPool:
         for b in ids:
             if self.ref[b] == 0:
                 del self._cached[b]
+                self.num_free -= 1
             self.ref[b] += 1
 
     def free(self, ids: Iterable[int]) -> None:
@@ -130,6 +142,7 @@ class BlockPool:
         for b in ids:
             self.ref[b] -= 1
             if self.ref[b] == 0:
+                self.num_free += 1
                 if b in self.hash_of:
                     self._cached[b] = None  # most recently released: evicted last
                 else:
@@ -146,9 +159,9 @@ class BlockPool:
 
     def _count_back(self, n: int) -> None:
         """An anonymous pool gets `n` blocks back."""
-        if n > self.num_blocks - self._num_free:
-            raise ValueError(f"freeing {n} blocks, {self.num_blocks - self._num_free} are allocated")
-        self._num_free += n
+        if n > self.num_blocks - self.num_free:
+            raise ValueError(f"freeing {n} blocks, {self.num_blocks - self.num_free} are allocated")
+        self.num_free += n
 
     def lookup(self, hashes: Iterable[bytes]) -> list[int]:
         out = []
@@ -182,8 +195,9 @@ class BlockPool:
     def check(self) -> None:
         """Internal invariants: the three states partition the ids and the hash maps agree."""
         if self.anonymous:
-            assert 0 <= self._num_free <= self.num_blocks, "free count out of range"
+            assert 0 <= self.num_free <= self.num_blocks, "free count out of range"
             return
+        assert self.num_free == len(self._free) + len(self._cached), "free count disagrees with the lists"
         free, cached = set(self._free), set(self._cached)
         assert len(free) == len(self._free), "duplicate id in the free list"
         assert not (free & cached), "id both free and cached"

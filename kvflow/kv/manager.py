@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvflow.kv.block_pool import BlockPool
+from kvflow.kv.block_pool import BlockPool, anonymous_blocks
 from kvflow.kv.prefix_hash import extend_hashes
 from kvflow.kv.tiers import TierPlan, TierPool, TierStats
 
@@ -249,6 +249,11 @@ class KVCacheManager:
         """For each of `held` (from `held_blocks(hashes)`): whether its block still holds that content, unchanged since."""
         return [self.pool.hash_of.get(b) == hashes[i] and self.pool.generation[b] == g for i, b, g in held]
 
+    def frozen(self, table: list[int]) -> tuple[int, ...]:
+        """`tuple(table)`: a table as a batch records it (`ScheduledSeq.new_block_ids`); an anonymous
+        pool's is one shared tuple per length (`anonymous_blocks`)."""
+        return anonymous_blocks(len(table)) if self.pool.anonymous else tuple(table)
+
     def missing_blocks(self, table: list[int], num_tokens: int) -> int:
         return max(0, blocks_for(num_tokens, self.block_size) - len(table))
 
@@ -265,7 +270,7 @@ class KVCacheManager:
                 return True
             if new > self.pool.num_free:
                 return False
-            table.extend(self.pool.allocate(new))
+            self.pool.allocate_to(table, new)
             return True
         if (hit.blocks or hit.promote) and table:
             raise ValueError("a prefix hit starts a table: the table must be empty")

@@ -25,7 +25,7 @@ DISK_SLOT_OVERHEAD = 1024
 PHASES = ("to_disk", "to_host", "from_disk", "to_device")
 
 
-@dataclass
+@dataclass(slots=True)
 class TierPlan:
     """One step's copies between tiers, performed by the executor before the step's forward, in the
     order of `PHASES` (a slot is used by at most one op of a step, so this order is always safe):

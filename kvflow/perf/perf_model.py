@@ -4,18 +4,19 @@ its analytic implementation from a model shape and a machine spec."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import NamedTuple
 
 from kvflow.perf.hardware import MachineSpec
 from kvflow.perf.model_shape import ModelShape
 
 
-@dataclass(frozen=True)
-class BatchShape:
+class BatchShape(NamedTuple):
     """What a batch costs depends on: prefill chunks (`prefill_seqs` sequences with more than one
     new token; `prefill_tokens` new tokens and `prefill_attention` = sum of new x context after,
     b*s^2 for b whole prompts of s) and decode steps (`decode_seqs` sequences, `decode_context` =
-    sum of their contexts)."""
+    sum of their contexts). (A named tuple: the simulator makes one per pass and keys its prices by
+    it, and a frozen dataclass costs ~1 us to make and as much to hash.)"""
 
     prefill_seqs: int = 0
     prefill_tokens: int = 0

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from kvflow.kv.manager import KVCacheManager
 from kvflow.sched.handoff import Handoff, KVStream  # noqa: F401  (KVStream re-exported)
-from kvflow.sched.request import Request, RequestStatus
+from kvflow.sched.request import FINISHED, Request
 from kvflow.sched.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 LOG_LEN = 100_000  # batches a pipeline's `batch_log` keeps
@@ -186,6 +186,8 @@ class PipelineExecutor:
     @staticmethod
     def _take_back(p: PipelineState, offered: list[Request]) -> None:
         """Return the offered requests `p` did not admit to the front of its queue, in order."""
+        if not p.sched.waiting:
+            return  # (it admitted them all)
         ids = {id(r) for r in offered}
         back = []
         while p.sched.waiting and id(p.sched.waiting[-1]) in ids:
@@ -210,19 +212,21 @@ class PipelineExecutor:
         out = p.in_flight.pop(wire_id, None)
         if out is None:
             return None
-        finished = RequestStatus.FINISHED
         rows = [i for i, (req, n, start, _, _, _) in enumerate(out.seqs)  # (`completes_prompt`, unfinished)
-                if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and req.status is not finished]
+                if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and req.status is not FINISHED]
         sampled = {}
         if rows:
             toks = self.driver.sample(p, out, rows, result)
             sampled = {out.seqs[i].request.request_id: t for i, t in zip(rows, toks)}
         emit, freed = self.driver.emit, False
+        # (a request that joined a token pipeline holds nothing of the hand-off: its reservation became
+        # its table, its KV is all in)
+        settle = self.driver.settled if p.role == "token" else self._settle
         for req in p.sched.update(out, sampled):
             emit(req)
-            if req.status is finished:
+            if req.status is FINISHED:
                 freed = True
-                self._settle(req)
+                settle(req)
         if freed and p.role != "prompt":
             self._blocks_freed(p)  # finished requests' blocks were freed
         if self.handoff is not None and p.sched.handoffs:
@@ -237,7 +241,7 @@ class PipelineExecutor:
     def _to_token_side(self, reqs: list[Request]) -> None:
         dirty, join = self.dirty, self.handoff.join
         for req in reqs:
-            if req.status is RequestStatus.FINISHED:
+            if req.status is FINISHED:
                 self._settle(req)
             else:
                 dirty.add(join(req))

@@ -61,6 +61,7 @@ class Handoff:
         self.pending: dict[str, set[Hashable]] = {}  # request -> parts of its KV still on their way
         self.parked: dict[str, Request] = {}  # sampled (or finished) while its KV is on its way
         self.joined: dict[str, TokenSide] = {}  # microbatch policy: the ready queue a request waits in
+        self.refusals = 0  # admissions `reserve` refused (no token pool had room)
         self._target: tuple[TokenSide | None, int] = (None, 0)
         self._number = {id(tp): i for i, tp in enumerate(self.token)}
         self._heap: list[tuple[int, int]] = []  # (-free blocks, number): at least each pool's count, maybe more
@@ -76,7 +77,10 @@ class Handoff:
         rid = req.request_id
         entry = self.tables.get(rid)
         if entry is not None and entry[1]:
-            return entry[0].kv_manager.ensure(entry[1], self._tokens(entry[0], req))
+            if entry[0].kv_manager.ensure(entry[1], self._tokens(entry[0], req)):
+                return True
+            self.refusals += 1
+            return False
         if entry is None:
             tp, count = self._target
             tokens = self._tokens(tp, req) if tp is not None and count < tp.microbatch else -1
@@ -92,6 +96,7 @@ class Handoff:
         hit = kv.match(req.token_ids, req.block_hashes, len(req.prompt_token_ids) + len(req.output_token_ids)) \
             if kv.prefix_caching else NO_HIT
         if not kv.ensure(table, tokens, hit):
+            self.refusals += 1
             return False
         self.cached[rid] = hit.num_tokens
         return True

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvflow.kv.manager import NO_HIT, blocks_for
 from kvflow.sched.output import ScheduledSeq, SchedulerOutput
-from kvflow.sched.request import Request, RequestStatus
+from kvflow.sched.request import FINISHED, Request
 
 if TYPE_CHECKING:
     from kvflow.sched.scheduler import Scheduler
@@ -67,13 +67,17 @@ class MicrobatchPolicy:
     def _whole(self: Scheduler, group: list[Request]) -> list[ScheduledSeq]:
         """Each request of microbatch `group` with all its pending tokens (its whole table when the
         executor's copy must be replaced)."""
-        full_table, out, new = self._full_table, [], tuple.__new__  # (a named tuple's own constructor is Python code)
+        full_table, new = self._full_table, tuple.__new__  # (a named tuple's own constructor is Python code)
+        if not full_table:  # (most batches: a microbatch sent again)
+            return [new(ScheduledSeq, (r, len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens,
+                                       r.num_computed_tokens, (), False, ())) for r in group]
+        out, frozen = [], self.kv_manager.frozen
         for r in group:
             c = r.num_computed_tokens
             n = len(r.prompt_token_ids) + len(r.output_token_ids) - c
             if r.request_id in full_table:
                 full_table.discard(r.request_id)
-                out.append(new(ScheduledSeq, (r, n, c, tuple(r.block_ids), True, ())))
+                out.append(new(ScheduledSeq, (r, n, c, frozen(r.block_ids), True, ())))
             else:
                 out.append(new(ScheduledSeq, (r, n, c, (), False, ())))
         return out
@@ -85,7 +89,7 @@ class MicrobatchPolicy:
         steps, limit = None, self.max_model_len
         for r in group:
             if len(r.prompt_token_ids) + len((out := r.output_token_ids)) - r.num_computed_tokens != 1 or not out \
-                    or r.status is RequestStatus.FINISHED:
+                    or r.status is FINISHED:
                 return None
             left = r.steps_to_length(token, limit)
             if left is None:

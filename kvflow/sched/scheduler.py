@@ -15,12 +15,16 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from kvflow.kv.manager import KVCacheManager, PrefixHit, blocks_for
 from kvflow.sched.config import POLICIES, ROLES, SchedulerConfig  # noqa: F401  (re-exported)
 from kvflow.sched.microbatch import MicrobatchPolicy
 from kvflow.sched.output import ScheduledSeq, SchedulerOutput  # noqa: F401  (re-exported)
-from kvflow.sched.request import Request, RequestStatus
+from kvflow.sched.request import FINISHED, RUNNING, WAITING, Request
+
+
+_seq_request_id = attrgetter("request.request_id")
 
 
 class Scheduler(MicrobatchPolicy):
@@ -64,18 +68,18 @@ class Scheduler(MicrobatchPolicy):
 
     # ------------------------------------------------------------------ admission
     def add(self, request: Request) -> None:
-        request.status = RequestStatus.WAITING
+        request.status = WAITING
         self.waiting.append(request)
 
     def add_front(self, request: Request) -> None:
         """Queue a request to be (re)computed before any other waiting one (preempted elsewhere)."""
-        request.status = RequestStatus.WAITING
+        request.status = WAITING
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
 
     def add_running(self, request: Request) -> None:
         """Token role: a request whose KV (all tokens but the last) is already in this pool's blocks."""
-        request.status = RequestStatus.RUNNING
+        request.status = RUNNING
         request.num_computed_tokens = len(request.prompt_token_ids) + len(request.output_token_ids) - 1
         if self.kv_manager.prefix_caching:
             self.kv_manager.cache_blocks(request.block_ids, request.token_ids, request.block_hashes, 0, request.num_computed_tokens)
@@ -112,8 +116,7 @@ class Scheduler(MicrobatchPolicy):
             seqs, preempted = self._schedule_microbatch(), []
         else:
             seqs, preempted = self._schedule_continuous()
-        for s in seqs:
-            self.in_flight.add(s.request.request_id)
+        self.in_flight.update(map(_seq_request_id, seqs))
         freed, self._freed = self._freed, []
         region = -1
         if seqs:
@@ -144,7 +147,7 @@ class Scheduler(MicrobatchPolicy):
         for req in list(self.running):
             if budget <= 0 or len(seqs) >= cap:
                 break
-            if req.request_id in self.in_flight or req.status is not RequestStatus.RUNNING:
+            if req.request_id in self.in_flight or req.status is not RUNNING:
                 continue
             if room is not None:
                 n = min(req.num_pending_tokens, budget, self.config.prefill_chunk_size)
@@ -197,7 +200,7 @@ class Scheduler(MicrobatchPolicy):
         rid = req.request_id
         full = rid in self._full_table
         self._full_table.discard(rid)
-        new = tuple(req.block_ids) if full else tuple(req.block_ids[before:])
+        new = self.kv_manager.frozen(req.block_ids) if full else tuple(req.block_ids[before:])
         return ScheduledSeq(req, n, req.num_computed_tokens, new, full)
 
     def _match(self, req: Request) -> PrefixHit:
@@ -211,7 +214,7 @@ class Scheduler(MicrobatchPolicy):
         ok = self.kv_manager.ensure(req.block_ids, num_tokens, hit)
         assert ok, "admitted without the blocks it needs"
         req.num_computed_tokens = hit.num_tokens
-        req.status = RequestStatus.RUNNING
+        req.status = RUNNING
         self.running.append(req)
         self._full_table.add(req.request_id)
 
@@ -237,11 +240,11 @@ class Scheduler(MicrobatchPolicy):
             self._batches -= 1
         changed, gone = [], []
         cache = self.kv_manager.cache_blocks if self.kv_manager.prefix_caching else None
-        in_flight, limit, prompt, finished = self.in_flight, self.max_model_len, self.role == "prompt", RequestStatus.FINISHED
+        in_flight, limit, prompt = self.in_flight, self.max_model_len, self.role == "prompt"
         for req, n, start, _, _, _ in out.seqs:  # (a ScheduledSeq's fields)
             rid = req.request_id
             in_flight.discard(rid)
-            if req.status is finished:  # aborted while in flight (its blocks are given back below)
+            if req.status is FINISHED:  # aborted while in flight (its blocks are given back below)
                 gone.append(req)
                 changed.append(req)
                 continue
@@ -257,7 +260,7 @@ class Scheduler(MicrobatchPolicy):
                 gone.append(req)
             elif prompt:  # its KV has been streamed to the token side during this batch
                 gone.append(req)
-                req.status = RequestStatus.WAITING
+                req.status = WAITING
                 self.handoffs.append(req)
             changed.append(req)
         if gone:
@@ -281,7 +284,7 @@ class Scheduler(MicrobatchPolicy):
                 self.kv_manager.release(r.block_ids)
         for r in lost:
             r.num_computed_tokens = 0
-            r.status = RequestStatus.WAITING
+            r.status = WAITING
         lost.sort(key=lambda r: r.arrival_time)
         if self.role != "token":
             self.waiting.extendleft(reversed(lost))
@@ -330,9 +333,9 @@ class Scheduler(MicrobatchPolicy):
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         if self.role == "token":
-            req.status = RequestStatus.WAITING  # the executor sends it to a prompt scheduler
+            req.status = WAITING  # the executor sends it to a prompt scheduler
         else:
-            req.status = RequestStatus.WAITING
+            req.status = WAITING
             self.waiting.appendleft(req)
 
     def _remove(self, req: Request) -> None:

@@ -30,7 +30,7 @@ from kvflow.kv.manager import KVCacheManager
 from kvflow.perf.perf_model import BatchShape, PerfModel
 from kvflow.sched.executor import KVStream, PipelineExecutor
 from kvflow.sched.config import SwapLayout
-from kvflow.sched.request import Request, RequestStatus
+from kvflow.sched.request import FINISHED, Request
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
 from kvflow.simulator.config import PipelineGroup, SimConfig
@@ -84,10 +84,6 @@ class Simulator:
         self.prompt = self._group(layout.prompt, "prompt" if layout.token else "both")
         self.token = self._group(layout.token, "token") if layout.token else []
         self.executor = PipelineExecutor(self.prompt, self.token, self, config.rigid_rounds, self._request)
-        self._refused = False  # the token side refused a prompt admission during this `_fill_all`
-        for p in self.prompt:
-            if p.sched.admit_hook is not None:
-                p.sched.admit_hook = self._watch(p.sched.admit_hook)
         self.handoff = self.executor.handoff
         self.now = 0.0
         self._rank = 0  # of the event being handled
@@ -167,8 +163,11 @@ class Simulator:
     def _fill_all(self) -> list[Event]:
         """Let every pipeline that may have something to do fill its free slots (the executor's
         `fill_all`, skipping idle pipelines whose queue has not changed since they last tried).
-        Idle prompt pipelines are offered the queue in order only until the token side refuses
-        (`_watch`): the rest would be refused too, and stay as they are."""
+        Idle prompt pipelines are offered the queue in order only until the token side refuses an
+        admission (`Handoff.refusals`): it then refuses the head of the queue to every prompt
+        pipeline until it frees blocks (a refused request keeps the token pipeline it was given),
+        and a microbatch prompt pipeline has nothing else to run, so no other prompt pipeline is
+        filled in this call; the idle ones stay as they are, untried."""
         ex = self.executor
         todo, ex.dirty = ex.dirty, set()
         version = ex.version
@@ -183,7 +182,8 @@ class Simulator:
             self._tried[p] = version
             if p.ahead is not None and len(p.sched.groups) < p.depth:  # with a free slot, filling it may change its run
                 settle(self, p, self.now, self._rank)
-        self._refused = False
+        handoff = self.handoff
+        refusals = handoff.refusals if handoff is not None else 0
         idle = self._idle_in_order(todo, version) if walk and lazy else iter(())
         q = next(idle, None)  # the idle ones go in between, in the executor's `fill_all` order
         for p in sorted(todo, key=_fill_order) + [None]:
@@ -192,8 +192,9 @@ class Simulator:
                 ex.fill(q)
                 if len(q.in_flight) == q.depth or q.down:
                     self._idle.discard(q)
-                q = None if self._refused else next(idle, None)  # (the rest stay idle, untried: as if refused)
-            if p is not None and not (self._refused and p.role == "prompt" and refusing):
+                refused = handoff is not None and handoff.refusals != refusals
+                q = None if refused else next(idle, None)  # (the rest stay idle, untried: as if refused)
+            if p is not None and not (p.role == "prompt" and refusing and handoff.refusals != refusals):
                 ex.fill(p)
         for p in todo:
             if self.steady and p.role != "prompt" and p.ahead is None:
@@ -215,17 +216,6 @@ class Simulator:
         for q in self.prompt:
             if q in idle and q.queue and tried.get(q) != version and q not in todo:
                 yield q
-
-    def _watch(self, hook):
-        """The prompt schedulers' admission hook (the hand-off's reservation), noting a refusal: the
-        token side then refuses the head of the queue to every prompt pipeline until it frees blocks
-        (a refused request keeps the token pipeline it was given), and a microbatch prompt pipeline
-        has nothing else to run, so `_fill_all` fills no other prompt pipeline in that call."""
-        def admit(req: Request) -> bool:
-            ok = hook(req)
-            self._refused |= not ok
-            return ok
-        return admit
 
     # --- the driver ----------------------------------------------------------------------------
 
@@ -252,7 +242,7 @@ class Simulator:
         i = int(req.request_id)
         if self.first_token[i] != self.first_token[i]:  # NaN: its first token
             self.first_token[i] = self.now
-        if req.status is RequestStatus.FINISHED:
+        if req.status is FINISHED:
             self.finish[i] = self.now
             self.completions[i] += 1
 
