@@ -37,8 +37,9 @@ class ScheduledSeq(NamedTuple):
 @dataclass(slots=True, eq=False)
 class SchedulerOutput:
     """One batch (made by `schedule()`, read by the executor: nothing changes it but a result's
-    rejected disk blocks, `tiers.failed`; a slotted class, as one is made per batch). `freed`: requests whose blocks were released since the previous batch (finished,
-    aborted or preempted): an executor that mirrors block tables drops them before running it.
+    rejected disk blocks, `tiers.failed`; a slotted class, as one is made per batch). `freed`:
+    requests whose blocks were released since the previous batch (finished, aborted or preempted):
+    an executor that mirrors block tables drops them before running it.
     `tiers`: the copies between KV tiers the executor performs before the batch's forward (it may
     carry copies with no sequences: an executor runs such an output too)."""
 
