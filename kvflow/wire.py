@@ -254,9 +254,15 @@ def _leaf(secret: bytes, index: int, data: memoryview) -> bytes:
     return hashlib.blake2b(data, key=secret, digest_size=32, node_offset=index, node_depth=0).digest()
 
 
-@functools.cache
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
 def _hash_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="wire-mac")
+    """This process's MAC threads (made again in a forked child, where the parent's threads do not run)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="wire-mac"))
+    return _POOL[1]
 
 
 @functools.cache
