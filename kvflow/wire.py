@@ -232,7 +232,7 @@ LEAF_BYTES = 1 << 20  # a tensor frame longer than this is MACed as leaves hashe
 
 def _mac(secret: bytes, header: bytes, payload) -> bytes:
     """Keyed BLAKE2b over the header and the tensor frame. A frame of more than `LEAF_BYTES` (a prompt
-    chunk's hidden states: megabytes, ~1 ms per MB on one core) is MACed as its leaves' keyed digests,
+    chunk's hidden states: megabytes) is MACed as its leaves' keyed digests,
     each bound to its index and the frame's length, computed on a thread pool (hashlib lets go of the
     GIL while it hashes), so a stage does not spend its step hashing on one core."""
     view = memoryview(payload).cast("B") if payload is not None else None
@@ -277,6 +277,7 @@ def _layout(cls: type) -> tuple[tuple[str, type | None], ...]:
 
 @functools.cache
 def _row_getter(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple]]:
+    """A nested class's field names in order, and a getter of an item's values in that order."""
     names = tuple(f.name for f in dataclasses.fields(cls))
     return names, operator.attrgetter(*names)
 
@@ -379,7 +380,7 @@ def _column_schema(cls: type) -> tuple[dict[str, Callable[[Any, str], Any]], fro
     """A nested class's check per column (a list of the field's type), names, required, field order."""
     _, names, required = _schema(cls)
     checks = {name: _checker(list[tp]) for name, tp in typing.get_type_hints(cls).items()}
-    return checks, names, required, tuple(f.name for f in dataclasses.fields(cls))
+    return checks, names, required, _row_getter(cls)[0]
 
 
 def _build_columns(cls: type, value: Any, where: str) -> list:

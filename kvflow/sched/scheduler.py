@@ -332,10 +332,8 @@ class Scheduler(MicrobatchPolicy):
         self._release((req,))
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        if self.role == "token":
-            req.status = WAITING  # the executor sends it to a prompt scheduler
-        else:
-            req.status = WAITING
+        req.status = WAITING
+        if self.role != "token":  # (a token scheduler's executor sends it to a prompt scheduler)
             self.waiting.appendleft(req)
 
     def _remove(self, req: Request) -> None:
