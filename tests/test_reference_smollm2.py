@@ -101,11 +101,16 @@ def test_raw_prompt_special_tokens_parsed_like_transformers(llm):
 
 
 # bf16: both sides round weights, activations and KV to bf16 (8 bits of mantissa), in different
-# orders (oneDNN's blocked bf16 matmuls, our paged kernel's float32 accumulation), so logits are
-# compared with a stated tolerance and greedy decoding is required to agree on most prompts,
-# not all: a near-tie at one step is enough to send two correct bf16 runs down different paths.
-BF16_MEAN_ABS_TOL = 0.4  # mean |logit difference| over the vocabulary, per position (measured: up to 0.26)
-BF16_MAX_ABS_TOL = 1.5  # SmolLM2's logits span about 40 (measured: up to 0.81)
+# orders (oneDNN's blocked bf16 matmuls; our projections, whose path the model picks per row count and
+# CPU; our paged kernel's float32 accumulation). SmolLM2 amplifies a one-ulp difference in its first
+# projection into logit differences of a unit within a few layers, so how far the roundings take one
+# position is chaotic and differs between CPUs (measured on an AMD EPYC: one prompt's last position
+# 0.10 or 0.24 from float32 by projection path, the projections themselves agreeing to the ulp). The
+# logits are therefore judged against float32 (transformers', whose greedy tokens ours equal) over
+# many positions: our bf16 error may be at most BF16_ERROR_RATIO times transformers' own bf16 error.
+# Greedy decoding is required to agree on most prompts, not all: a near-tie at one step is enough to
+# send two correct bf16 runs down different paths.
+BF16_ERROR_RATIO = 2.0  # (measured: 0.9-1.1 over 60 positions, AMD EPYC with AVX512-BF16, each projection path forced in turn)
 BF16_STEP_AGREEMENT = 0.95  # of all greedy steps, teacher-forced (measured: 97% on an AVX2 CPU)
 BF16_STEP_AGREEMENT_PER_PROMPT = 0.85  # of every prompt's steps
 
@@ -119,27 +124,34 @@ def test_bf16_logits_and_greedy_tokens_close_to_transformers_bf16():
     eng = llm.engine
     # the converted checkpoint (safetensors), as real bf16 weights: transformers keeps GGUF weights quantized
     hf = LlamaForCausalLM.from_pretrained(str(eng.checkpoint.directory), dtype=torch.bfloat16).eval()
+    hf32 = LlamaForCausalLM.from_pretrained(str(eng.checkpoint.directory), dtype=torch.float32).eval()
     assert eng.model.layers[0].input_norm.dtype == torch.bfloat16 and eng.kv_cache.layout.dtype == torch.bfloat16
-    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[2]}])
     blocks = tuple(range(16))
     bs = eng.config.block_size
-    ours = eng.model.forward(torch.tensor(ids), ForwardBatch.build([SeqSlice(0, len(ids), len(ids), blocks)], bs), eng.kv_cache)[0]
-    with torch.no_grad():
-        out = hf(torch.tensor([ids]), use_cache=True)
-    ref, past, seq = out.logits[0, -1].float(), out.past_key_values, list(ids)
-    means, maxes = [], []
-    for _ in range(16):
-        d = (ours - ref).abs()
-        means.append(d.mean().item())
-        maxes.append(d.max().item())
-        nxt = int(ref.argmax())
-        seq.append(nxt)
-        ours = eng.model.forward(torch.tensor([nxt]), ForwardBatch.build([SeqSlice(0, 1, len(seq), blocks)], bs), eng.kv_cache)[0]
-        with torch.no_grad():
-            out = hf(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-        ref, past = out.logits[0, -1].float(), out.past_key_values
-    print(f"bf16 vs transformers bf16: mean |logit diff| max {max(means):.3f}, max |logit diff| {max(maxes):.3f}")
-    assert max(means) < BF16_MEAN_ABS_TOL and max(maxes) < BF16_MAX_ABS_TOL, (means, maxes)
+    errors = []  # per position: (ours, transformers bf16) against float32, mean and largest |logit difference|
+    for prompt in PROMPTS:
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        ours = eng.model.forward(torch.tensor(ids), ForwardBatch.build([SeqSlice(0, len(ids), len(ids), blocks)], bs), eng.kv_cache)[0]
+        past = {}
+
+        def theirs(model, tokens: list[int]) -> torch.Tensor:
+            with torch.no_grad():
+                out = model(torch.tensor([tokens]), past_key_values=past.get(model), use_cache=True)
+            past[model] = out.past_key_values
+            return out.logits[0, -1].float()
+
+        ref16, ref32 = theirs(hf, ids), theirs(hf32, ids)
+        for step in range(12):
+            errors.append([(x.float() - ref32).abs().mean().item() for x in (ours, ref16)]
+                          + [(x.float() - ref32).abs().max().item() for x in (ours, ref16)])
+            nxt = int(ref32.argmax())
+            ours = eng.model.forward(torch.tensor([nxt]), ForwardBatch.build([SeqSlice(0, 1, len(ids) + step + 1, blocks)], bs),
+                                     eng.kv_cache)[0]
+            ref16, ref32 = theirs(hf, [nxt]), theirs(hf32, [nxt])
+    mean_ours, mean_hf, max_ours, max_hf = (sum(c) / len(c) for c in zip(*errors))
+    print(f"bf16 against float32, mean over {len(errors)} positions: mean |logit diff| ours {mean_ours:.3f}, transformers "
+          f"{mean_hf:.3f}; largest |logit diff| ours {max_ours:.3f}, transformers {max_hf:.3f}")
+    assert mean_ours <= BF16_ERROR_RATIO * mean_hf and max_ours <= BF16_ERROR_RATIO * max_hf, errors
 
     # Greedy agreement, step by step: our greedy continuation of each prompt fed to transformers (one
     # teacher-forced pass), counting the steps where transformers' argmax is our token. (Comparing whole
