@@ -75,12 +75,14 @@ class Behind:
 
 class Ahead:
     """A run ahead not yet applied: the pipeline when it started (`start`), where the run stopped
-    (`end`), when each pass of it returned, and the token every step sampled."""
+    (`end`), when its last pass returned (`last`; passes return in order) and, if the run may be
+    cut short (the pipeline has a free slot: something may join it), when each of them returned;
+    and the token every step sampled."""
 
-    __slots__ = ("start", "end", "returned", "token")
+    __slots__ = ("start", "end", "last", "returned", "token")
 
-    def __init__(self, start: _Run, end: _Run, returned: list[float], token: int) -> None:
-        self.start, self.end, self.returned, self.token = start, end, returned, token
+    def __init__(self, start: _Run, end: _Run, last: float, returned: list[float] | None, token: int) -> None:
+        self.start, self.end, self.last, self.returned, self.token = start, end, last, returned, token
 
 
 def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
@@ -122,19 +124,22 @@ def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
     rows.sort(key=lambda r: r[0])  # the order they return in
     start = _Run([r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows],
                  [r[5] for r in rows], [r[0] for r in rows], p.busy, list(p.stage_free))
-    end, returned = start.copy(), []
-    _play(sim, p, end, UNBOUNDED, returned)
+    end = start.copy()
+    # (only a pipeline with a free slot is settled before the passes in flight at the stop return)
+    returned = [] if len(rows) < p.depth else None
+    last = _play(sim, p, end, UNBOUNDED, returned)
     if not end.played:
         return
     for i, wire_id in enumerate(end.wire_ids):  # the passes in flight at the stop get events; those they follow are void
         p.passes[wire_id] = pas = Pass(end.stage_time[i], end.done_at[i])
         sim._events.append(PassDone(end.done_at[i], p, wire_id, pas))
-    p.ahead = Ahead(start, end, returned, token)
+    p.ahead = Ahead(start, end, last, returned, token)
 
 
-def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: list[float] | None) -> None:
+def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: list[float] | None) -> float | None:
     """Play up to `limit` passes of fresh `run` (stopping before a pass whose return finishes a
     request), as `Simulator.dispatch` would place them; `returned` collects when each returned.
+    Returns when the last of them returned (None if none was played).
 
     How many passes that is follows from each microbatch's `left`, and each pass's price from its
     microbatch's context (one more token per request per pass), so both are known before the loop:
@@ -145,7 +150,9 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
     steps, left, context, stage_time, done_at = run.steps, run.left, run.context, run.stage_time, run.done_at
     count = min([limit] + [i + (left[i] - steps[i]) * m for i in range(m)])  # pass k returns microbatch k % m
     if count <= 0:
-        return
+        return None
+    if returned is None and depth == 2 and m == 2 and p.perf.uniform_stages:
+        return _play_two(sim, p, run, count)
     # Pass j is sent as pass j - m returns: `ret` holds when each pass returns (those in flight,
     # then each played one, appended as the loop goes: its iterator reaches them), `sts` each one's
     # stage time (counted busy as it returns).
@@ -182,6 +189,49 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
     if returned is not None:
         returned += ret[:count]
     run.busy, run.played = busy, count
+    return ret[count - 1]
+
+
+def _play_two(sim: "Simulator", p: "SimPipeline", run: _Run, count: int) -> float:
+    """`_play` of `count` passes of two microbatches on two stages that take the same time (most
+    runs): the same recursion and the same sums in the same order, each microbatch's prices read
+    in turn instead of interleaved into one list, only each microbatch's last return kept (`r0`,
+    `r1`), and the stage time of each pass added to the busy time as it returns (`q0`, `q1`: those
+    of the passes in flight)."""
+    context, steps, done_at, stage_time, sf, groups = run.context, run.steps, run.done_at, run.stage_time, run.stage_free, run.groups
+    turns0, turns1 = len(range(0, count, 2)), count // 2
+    prices0 = _prices(sim, p, len(groups[0]), context[0], turns0)[0]
+    prices1 = _prices(sim, p, len(groups[1]), context[1], turns1)[0] if turns1 else []
+    context[0] += len(groups[0]) * turns0
+    context[1] += len(groups[1]) * turns1
+    steps[0] += turns0
+    steps[1] += turns1
+    busy, (a, b), (r0, r1), (q0, q1) = run.busy, sf, done_at, stage_time
+    for (h0, x0, y0), (h1, x1, y1) in zip(prices0, prices1):
+        busy += q0
+        a = (r0 if r0 > a else a) + x0
+        t = a + h0
+        b = (t if t > b else b) + y0
+        busy += q1
+        was, r0, q0 = r1, b, x0  # (`was`: when the pass that returns now returned)
+        a = (r1 if r1 > a else a) + x1
+        t = a + h1
+        b = r1 = (t if t > b else b) + y1
+        q1 = x1
+    if turns0 > turns1:  # (an odd count: the first microbatch's last pass)
+        h0, x0, y0 = prices0[-1]
+        busy += q0
+        was = r0
+        a = (r0 if r0 > a else a) + x0
+        t = a + h0
+        b = r0 = (t if t > b else b) + y0
+        q0 = x0
+    sf[0], sf[1] = a, b
+    done_at[0], stage_time[0], run.sent[0] = r0, q0, (turns0 - 1) * 2
+    if turns1:
+        done_at[1], stage_time[1], run.sent[1] = r1, q1, 1 + (turns1 - 1) * 2
+    run.busy, run.played = busy, count
+    return was
 
 
 def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int) -> tuple[list, list]:
@@ -215,14 +265,15 @@ def settle(sim: "Simulator", p: "SimPipeline", now: float, rank: int) -> None:
     handled: `p` is then as step-by-step simulation leaves it at that point."""
     ahead, p.ahead = p.ahead, None
     mine = PIPELINE + p.number  # the rank of its passes' events
-    past = len(ahead.returned)
-    if ahead.returned[-1] > now or (ahead.returned[-1] == now and mine > rank):
+    end = ahead.end
+    past = end.played
+    if ahead.last > now or (ahead.last == now and mine > rank):
+        assert ahead.returned is not None, "a pipeline without a free slot settled before its passes returned"
         past = 0
         for t in ahead.returned:
             if t > now or (t == now and mine > rank):
                 break
             past += 1
-    end = ahead.end
     if past < end.played:  # cut short: replay up to the cut
         end = ahead.start.copy()
         _play(sim, p, end, past, None)
