@@ -326,7 +326,7 @@ class Simulator:
         events: list[Event] = []
         if p.role == "prompt":  # handed off, or finished at its first token: both wait for their KV
             part, parked, done = (p, p.epoch), self.handoff.parked, pas.kv_done
-            rids = [rid for s in out.seqs if (rid := s.request.request_id) in parked]
+            rids = [rid for s in out.seqs if (rid := s[0].request_id) in parked]  # (s.request)
             if done > now:
                 for rid in rids:
                     self.kv_wait[int(rid)] = done - now

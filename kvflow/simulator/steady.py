@@ -200,8 +200,8 @@ def _play_two(sim: "Simulator", p: "SimPipeline", run: _Run, count: int) -> floa
     of the passes in flight)."""
     context, steps, done_at, stage_time, sf, groups = run.context, run.steps, run.done_at, run.stage_time, run.stage_free, run.groups
     turns0, turns1 = len(range(0, count, 2)), count // 2
-    prices0 = _prices(sim, p, len(groups[0]), context[0], turns0)[0]
-    prices1 = _prices(sim, p, len(groups[1]), context[1], turns1)[0] if turns1 else []
+    prices0 = _prices(sim, p, len(groups[0]), context[0], turns0, False)[0]
+    prices1 = _prices(sim, p, len(groups[1]), context[1], turns1, False)[0] if turns1 else []
     context[0] += len(groups[0]) * turns0
     context[1] += len(groups[1]) * turns1
     steps[0] += turns0
@@ -234,10 +234,12 @@ def _play_two(sim: "Simulator", p: "SimPipeline", run: _Run, count: int) -> floa
     return was
 
 
-def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int) -> tuple[list, list]:
-    """(hop, then each stage's time) and the stage time of `turns` one-token passes of a microbatch of
-    `n` requests whose contexts sum to `context` before the first: `Simulator.dispatch`'s prices,
-    kept per (pipeline depth, role, n) in two lists indexed by the context."""
+def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int,
+            with_times: bool = True) -> tuple[list, list | None]:
+    """(hop, then each stage's time) and (if `with_times`) the stage time of `turns` one-token passes
+    of a microbatch of `n` requests whose contexts sum to `context` before the first:
+    `Simulator.dispatch`'s prices, kept per (pipeline depth, role, n) in two lists indexed by the
+    context."""
     prices = sim._decode_times.get((p.depth, p.role, n))
     if prices is None:
         prices = sim._decode_times[(p.depth, p.role, n)] = ([], [])
@@ -257,7 +259,7 @@ def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int
                 times[c] = step = sim._step_time(shape, p)
                 got[j] = line[c] = (sim._hop(n, p) if depth > 1 else 0.0,
                                     *([sim._stage_time(shape, p, k) for k in range(depth)] if per_stage else (step,) * depth))
-    return got, times[context + n:hi + 1:n]
+    return got, times[context + n:hi + 1:n] if with_times else None
 
 
 def settle(sim: "Simulator", p: "SimPipeline", now: float, rank: int) -> None:
@@ -312,4 +314,4 @@ def catch_up(p: "SimPipeline", wire_id: int) -> None:
     behind = p.lag.pop(wire_id, None)
     if behind is not None:
         out = p.in_flight[wire_id]
-        p.in_flight[wire_id] = p.sched.run_ahead([s.request for s in out.seqs], behind.steps, behind.token)
+        p.in_flight[wire_id] = p.sched.run_ahead([s[0] for s in out.seqs], behind.steps, behind.token)  # (s.request)
