@@ -194,37 +194,40 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
 
 def _play_two(sim: "Simulator", p: "SimPipeline", run: _Run, count: int) -> float:
     """`_play` of `count` passes of two microbatches on two stages that take the same time (most
-    runs): the same recursion and the same sums in the same order, each microbatch's prices read
-    in turn instead of interleaved into one list, only each microbatch's last return kept (`r0`,
+    runs): the same recursion and the same sums in the same order, with each microbatch's stage
+    times read in turn (every stage of a pass takes its stage time; its hop depends only on its
+    size) instead of interleaved price tuples, only each microbatch's last return kept (`r0`,
     `r1`), and the stage time of each pass added to the busy time as it returns (`q0`, `q1`: those
     of the passes in flight)."""
     context, steps, done_at, stage_time, sf, groups = run.context, run.steps, run.done_at, run.stage_time, run.stage_free, run.groups
+    n0, n1 = len(groups[0]), len(groups[1])
     turns0, turns1 = len(range(0, count, 2)), count // 2
-    prices0 = _prices(sim, p, len(groups[0]), context[0], turns0, False)[0]
-    prices1 = _prices(sim, p, len(groups[1]), context[1], turns1, False)[0] if turns1 else []
-    context[0] += len(groups[0]) * turns0
-    context[1] += len(groups[1]) * turns1
+    times0 = _prices(sim, p, n0, context[0], turns0)[1]
+    times1 = _prices(sim, p, n1, context[1], turns1)[1] if turns1 else []
+    h0, h1 = sim._hop(n0, p), sim._hop(n1, p)
+    context[0] += n0 * turns0
+    context[1] += n1 * turns1
     steps[0] += turns0
     steps[1] += turns1
     busy, (a, b), (r0, r1), (q0, q1) = run.busy, sf, done_at, stage_time
-    for (h0, x0, y0), (h1, x1, y1) in zip(prices0, prices1):
+    for x0, x1 in zip(times0, times1):
         busy += q0
         a = (r0 if r0 > a else a) + x0
         t = a + h0
-        b = (t if t > b else b) + y0
+        b = (t if t > b else b) + x0
         busy += q1
         was, r0, q0 = r1, b, x0  # (`was`: when the pass that returns now returned)
         a = (r1 if r1 > a else a) + x1
         t = a + h1
-        b = r1 = (t if t > b else b) + y1
+        b = r1 = (t if t > b else b) + x1
         q1 = x1
     if turns0 > turns1:  # (an odd count: the first microbatch's last pass)
-        h0, x0, y0 = prices0[-1]
+        x0 = times0[-1]
         busy += q0
         was = r0
         a = (r0 if r0 > a else a) + x0
         t = a + h0
-        b = r0 = (t if t > b else b) + y0
+        b = r0 = (t if t > b else b) + x0
         q0 = x0
     sf[0], sf[1] = a, b
     done_at[0], stage_time[0], run.sent[0] = r0, q0, (turns0 - 1) * 2
@@ -234,12 +237,10 @@ def _play_two(sim: "Simulator", p: "SimPipeline", run: _Run, count: int) -> floa
     return was
 
 
-def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int,
-            with_times: bool = True) -> tuple[list, list | None]:
-    """(hop, then each stage's time) and (if `with_times`) the stage time of `turns` one-token passes
-    of a microbatch of `n` requests whose contexts sum to `context` before the first:
-    `Simulator.dispatch`'s prices, kept per (pipeline depth, role, n) in two lists indexed by the
-    context."""
+def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int) -> tuple[list, list]:
+    """(hop, then each stage's time) and the stage time of `turns` one-token passes of a microbatch of
+    `n` requests whose contexts sum to `context` before the first: `Simulator.dispatch`'s prices,
+    kept per (pipeline depth, role, n) in two lists indexed by the context."""
     prices = sim._decode_times.get((p.depth, p.role, n))
     if prices is None:
         prices = sim._decode_times[(p.depth, p.role, n)] = ([], [])
@@ -259,7 +260,7 @@ def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int
                 times[c] = step = sim._step_time(shape, p)
                 got[j] = line[c] = (sim._hop(n, p) if depth > 1 else 0.0,
                                     *([sim._stage_time(shape, p, k) for k in range(depth)] if per_stage else (step,) * depth))
-    return got, times[context + n:hi + 1:n] if with_times else None
+    return got, times[context + n:hi + 1:n]
 
 
 def settle(sim: "Simulator", p: "SimPipeline", now: float, rank: int) -> None:
