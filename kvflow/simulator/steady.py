@@ -28,7 +28,7 @@ the timeline and every decision are those of simulating each pass as an event
 from __future__ import annotations
 
 from functools import reduce
-from operator import add
+from operator import add, itemgetter
 from typing import TYPE_CHECKING
 
 from kvflow.perf.perf_model import BatchShape
@@ -121,9 +121,9 @@ def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
                 return
         pas = p.passes[wire_id]
         rows.append((pas.done_at, wire_id, group, left, context, pas.stage_time))
-    rows.sort(key=lambda r: r[0])  # the order they return in
-    start = _Run([r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows],
-                 [r[5] for r in rows], [r[0] for r in rows], p.busy, list(p.stage_free))
+    rows.sort(key=itemgetter(0))  # the order they return in
+    done_at, wire_ids, groups, left, context, stage_time = map(list, zip(*rows))
+    start = _Run(wire_ids, groups, left, context, stage_time, done_at, p.busy, list(p.stage_free))
     end = start.copy()
     # (only a pipeline with a free slot is settled before the passes in flight at the stop return)
     returned = [] if len(rows) < p.depth else None
