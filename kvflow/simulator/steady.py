@@ -74,10 +74,10 @@ class Behind:
 
 
 class Ahead:
-    """A run ahead not yet applied: the pipeline when it started (`start`), where the run stopped
-    (`end`), when its last pass returned (`last`; passes return in order) and, if the run may be
-    cut short (the pipeline has a free slot: something may join it), when each of them returned;
-    and the token every step sampled."""
+    """A run ahead not yet applied: where the run stopped (`end`), when its last pass returned
+    (`last`; passes return in order) and, if the run may be cut short (the pipeline has a free slot:
+    something may join it), the pipeline when it started (`start`; else `end` itself) and when each
+    pass returned; and the token every step sampled."""
 
     __slots__ = ("start", "end", "last", "returned", "token")
 
@@ -124,9 +124,10 @@ def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
     rows.sort(key=itemgetter(0))  # the order they return in
     done_at, wire_ids, groups, left, context, stage_time = map(list, zip(*rows))
     start = _Run(wire_ids, groups, left, context, stage_time, done_at, p.busy, list(p.stage_free))
-    end = start.copy()
-    # (only a pipeline with a free slot is settled before the passes in flight at the stop return)
+    # Only a pipeline with a free slot is settled before the passes in flight at the stop return
+    # (cut short: its run is replayed from `start`); another's run is played on `start` itself.
     returned = [] if len(rows) < p.depth else None
+    end = start.copy() if returned is not None else start
     last = _play(sim, p, end, UNBOUNDED, returned)
     if not end.played:
         return
