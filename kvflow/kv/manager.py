@@ -193,6 +193,8 @@ class KVCacheManager:
     def loads_done(self, plan: TierPlan) -> None:
         """An executor performed `plan`: its disk -> host loads become findable, or (listed in
         `plan.failed`: corrupted or truncated) are dropped from both tiers, to be recomputed."""
+        if not plan.from_disk:
+            return  # (most batches: no disk loads)
         failed = set(plan.failed)
         for f, s in plan.from_disk:
             if self.host is None or s not in self.host.loading:

@@ -217,7 +217,8 @@ class PipelineExecutor:
         sampled = {}
         if rows:
             toks = self.driver.sample(p, out, rows, result)
-            sampled = {out.seqs[i].request.request_id: t for i, t in zip(rows, toks)}
+            seqs = out.seqs  # (a seq's request is its field 0: read by index, cheaper than by name)
+            sampled = {seqs[i][0].request_id: t for i, t in zip(rows, toks)}
         emit, freed = self.driver.emit, False
         # (a request that joined a token pipeline holds nothing of the hand-off: its reservation became
         # its table, its KV is all in)

@@ -25,7 +25,10 @@ from kvflow.sched.scheduler import ScheduledSeq, Scheduler
 class KVStream(NamedTuple):
     """Tokens [start, end) of a prompt's KV (of `total` tokens) that a prompt batch streams into the
     token-side blocks `dest_blocks`; tokens [0, cached) are a token-side prefix-cache hit. (A named
-    tuple: one is made per request, and a simulated run makes millions.)"""
+    tuple: one is made per request, and a simulated run makes millions.) `dest_blocks` is the
+    reservation's table itself, not a copy (one of ~100 blocks per request): a driver reads it as
+    the batch is dispatched (the controller encodes it into the step then); it later becomes the
+    request's table on the token side, and is emptied when the blocks are given back."""
 
     rid: str
     start: int
@@ -152,7 +155,7 @@ class Handoff:
             have = cached.get(rid, 0)
             lo, hi = (have if full else max(start, have)), start + n
             if lo < hi:
-                streams.append(new(KVStream, (rid, lo, hi, total, list(tables[rid][1]), have)))
+                streams.append(new(KVStream, (rid, lo, hi, total, tables[rid][1], have)))
             if full and have < total:
                 pending[rid] = set(parts)
         return streams

@@ -7,7 +7,6 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Literal, overload
 
 from kvflow.sched.sampling import UNSEEDED, SamplerState, SamplingParams
@@ -99,7 +98,7 @@ class TokenIds(Sequence[int]):
         return f"TokenIds({list(self)!r})"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -123,17 +122,24 @@ class Request:
     kv_source: str | None = None
     _reported_tokens: int = 0
     _reported_text: int = 0
+    # (slotted: a simulated run holds ~100,000 requests at once and makes millions)
+    sampler: SamplerState = field(init=False, repr=False)
+    _max_stop_len: int = field(init=False, repr=False)
+    _token_ids: TokenIds | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         params = self.params
         self.sampler = UNSEEDED if params.seed is None else SamplerState.for_params(params)
         self._max_stop_len = max(map(len, params.stop)) if params.stop else 0
 
-    @cached_property
+    @property
     def token_ids(self) -> TokenIds:
         """The prompt followed by the output, what the model consumes (made on first use: a simulated
         request without prefix caching never reads it)."""
-        return TokenIds(self.prompt_token_ids, self.output_token_ids)
+        t = self._token_ids
+        if t is None:
+            t = self._token_ids = TokenIds(self.prompt_token_ids, self.output_token_ids)
+        return t
 
     def take_kv_source(self) -> str | None:
         """`kv_source`, once: one pull, and what it does not bring is recomputed."""

@@ -169,10 +169,14 @@ class Simulator:
         and a microbatch prompt pipeline has nothing else to run, so no other prompt pipeline is
         filled in this call; the idle ones stay as they are, untried."""
         ex = self.executor
-        todo, ex.dirty = ex.dirty, set()
         version = ex.version
-        refusing = self.config.policy == "microbatch"  # a refusal ends every prompt pipeline's turn
         walk = (self.queue or self.config.dispatch == "round_robin") and version != self._quiet
+        if not (ex.dirty or walk):  # nothing to fill (after a void event, most often)
+            self._quiet = version
+            events, self._events = self._events, []
+            return events
+        todo, ex.dirty = ex.dirty, set()
+        refusing = self.config.policy == "microbatch"  # a refusal ends every prompt pipeline's turn
         lazy = refusing and self.prompt[0].role == "prompt"  # idle ones tried in order until one is refused
         if walk and not lazy:
             for p in self._idle:
@@ -322,7 +326,7 @@ class Simulator:
         events: list[Event] = []
         if p.role == "prompt":  # handed off, or finished at its first token: both wait for their KV
             part, parked, done = (p, p.epoch), self.handoff.parked, pas.kv_done
-            rids = [rid for s in out.seqs if (rid := s.request.request_id) in parked]
+            rids = [rid for s in out.seqs if (rid := s[0].request_id) in parked]  # (s.request)
             if done > now:
                 for rid in rids:
                     self.kv_wait[int(rid)] = done - now

@@ -28,7 +28,7 @@ the timeline and every decision are those of simulating each pass as an event
 from __future__ import annotations
 
 from functools import reduce
-from operator import add
+from operator import add, itemgetter
 from typing import TYPE_CHECKING
 
 from kvflow.perf.perf_model import BatchShape
@@ -74,13 +74,15 @@ class Behind:
 
 
 class Ahead:
-    """A run ahead not yet applied: the pipeline when it started (`start`), where the run stopped
-    (`end`), when each pass of it returned, and the token every step sampled."""
+    """A run ahead not yet applied: where the run stopped (`end`), when its last pass returned
+    (`last`; passes return in order) and, if the run may be cut short (the pipeline has a free slot:
+    something may join it), the pipeline when it started (`start`; else `end` itself) and when each
+    pass returned; and the token every step sampled."""
 
-    __slots__ = ("start", "end", "returned", "token")
+    __slots__ = ("start", "end", "last", "returned", "token")
 
-    def __init__(self, start: _Run, end: _Run, returned: list[float], token: int) -> None:
-        self.start, self.end, self.returned, self.token = start, end, returned, token
+    def __init__(self, start: _Run, end: _Run, last: float, returned: list[float] | None, token: int) -> None:
+        self.start, self.end, self.last, self.returned, self.token = start, end, last, returned, token
 
 
 def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
@@ -119,22 +121,26 @@ def run_ahead(sim: "Simulator", p: "SimPipeline", token: int) -> None:
                 return
         pas = p.passes[wire_id]
         rows.append((pas.done_at, wire_id, group, left, context, pas.stage_time))
-    rows.sort(key=lambda r: r[0])  # the order they return in
-    start = _Run([r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows],
-                 [r[5] for r in rows], [r[0] for r in rows], p.busy, list(p.stage_free))
-    end, returned = start.copy(), []
-    _play(sim, p, end, UNBOUNDED, returned)
+    rows.sort(key=itemgetter(0))  # the order they return in
+    done_at, wire_ids, groups, left, context, stage_time = map(list, zip(*rows))
+    start = _Run(wire_ids, groups, left, context, stage_time, done_at, p.busy, list(p.stage_free))
+    # Only a pipeline with a free slot is settled before the passes in flight at the stop return
+    # (cut short: its run is replayed from `start`); another's run is played on `start` itself.
+    returned = [] if len(rows) < p.depth else None
+    end = start.copy() if returned is not None else start
+    last = _play(sim, p, end, UNBOUNDED, returned)
     if not end.played:
         return
     for i, wire_id in enumerate(end.wire_ids):  # the passes in flight at the stop get events; those they follow are void
         p.passes[wire_id] = pas = Pass(end.stage_time[i], end.done_at[i])
         sim._events.append(PassDone(end.done_at[i], p, wire_id, pas))
-    p.ahead = Ahead(start, end, returned, token)
+    p.ahead = Ahead(start, end, last, returned, token)
 
 
-def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: list[float] | None) -> None:
+def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: list[float] | None) -> float | None:
     """Play up to `limit` passes of fresh `run` (stopping before a pass whose return finishes a
     request), as `Simulator.dispatch` would place them; `returned` collects when each returned.
+    Returns when the last of them returned (None if none was played).
 
     How many passes that is follows from each microbatch's `left`, and each pass's price from its
     microbatch's context (one more token per request per pass), so both are known before the loop:
@@ -145,7 +151,9 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
     steps, left, context, stage_time, done_at = run.steps, run.left, run.context, run.stage_time, run.done_at
     count = min([limit] + [i + (left[i] - steps[i]) * m for i in range(m)])  # pass k returns microbatch k % m
     if count <= 0:
-        return
+        return None
+    if returned is None and depth == 2 and m == 2 and p.perf.uniform_stages:
+        return _play_two(sim, p, run, count)
     # Pass j is sent as pass j - m returns: `ret` holds when each pass returns (those in flight,
     # then each played one, appended as the loop goes: its iterator reaches them), `sts` each one's
     # stage time (counted busy as it returns).
@@ -182,6 +190,52 @@ def _play(sim: "Simulator", p: "SimPipeline", run: _Run, limit: int, returned: l
     if returned is not None:
         returned += ret[:count]
     run.busy, run.played = busy, count
+    return ret[count - 1]
+
+
+def _play_two(sim: "Simulator", p: "SimPipeline", run: _Run, count: int) -> float:
+    """`_play` of `count` passes of two microbatches on two stages that take the same time (most
+    runs): the same recursion and the same sums in the same order, with each microbatch's stage
+    times read in turn (every stage of a pass takes its stage time; its hop depends only on its
+    size) instead of interleaved price tuples, only each microbatch's last return kept (`r0`,
+    `r1`), and the stage time of each pass added to the busy time as it returns (`q0`, `q1`: those
+    of the passes in flight)."""
+    context, steps, done_at, stage_time, sf, groups = run.context, run.steps, run.done_at, run.stage_time, run.stage_free, run.groups
+    n0, n1 = len(groups[0]), len(groups[1])
+    turns0, turns1 = len(range(0, count, 2)), count // 2
+    times0 = _prices(sim, p, n0, context[0], turns0)[1]
+    times1 = _prices(sim, p, n1, context[1], turns1)[1] if turns1 else []
+    h0, h1 = sim._hop(n0, p), sim._hop(n1, p)
+    context[0] += n0 * turns0
+    context[1] += n1 * turns1
+    steps[0] += turns0
+    steps[1] += turns1
+    busy, (a, b), (r0, r1), (q0, q1) = run.busy, sf, done_at, stage_time
+    for x0, x1 in zip(times0, times1):
+        busy += q0
+        a = (r0 if r0 > a else a) + x0
+        t = a + h0
+        b = (t if t > b else b) + x0
+        busy += q1
+        was, r0, q0 = r1, b, x0  # (`was`: when the pass that returns now returned)
+        a = (r1 if r1 > a else a) + x1
+        t = a + h1
+        b = r1 = (t if t > b else b) + x1
+        q1 = x1
+    if turns0 > turns1:  # (an odd count: the first microbatch's last pass)
+        x0 = times0[-1]
+        busy += q0
+        was = r0
+        a = (r0 if r0 > a else a) + x0
+        t = a + h0
+        b = r0 = (t if t > b else b) + x0
+        q0 = x0
+    sf[0], sf[1] = a, b
+    done_at[0], stage_time[0], run.sent[0] = r0, q0, (turns0 - 1) * 2
+    if turns1:
+        done_at[1], stage_time[1], run.sent[1] = r1, q1, 1 + (turns1 - 1) * 2
+    run.busy, run.played = busy, count
+    return was
 
 
 def _prices(sim: "Simulator", p: "SimPipeline", n: int, context: int, turns: int) -> tuple[list, list]:
@@ -215,14 +269,15 @@ def settle(sim: "Simulator", p: "SimPipeline", now: float, rank: int) -> None:
     handled: `p` is then as step-by-step simulation leaves it at that point."""
     ahead, p.ahead = p.ahead, None
     mine = PIPELINE + p.number  # the rank of its passes' events
-    past = len(ahead.returned)
-    if ahead.returned[-1] > now or (ahead.returned[-1] == now and mine > rank):
+    end = ahead.end
+    past = end.played
+    if ahead.last > now or (ahead.last == now and mine > rank):
+        assert ahead.returned is not None, "a pipeline without a free slot settled before its passes returned"
         past = 0
         for t in ahead.returned:
             if t > now or (t == now and mine > rank):
                 break
             past += 1
-    end = ahead.end
     if past < end.played:  # cut short: replay up to the cut
         end = ahead.start.copy()
         _play(sim, p, end, past, None)
@@ -261,4 +316,4 @@ def catch_up(p: "SimPipeline", wire_id: int) -> None:
     behind = p.lag.pop(wire_id, None)
     if behind is not None:
         out = p.in_flight[wire_id]
-        p.in_flight[wire_id] = p.sched.run_ahead([s.request for s in out.seqs], behind.steps, behind.token)
+        p.in_flight[wire_id] = p.sched.run_ahead([s[0] for s in out.seqs], behind.steps, behind.token)  # (s.request)
