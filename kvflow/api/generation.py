@@ -248,9 +248,14 @@ class SSEResponse(Response):
 
         watcher = asyncio.ensure_future(watch())
         try:
+            # The head goes out with the first chunk (ready at once: `start` awaited the first output), back to back,
+            # so the client wakes to both rather than to the head alone, the first token still being formatted.
+            first = await anext(self.chunks, None)
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if first is not None:
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+                async for chunk in self.chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             state["sending"] = False
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             if self.background is not None:
