@@ -48,7 +48,8 @@ was split) and one `kvflow router` process per policy, all on free ports; client
    measured before the replays, less the engine step each took: the instances' busy seconds); the error without it
    is printed beside. A third pricing takes each run's own stack time too: the client's mean TTFT in that replay less
    the mean TTFT the instances' APIs timed for the same requests (the prefill instance's, for `pd`), since the stack
-   slows under the replay's load while `hop_s` is measured idle.
+   slows under the replay's load while `hop_s` is measured idle. Each instance's engine busy seconds, real and
+   simulated at the run's own speed, are printed beside (which instance ran slower than its simulation, if one did).
 6. P/D pools (`--parts pd`): two instances of their own with a host tier (`--host-kv-bytes`), first both in the
    mixed pool (a least-load router), then one prefill and one decode instance (a router with `--prefill` /
    `--decode`: each request's prompt and first token on the prefill instance, the rest on the decode instance, which
@@ -465,11 +466,12 @@ def fidelity_part(args) -> dict:
             for k, pol in enumerate(order):
                 w = fidelity_workload(args, seed=100 * rep + k)
                 before = [sum(_metric(u, f"kvflow_kv_pull{s}_total") for u in urls) for s in ("ed_blocks", "_seconds")]
-                busy = -sum(_metric(u, BUSY) for u in urls)
+                busy_each = [-_metric(u, BUSY) for u in urls]
                 firsts = urls[:1] if pol == "pd" else urls  # the instances whose API times the first tokens
                 inst_ttft = [-sum(_metric(u, m) for u in firsts) for m in (TTFT_SUM, TTFT_COUNT)]
                 results = asyncio.run(replay(routers[pol].url, w))
-                busy += sum(_metric(u, BUSY) for u in urls)
+                busy_each = [b + _metric(u, BUSY) for b, u in zip(busy_each, urls)]
+                busy = sum(busy_each)
                 inst_ttft = [x + sum(_metric(u, m) for u in firsts) for x, m in zip(inst_ttft, (TTFT_SUM, TTFT_COUNT))]
                 if pol == "pd":
                     for j, s in enumerate(("ed_blocks", "_seconds")):
@@ -483,10 +485,10 @@ def fidelity_part(args) -> dict:
                 # the stack's time in this replay: the client's mean TTFT less the instances' own (their APIs' clocks
                 # start after a request is parsed and checked there; the rest, router and client, is the stack's)
                 stack_s = max(0.0, statistics.fmean(r.ttft for _, r in results) - inst_ttft[0] / max(inst_ttft[1], 1))
-                runs[pol].append((real, w, busy, stack_s))
+                runs[pol].append((real, w, busy, stack_s, busy_each))
                 print(f"  rep {rep} {pol:13s} real {real['throughput_tok_s']:6.2f} tok/s  TTFT p50 "
                       f"{real['ttft_p50_s'] * 1e3:7.1f} ms  TPOT p50 {real['tpot_p50_s'] * 1e3:6.1f} ms  engines busy "
-                      f"{busy:.1f} s  stack {stack_s * 1e3:.1f} ms", flush=True)
+                      f"{busy:.1f} s ({' + '.join(f'{b:.1f}' for b in busy_each)})  stack {stack_s * 1e3:.1f} ms", flush=True)
     finally:
         for r in (*routers.values(), *insts):
             r.stop()
@@ -500,9 +502,9 @@ def fidelity_part(args) -> dict:
     out = {"co_run": list(co_run), "windows": len(windows), "stack_ttft_s": stack_ttft, "hop_s": hop_s, "policies": {},
            "pull_blocks": pull[0], "pull_seconds": pull[1], "pull_bandwidth": pull_bw}
     for pol, rs in runs.items():
-        real = {k: statistics.median(r[k] for r, _, _, _ in rs) for k in FIDELITY_KEYS}
-        row = {"real": real, "real_runs": [r for r, _, _, _ in rs], "real_busy_s": [b for _, _, b, _ in rs],
-               "stack_s": [h for _, _, _, h in rs]}
+        real = {k: statistics.median(r[0][k] for r in rs) for k in FIDELITY_KEYS}
+        row = {"real": real, "real_runs": [r[0] for r in rs], "real_busy_s": [r[2] for r in rs],
+               "real_busy_each_s": [r[4] for r in rs], "stack_s": [r[3] for r in rs]}
         roles = ("prefill",) + ("decode",) * (len(insts) - 1) if pol == "pd" else ()
         config = RouterConfig(policy="least_load" if pol == "pd" else pol)
 
@@ -515,7 +517,7 @@ def fidelity_part(args) -> dict:
         # and, beside it, at its own speed with its own stack time (measured in the replay, not idle)
         sims: dict[str, list] = {"": [], "_no_hop": [], "_speed": [], "_speed_stack": []}
         speeds = []
-        for _, w, busy, stack_s in rs:
+        for _, w, busy, stack_s, _ in rs:
             res = simulate(w, perf, hop_s)
             sims[""].append(res)
             sims["_no_hop"].append(simulate(w, perf, 0.0))
@@ -531,7 +533,8 @@ def fidelity_part(args) -> dict:
             ms = [serving_metrics(res.arrival, res.first_token, res.finish, res.output_len) for res in results]
             sim = {k: statistics.median(m[k] for m in ms) for k in FIDELITY_KEYS}
             row |= {f"sim{name}": sim, f"error{name}": {k: sim[k] / real[k] - 1 for k in FIDELITY_KEYS},
-                    f"sim_runs{name}": ms, f"sim_busy_s{name}": [float(res.machine_busy.sum()) for res in results]}
+                    f"sim_runs{name}": ms, f"sim_busy_s{name}": [float(res.machine_busy.sum()) for res in results],
+                    f"sim_busy_each_s{name}": [res.machine_busy.tolist() for res in results]}
         out["policies"][pol] = row
     return out
 
@@ -791,6 +794,10 @@ def main() -> None:
             f"{pol} " + "/".join(f"{x * 1e3:.1f}" for x in r["stack_s"]) + " ms" for pol, r in f["policies"].items()))
         print("the runs' speed against the windows': " + ", ".join(
             f"{pol} " + "/".join(f"{x:.2f}" for x in r["speed"]) for pol, r in f["policies"].items()))
+        print("each instance's engine busy seconds, real / simulated at the run's own speed: " + ", ".join(
+            f"{pol} " + "; ".join(" + ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(real, sim))
+                                  for real, sim in zip(r["real_busy_each_s"], r["sim_busy_each_s_speed"]))
+            for pol, r in f["policies"].items()))
         print(f"(the stack's own TTFT on idle instances {f['stack_ttft_s'] * 1e3:.1f} ms, hop_s {f['hop_s'] * 1e3:.1f} ms; "
               "without it: " + ", ".join(f"{pol} TTFT {r['error_no_hop']['ttft_p50_s']:+.1%}"
                                         for pol, r in f["policies"].items()) + ")")
