@@ -39,7 +39,8 @@ async def _collect(ctrl, prompt, n, rid):
     return toks, last
 
 
-def serve(cfg: ClusterConfig, prompts, lengths):
+def serve(cfg: ClusterConfig, prompts, lengths, ahead: list | None = None):
+    """`ahead`, if given, gets the number of run-ahead seqs each pipeline scheduled."""
     async def main():
         ctrl = Controller(cfg)
         await ctrl.start()
@@ -47,6 +48,8 @@ def serve(cfg: ClusterConfig, prompts, lengths):
             results = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, lengths))])
             stats = ctrl.stats()
             free = [p.kv_manager.num_free_blocks for p in ctrl.pipelines]
+            if ahead is not None:
+                ahead.extend(p.sched.ahead_seqs for p in ctrl.pipelines)
             for p in ctrl.pipelines:  # every batch came back, timed: its round trip holds its stages' compute
                 assert p.step_log and not p.sent_at and all(0 < r.busy_s <= r.round_trip_s for r in p.step_log)
         finally:
@@ -73,6 +76,25 @@ def _cfg(tiny_ckpt_dir, num_kv_blocks=128, **kw) -> ClusterConfig:
 def test_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, kw):
     cfg = _cfg(tiny_ckpt_dir, **kw)
     results, stats, free = serve(cfg, PROMPTS, LENGTHS)
+    assert [toks for toks, _ in results] == reference(PROMPTS, LENGTHS)
+    assert all(last.finished and last.finish_reason == "length" for _, last in results)
+    assert free == [128] * len(free), "KV blocks leaked"
+    assert stats.generated_tokens_total == sum(LENGTHS)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(mode="colocated", depth=1), dict(mode="disaggregated", prompt_depth=1, token_depth=1),
+     dict(mode="disaggregated", prompt_depth=2, token_depth=1)],
+    ids=["colocated-1", "disagg-1-1", "disagg-2-1"],
+)
+def test_running_ahead_gives_the_engine_tokens(tiny_ckpt_dir, kw):
+    # the one-stage decoding pipeline runs greedy decodes one step ahead (its worker feeds in the
+    # token it sampled); requests finish at their last token, whatever was computed after it
+    cfg = _cfg(tiny_ckpt_dir, run_ahead=True, microbatch_size=6, prompt_microbatch_size=6, **kw)
+    ahead: list[int] = []
+    results, stats, free = serve(cfg, PROMPTS, LENGTHS, ahead)
+    assert ahead[-1] > 0 and sum(ahead[:-1]) == 0, "only the decoding pipeline runs ahead"
     assert [toks for toks, _ in results] == reference(PROMPTS, LENGTHS)
     assert all(last.finished and last.finish_reason == "length" for _, last in results)
     assert free == [128] * len(free), "KV blocks leaked"
