@@ -107,8 +107,9 @@ LONG = [list(range(3, 3 + 30)), list(range(40, 68)), [7] * 26, list(range(60, 91
 @pytest.mark.parametrize(
     "kw",
     [dict(mode="colocated", depth=1), dict(mode="colocated", depth=2), dict(mode="disaggregated", prompt_depth=1, token_depth=1),
-     dict(mode="disaggregated", prompt_depth=1, token_depth=2), dict(mode="disaggregated", prompt_depth=2, token_depth=1)],
-    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1"],
+     dict(mode="disaggregated", prompt_depth=1, token_depth=2), dict(mode="disaggregated", prompt_depth=2, token_depth=1),
+     dict(mode="colocated", depth=1, run_ahead=True), dict(mode="disaggregated", prompt_depth=1, token_depth=1, run_ahead=True)],
+    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1", "colocated-1-ahead", "disagg-1-1-ahead"],
 )
 def test_chunked_prefill_and_preemption_under_a_small_kv_budget(tiny_ckpt_dir, kw):
     # 4 requests of ~30 prompt + 14 output tokens = 11 blocks each of 4 tokens; 24 blocks cannot hold them
