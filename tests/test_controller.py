@@ -40,7 +40,7 @@ async def _collect(ctrl, prompt, n, rid):
 
 
 def serve(cfg: ClusterConfig, prompts, lengths, ahead: list | None = None):
-    """`ahead`, if given, gets the number of run-ahead seqs each pipeline scheduled."""
+    """`ahead`, if given, gets the number of decode-ahead seqs each pipeline scheduled."""
     async def main():
         ctrl = Controller(cfg)
         await ctrl.start()
@@ -88,13 +88,13 @@ def test_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, kw):
      dict(mode="disaggregated", prompt_depth=2, token_depth=1)],
     ids=["colocated-1", "disagg-1-1", "disagg-2-1"],
 )
-def test_running_ahead_gives_the_engine_tokens(tiny_ckpt_dir, kw):
+def test_decoding_ahead_gives_the_engine_tokens(tiny_ckpt_dir, kw):
     # the one-stage decoding pipeline runs greedy decodes one step ahead (its worker feeds in the
     # token it sampled); requests finish at their last token, whatever was computed after it
-    cfg = _cfg(tiny_ckpt_dir, run_ahead=True, microbatch_size=6, prompt_microbatch_size=6, **kw)
+    cfg = _cfg(tiny_ckpt_dir, decode_ahead=True, microbatch_size=6, prompt_microbatch_size=6, **kw)
     ahead: list[int] = []
     results, stats, free = serve(cfg, PROMPTS, LENGTHS, ahead)
-    assert ahead[-1] > 0 and sum(ahead[:-1]) == 0, "only the decoding pipeline runs ahead"
+    assert ahead[-1] > 0 and sum(ahead[:-1]) == 0, "only the decoding pipeline decodes ahead"
     assert [toks for toks, _ in results] == reference(PROMPTS, LENGTHS)
     assert all(last.finished and last.finish_reason == "length" for _, last in results)
     assert free == [128] * len(free), "KV blocks leaked"
@@ -108,7 +108,7 @@ LONG = [list(range(3, 3 + 30)), list(range(40, 68)), [7] * 26, list(range(60, 91
     "kw",
     [dict(mode="colocated", depth=1), dict(mode="colocated", depth=2), dict(mode="disaggregated", prompt_depth=1, token_depth=1),
      dict(mode="disaggregated", prompt_depth=1, token_depth=2), dict(mode="disaggregated", prompt_depth=2, token_depth=1),
-     dict(mode="colocated", depth=1, run_ahead=True), dict(mode="disaggregated", prompt_depth=1, token_depth=1, run_ahead=True)],
+     dict(mode="colocated", depth=1, decode_ahead=True), dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=True)],
     ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1", "colocated-1-ahead", "disagg-1-1-ahead"],
 )
 def test_chunked_prefill_and_preemption_under_a_small_kv_budget(tiny_ckpt_dir, kw):

@@ -8,7 +8,7 @@ and the simulator are executors of this class; none of them decides what runs ne
 
 An executor of a pipeline keeps up to `depth` batches in flight: a request belongs to at most one
 in-flight batch, so `schedule()` never picks a request whose previous batch has not returned; the
-one exception is run-ahead (`SchedulerConfig.run_ahead`): a plain greedy decode in flight may be
+one exception is decode-ahead (`SchedulerConfig.decode_ahead`): a plain greedy decode in flight may be
 scheduled once more, at the position after it, with the token its in-flight batch samples as input.
 """
 
@@ -59,8 +59,8 @@ class Scheduler(MicrobatchPolicy):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.in_flight: set[str] = set()  # request ids inside a batch that has not returned
-        self.ahead: set[str] = set()  # ... inside two: a run-ahead batch after the one that samples its input
-        self.ahead_seqs = 0  # run-ahead seqs scheduled so far
+        self.ahead: set[str] = set()  # ... inside two: a decode-ahead batch after the one that samples its input
+        self.ahead_seqs = 0  # decode-ahead seqs scheduled so far
         self.handoffs: list[Request] = []
         self.groups: list[list[Request]] = []  # microbatch policy: the fixed microbatches
         self._freed: list[str] = []
@@ -148,7 +148,7 @@ class Scheduler(MicrobatchPolicy):
         preempted: list[Request] = []
         room = self.config.swap_region_blocks if self.config.swap_regions else None  # swapping: a batch fits a region
         bs = self.kv_manager.block_size
-        ahead = self.config.run_ahead and self.role != "prompt"
+        ahead = self.config.decode_ahead and self.role != "prompt"
         for req in list(self.running):
             if budget <= 0 or len(seqs) >= cap:
                 break
@@ -212,8 +212,8 @@ class Scheduler(MicrobatchPolicy):
         return ScheduledSeq(req, n, req.num_computed_tokens, new, full)
 
     def _ahead(self, req: Request) -> ScheduledSeq | None:
-        """A run-ahead seq of `req` (in flight): its next token after the one its batch in flight
-        samples, or None where that is not worth it or not exact: the request is already run ahead,
+        """A decode-ahead seq of `req` (in flight): its next token after the one its batch in flight
+        samples, or None where that is not worth it or not exact: it is already decoded ahead,
         its batch in flight does not sample (a prompt chunk), the token sampled there surely ends it
         (max_tokens, the context), its next token is not a plain argmax (sampling, penalties, ids
         banned before min_tokens: the executor samples it), or the token would need a block the pool
@@ -274,11 +274,11 @@ class Scheduler(MicrobatchPolicy):
         for req, n, start, _, _, _ in out.seqs:  # (a ScheduledSeq's fields)
             rid = req.request_id
             if ahead and rid in ahead:
-                ahead.discard(rid)  # its run-ahead batch (later, in order) is still in flight
+                ahead.discard(rid)  # its decode-ahead batch (later, in order) is still in flight
             else:
                 in_flight.discard(rid)
-            if req.status is FINISHED:  # aborted (or finished, run ahead) while in flight
-                if rid not in in_flight:  # (else its run-ahead batch writes into its blocks: freed when it returns)
+            if req.status is FINISHED:  # aborted (or finished, decoded ahead) while in flight
+                if rid not in in_flight:  # (else its decode-ahead batch writes into its blocks: freed when it returns)
                     gone.append(req)
                 changed.append(req)
                 continue
@@ -291,7 +291,7 @@ class Scheduler(MicrobatchPolicy):
             reason = req.append_token(tok, limit)
             if reason is not None:
                 req.finish(reason)
-                if rid not in in_flight:  # (else as above: the token run ahead is discarded, when it returns)
+                if rid not in in_flight:  # (else as above: the token decoded ahead is discarded, when it returns)
                     gone.append(req)
             elif prompt:  # its KV has been streamed to the token side during this batch
                 gone.append(req)

@@ -163,8 +163,8 @@ class SimConfig:
     `shared_host`: every stage of every pipeline runs on one host (a local cluster of worker
     processes): a stage's step that starts while another stage computes is slowed by the
     performance model's `co_run_factor` for as long as they overlap.
-    `run_ahead`: one-stage token and colocated pipelines run greedy decodes one batch ahead
-    (`ClusterConfig.run_ahead`: the same scheduling; no step time is modelled for the controller,
+    `decode_ahead`: one-stage token and colocated pipelines run greedy decodes one batch ahead
+    (`ClusterConfig.decode_ahead`: the same scheduling; no step time is modelled for the controller,
     so it changes only which batches run).
     """
 
@@ -181,7 +181,7 @@ class SimConfig:
     max_model_len: int | None = None
     prefix_caching: bool = True
     shared_host: bool = False
-    run_ahead: bool = False
+    decode_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("shared", "round_robin"):
@@ -213,7 +213,7 @@ class SimConfig:
         the controller's do (`swap_layout`); without them it has none."""
         swap = self.swap_layout(spec, role, pool_blocks) if role is not None else None
         return pipeline_scheduler(self.scheduler, self.policy, spec.depth, spec.microbatch, swap,
-                                  self.run_ahead and role != "prompt")
+                                  self.decode_ahead and role != "prompt")
 
     @classmethod
     def from_cluster(cls, cluster, max_model_len: int | None = None, **kw) -> "SimConfig":
@@ -226,7 +226,7 @@ class SimConfig:
                             PipelineGroup(cluster.token_depth, cluster.microbatch_size))
         eng = cluster.engine
         kw.setdefault("swapping", cluster.swapping)
-        kw.setdefault("run_ahead", cluster.run_ahead)
+        kw.setdefault("decode_ahead", cluster.decode_ahead)
         # one controller: a failure voids every pipeline's batches; without replication it recomputes
         kw.setdefault("recovery", Recovery("restart" if cluster.replication == "none" else "resume", fence="all"))
         return cls(layout, policy=cluster.policy, scheduler=eng.scheduler, kv_blocks=eng.num_kv_blocks,

@@ -1,6 +1,6 @@
 """What a worker keeps between steps besides its KV: a prepared step (`Prepared`), and the ids its
-last stage sampled (`LastSampled`), which the first stage (the same process: run-ahead pipelines
-have one stage) feeds into a run-ahead step in place of `AHEAD` (`SchedulerConfig.run_ahead`)."""
+last stage sampled (`LastSampled`), which the first stage (the same process: decode-ahead pipelines
+have one stage) feeds into a decode-ahead step in place of `AHEAD` (`SchedulerConfig.decode_ahead`)."""
 
 from __future__ import annotations
 
@@ -38,14 +38,14 @@ class LastSampled:
 
     def fill(self, msg: Step) -> None:
         """Replace each `AHEAD` in `msg.token_ids` (a seq's last token) by the id sampled for its
-        position; a run-ahead step always follows the step that samples its input, in order."""
+        position; a decode-ahead step always follows the step that samples its input, in order."""
         at = 0
         for s in msg.seqs:
             at += s.num_new
             if msg.token_ids[at - 1] == AHEAD:
                 pos, t = self.ids.get(s.rid, (-1, AHEAD))
                 if pos != s.context_len - 1:
-                    raise RuntimeError(f"run-ahead step {msg.batch}: no token sampled for {s.rid} at {s.context_len - 1}")
+                    raise RuntimeError(f"decode-ahead step {msg.batch}: no token sampled for {s.rid} at {s.context_len - 1}")
                 msg.token_ids[at - 1] = t
 
     def clear(self) -> None:

@@ -72,7 +72,7 @@ class Worker:
         self.epoch = 0
         self.stop = threading.Event()
         self.tables: dict[str, list[int]] = {}  # request -> this stage's block ids (mirrored from steps)
-        self.last = LastSampled()  # what run-ahead steps take as input
+        self.last = LastSampled()  # what decode-ahead steps take as input
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.replica: KVCache | None = None  # the previous stage's KV, replicated

@@ -93,7 +93,7 @@ def run_controller(cfg: ClusterConfig, prompts, lengths, launcher: PacedLauncher
 
 
 class TimedSimulator(Simulator):
-    """Records when each pipeline's passes are sent, start on stage 0 (later than sent when one runs
+    """Records when each pipeline's passes are sent, start on stage 0 (later than sent when one decodes
     ahead: behind the pass before it) and return."""
 
     def __init__(self, *a) -> None:
@@ -139,10 +139,10 @@ LAYOUTS = {
     "disagg-1-1-microbatch": dict(mode="disaggregated", prompt_depth=1, token_depth=1, policy="microbatch"),
     "disagg-1-3-swapping": dict(mode="disaggregated", prompt_depth=1, token_depth=3, swapping=True, blocks=32),
     "disagg-1-1-prefix": dict(mode="disaggregated", prompt_depth=1, token_depth=1, prompts=SHARED, lengths=[8, 3, 6, 4]),
-    # greedy decodes one batch ahead of the controller (`ClusterConfig.run_ahead`)
-    "colocated-1-ahead": dict(mode="colocated", depth=1, run_ahead=True),
-    "disagg-1-1-ahead": dict(mode="disaggregated", prompt_depth=1, token_depth=1, run_ahead=True),
-    "disagg-1-1-ahead-preempt": dict(mode="disaggregated", prompt_depth=1, token_depth=1, run_ahead=True, blocks=20,
+    # greedy decodes one batch ahead of the controller (`ClusterConfig.decode_ahead`)
+    "colocated-1-ahead": dict(mode="colocated", depth=1, decode_ahead=True),
+    "disagg-1-1-ahead": dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=True),
+    "disagg-1-1-ahead-preempt": dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=True, blocks=20,
                                      lengths=[12, 14, 13, 14], prompts=LONG,
                                      sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
     # a worker SIGKILLed when its n-th step arrives (the simulator: a failure right after that step is sent)
@@ -153,7 +153,7 @@ LAYOUTS = {
     "disagg-1-1-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
                                   fail=("token", 0, 4)),
     "disagg-1-1-ahead-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
-                                        run_ahead=True, fail=("token", 0, 4)),
+                                        decode_ahead=True, fail=("token", 0, 4)),
 }
 
 
@@ -172,7 +172,7 @@ def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, tiny4_c
         assert stage == 0  # (every step of a pipeline reaches its stage 0: the n-th sent)
         role = "token" if pipeline == "token" else "prompt"
         _, clean = run_simulator(cfg, prompts, lengths)
-        # (the paced worker dies when it takes the step up: when it is sent, or, run ahead, once the
+        # (the paced worker dies when it takes the step up: when it is sent, or, decoding ahead, once the
         # step before it is computed and its result sent)
         sent = [t for t, r in clean.starts if r == ("both" if pipeline == "colocated" else pipeline)]
         failures = (Failure(sent[n - 1] + 1e-6, role, 0, stage),)
