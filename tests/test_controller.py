@@ -70,8 +70,9 @@ def _cfg(tiny_ckpt_dir, num_kv_blocks=128, **kw) -> ClusterConfig:
     "kw",
     [dict(mode="colocated", depth=1), dict(mode="colocated", depth=2),
      dict(mode="disaggregated", prompt_depth=1, token_depth=1), dict(mode="disaggregated", prompt_depth=1, token_depth=2),
-     dict(mode="disaggregated", prompt_depth=2, token_depth=1)],
-    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1"],
+     dict(mode="disaggregated", prompt_depth=2, token_depth=1),
+     dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=False)],
+    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1", "disagg-1-1-serial"],
 )
 def test_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, kw):
     cfg = _cfg(tiny_ckpt_dir, **kw)
@@ -91,7 +92,7 @@ def test_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, kw):
 def test_decoding_ahead_gives_the_engine_tokens(tiny_ckpt_dir, kw):
     # the one-stage decoding pipeline runs greedy decodes one step ahead (its worker feeds in the
     # token it sampled); requests finish at their last token, whatever was computed after it
-    cfg = _cfg(tiny_ckpt_dir, decode_ahead=True, microbatch_size=6, prompt_microbatch_size=6, **kw)
+    cfg = _cfg(tiny_ckpt_dir, microbatch_size=6, prompt_microbatch_size=6, **kw)  # (decode_ahead: on by default)
     ahead: list[int] = []
     results, stats, free = serve(cfg, PROMPTS, LENGTHS, ahead)
     assert ahead[-1] > 0 and sum(ahead[:-1]) == 0, "only the decoding pipeline decodes ahead"
@@ -108,8 +109,9 @@ LONG = [list(range(3, 3 + 30)), list(range(40, 68)), [7] * 26, list(range(60, 91
     "kw",
     [dict(mode="colocated", depth=1), dict(mode="colocated", depth=2), dict(mode="disaggregated", prompt_depth=1, token_depth=1),
      dict(mode="disaggregated", prompt_depth=1, token_depth=2), dict(mode="disaggregated", prompt_depth=2, token_depth=1),
-     dict(mode="colocated", depth=1, decode_ahead=True), dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=True)],
-    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1", "colocated-1-ahead", "disagg-1-1-ahead"],
+     dict(mode="colocated", depth=1, decode_ahead=False),
+     dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=False)],
+    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1", "colocated-1-serial", "disagg-1-1-serial"],
 )
 def test_chunked_prefill_and_preemption_under_a_small_kv_budget(tiny_ckpt_dir, kw):
     # 4 requests of ~30 prompt + 14 output tokens = 11 blocks each of 4 tokens; 24 blocks cannot hold them

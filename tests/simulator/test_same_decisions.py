@@ -135,16 +135,18 @@ LAYOUTS = {
     "colocated-3-swapping": dict(mode="colocated", depth=3, swapping=True, blocks=32),
     "colocated-2-prefix": dict(mode="colocated", depth=2, prompts=SHARED, lengths=[8, 3, 6, 4]),
     "disagg-1-1": dict(mode="disaggregated", prompt_depth=1, token_depth=1),
-    "disagg-1-1-chunked": dict(mode="disaggregated", prompt_depth=1, token_depth=1, sched=CHUNKED),
+    # (chunks of 10: with chunks of 8 a prompt step and a decode-ahead token step return within MARGIN)
+    "disagg-1-1-chunked": dict(mode="disaggregated", prompt_depth=1, token_depth=1,
+                               sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=10)),
     "disagg-1-1-microbatch": dict(mode="disaggregated", prompt_depth=1, token_depth=1, policy="microbatch"),
     "disagg-1-3-swapping": dict(mode="disaggregated", prompt_depth=1, token_depth=3, swapping=True, blocks=32),
     "disagg-1-1-prefix": dict(mode="disaggregated", prompt_depth=1, token_depth=1, prompts=SHARED, lengths=[8, 3, 6, 4]),
-    # greedy decodes one batch ahead of the controller (`ClusterConfig.decode_ahead`)
-    "colocated-1-ahead": dict(mode="colocated", depth=1, decode_ahead=True),
-    "disagg-1-1-ahead": dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=True),
-    "disagg-1-1-ahead-preempt": dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=True, blocks=20,
-                                     lengths=[12, 14, 13, 14], prompts=LONG,
-                                     sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
+    # one-stage decoding pipelines decode ahead (`ClusterConfig.decode_ahead`, on by default), or not
+    "colocated-1": dict(mode="colocated", depth=1),
+    "disagg-1-1-serial": dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=False),
+    "disagg-1-1-preempt": dict(mode="disaggregated", prompt_depth=1, token_depth=1, blocks=20,
+                               lengths=[12, 14, 13, 14], prompts=LONG,
+                               sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
     # a worker SIGKILLed when its n-th step arrives (the simulator: a failure right after that step is sent)
     "colocated-2-fail-recompute": dict(mode="colocated", depth=2, replication="none", fail=("colocated", 0, 5)),
     "colocated-2-fail-resume": dict(mode="colocated", depth=2, fail=("colocated", 0, 5)),
@@ -152,8 +154,8 @@ LAYOUTS = {
                                    fail=("prompt", 0, 3)),
     "disagg-1-1-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
                                   fail=("token", 0, 4)),
-    "disagg-1-1-ahead-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
-                                        decode_ahead=True, fail=("token", 0, 4)),
+    "disagg-1-1-serial-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
+                                         decode_ahead=False, fail=("token", 0, 4)),
 }
 
 
@@ -197,8 +199,9 @@ def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, tiny4_c
     assert real == simulated
     if "preempt" in name:
         assert ctrl.preemptions > 0, "the budget was meant to force preemption"
-    if "ahead" in name:
-        assert ctrl.pipelines[-1].sched.ahead_seqs == sim.executor.pipelines[-1].sched.ahead_seqs > 0
+    ahead = ctrl.pipelines[-1].sched.ahead_seqs
+    assert ahead == sim.executor.pipelines[-1].sched.ahead_seqs
+    assert ahead > 0 if ctrl.pipelines[-1].sched.config.decode_ahead else ahead == 0
     if "swapping" in name:  # both schedulers fit batches to the device regions
         assert ctrl.pipelines[-1].sched.config.swap_regions == sim.executor.pipelines[-1].sched.config.swap_regions > 0
     if fail is not None:
