@@ -453,3 +453,21 @@ def test_rewind_drops_the_decode_ahead_and_frees_what_finished_in_flight():
     assert gone == [] and not s.ahead and not s.in_flight and b.num_computed_tokens == 5
     redo = s.schedule()
     assert [(x.request.request_id, x.start, x.num_new_tokens, x.full_table) for x in redo.seqs] == [("b", 5, 2, True)]
+
+
+def test_what_cannot_decode_ahead_waits_for_the_next_batch_rather_than_split_off():
+    kv = KVCacheManager(64, 4)
+    a, b, c = req("a", 4, max_tokens=8), req("b", 4, max_tokens=8), req("c", 4, max_tokens=8)
+    a.params = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)  # sampled: never ahead
+    s = _decoding(kv, a)
+    n = s.schedule()
+    s.add(b)
+    assert s.schedule().is_empty  # nothing decodes ahead: b is not admitted into a batch of its own
+    s.update(n, sampled_for(n))
+    together = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in together.seqs] == [("a", 1), ("b", 4)]
+    s.update(together, sampled_for(together))
+    n2 = s.schedule()  # a and b decode; then b (greedy) decodes ahead, and c is admitted beside it
+    s.add(c)
+    beside = s.schedule()
+    assert [(x.request.request_id, x.ahead) for x in beside.seqs] == [("b", True), ("c", False)] and n2.seqs

@@ -148,14 +148,22 @@ class Scheduler(MicrobatchPolicy):
         preempted: list[Request] = []
         room = self.config.swap_region_blocks if self.config.swap_regions else None  # swapping: a batch fits a region
         bs = self.kv_manager.block_size
-        ahead = self.config.decode_ahead and self.role != "prompt"
+        if self.config.decode_ahead and self.role != "prompt" and self._batches >= self.config.max_in_flight:
+            # the batch beyond `max_in_flight` of decoding ahead: the decodes in flight that can go ahead,
+            # and the rest only beside them (else requests that cannot would split off into batches of
+            # their own, alternating with the others: they wait for the next batch, the serial path)
+            for req in list(self.running):
+                if budget <= 0 or len(seqs) >= cap:
+                    break
+                if req.request_id in self.in_flight and req.status is RUNNING and (s := self._ahead(req)) is not None:
+                    seqs.append(s)
+                    budget -= 1
+            if not seqs:
+                return seqs, preempted
         for req in list(self.running):
             if budget <= 0 or len(seqs) >= cap:
                 break
             if req.request_id in self.in_flight or req.status is not RUNNING:
-                if ahead and req.status is RUNNING and (s := self._ahead(req)) is not None:
-                    seqs.append(s)
-                    budget -= 1
                 continue
             if room is not None:
                 n = min(req.num_pending_tokens, budget, self.config.prefill_chunk_size)
