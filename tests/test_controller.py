@@ -139,6 +139,43 @@ def test_chunked_prefill_and_preemption_under_a_small_kv_budget(tiny_ckpt_dir, k
     assert free == [24] * len(free), "KV blocks leaked"
 
 
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_request_aborted_while_decoding_ahead_frees_its_blocks_and_changes_no_other(tiny_ckpt_dir, mode):
+    # r0 is dropped by its client after 3 tokens (its batch and the one decoding ahead are in flight):
+    # its blocks come back once both return, and the others get the engine's tokens
+    prompts, lengths = PROMPTS[:4], [6, 30, 30, 30]
+
+    async def main():
+        ctrl = Controller(_cfg(tiny_ckpt_dir, mode=mode, depth=1, microbatch_size=4, prompt_microbatch_size=4))
+        await ctrl.start()
+        try:
+            async def dropped():
+                got = []
+                gen = ctrl.generate(prompts[0], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True), "r0")
+                async for out in gen:
+                    got += out.new_token_ids
+                    if len(got) >= 3:
+                        break
+                await gen.aclose()
+                return got
+
+            rest = [_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, lengths)) if i]
+            got, *results = await asyncio.gather(dropped(), *rest)
+            deadline = time.monotonic() + 60  # (the abort reaches the loop thread on its next turn)
+            while (ctrl.reqs or any(p.in_flight for p in ctrl.pipelines)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            ahead = ctrl.pipelines[-1].sched.ahead_seqs
+            return got, results, [p.kv_manager.num_free_blocks for p in ctrl.pipelines], ahead
+        finally:
+            await ctrl.shutdown()
+
+    got, results, free, ahead = asyncio.run(main())
+    expected = reference(prompts, [100] + lengths[1:])
+    assert got == expected[0][:len(got)] and len(got) >= 3 and ahead > 0
+    assert [t for t, _ in results] == expected[1:]
+    assert free == [128] * len(free), "KV blocks leaked"
+
+
 def test_early_finishing_microbatch_is_replaced(tiny_ckpt_dir):
     # DejaVu's microbatch baseline policy, microbatch size 2, depth 1: one slot. r0 stops after 1 token,
     # r1 after 8; r2 and r3 must start as soon as the whole first microbatch is done, and all outputs

@@ -93,8 +93,8 @@ def run_controller(cfg: ClusterConfig, prompts, lengths, launcher: PacedLauncher
 
 
 class TimedSimulator(Simulator):
-    """Records when each pipeline's passes are sent, start on stage 0 (later than sent when one decodes
-    ahead: behind the pass before it) and return."""
+    """Records when each pipeline's passes are sent, start on stage 0 (later than sent when it is busy:
+    behind the pass before it) and return."""
 
     def __init__(self, *a) -> None:
         super().__init__(*a, log_batches=True)
@@ -153,9 +153,11 @@ LAYOUTS = {
     "disagg-1-1-fail-prompt": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
                                    fail=("prompt", 0, 3)),
     "disagg-1-1-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
-                                  fail=("token", 0, 4)),
-    "disagg-1-1-serial-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
-                                         decode_ahead=False, fail=("token", 0, 4)),
+                                  decode_ahead=False, fail=("token", 0, 4)),
+    # decoding ahead, a token stage is idle only before its first step (then each step starts as the one
+    # before it returns): it dies with that step and the one decoding ahead of it in flight
+    "disagg-1-1-ahead-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
+                                        fail=("token", 0, 1)),
 }
 
 
@@ -174,9 +176,12 @@ def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, tiny4_c
         assert stage == 0  # (every step of a pipeline reaches its stage 0: the n-th sent)
         role = "token" if pipeline == "token" else "prompt"
         _, clean = run_simulator(cfg, prompts, lengths)
-        # (the paced worker dies when it takes the step up: when it is sent, or, decoding ahead, once the
-        # step before it is computed and its result sent)
-        sent = [t for t, r in clean.starts if r == ("both" if pipeline == "colocated" else pipeline)]
+        sent = [t for t, r in clean.sends if r == ("both" if pipeline == "colocated" else pipeline)]
+        if cfg.scheduler_for(cfg.pipelines()[-1 if pipeline == "token" else 0]).decode_ahead:
+            # the paced worker dies when it takes the step up; a step sent while the one before it computes
+            # starts as that one's output leaves, which may or may not get out before the worker dies
+            starts = [t for t, r in clean.starts if r == ("both" if pipeline == "colocated" else pipeline)]
+            assert starts[n - 1] == sent[n - 1], "decoding ahead, the victim must be idle when its n-th step is sent"
         failures = (Failure(sent[n - 1] + 1e-6, role, 0, stage),)
         launcher = PacedLauncher(f"{pipeline}-{stage}", n)
     simulated, sim = run_simulator(cfg, prompts, lengths, failures)
