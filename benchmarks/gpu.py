@@ -435,15 +435,18 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
 
     engine = EngineConfig(model=ckpt, dtype="bfloat16", device=device, block_size=16, num_kv_blocks=4096,
                           scheduler=SchedulerConfig(max_num_seqs=n))
+    serial = name.endswith("-serial")  # (this tree's `ClusterConfig.decode_ahead` off, named apart to compare it)
+    name = name.removesuffix("-serial")
     replication = "none" if name.endswith("-no-replication") else "ring"
     if name == "engine":
         backend = EngineBackend.from_config(engine)
     elif name.startswith("colocated-2"):
         backend = Controller(ClusterConfig(engine=engine, mode="colocated", depth=2, microbatch_size=-(-n // 2),
-                                           replication=replication))
+                                           replication=replication, **({"decode_ahead": False} if serial else {})))
     else:
         backend = Controller(ClusterConfig(engine=engine, mode="disaggregated", prompt_depth=1, token_depth=1,
-                                           microbatch_size=n, prompt_microbatch_size=n, replication=replication))
+                                           microbatch_size=n, prompt_microbatch_size=n, replication=replication,
+                                           **({"decode_ahead": False} if serial else {})))
     ps = prompts([256] * n, vocab, seed=11)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
 

@@ -215,6 +215,10 @@ class ClusterConfig:
     device budget, split into min(2, depth) regions; only the batch computing on a stage and the next
     one keep their KV on its device, the others' lives in host memory, so the pipeline's pool holds
     depth / min(2, depth) times the blocks (`swap_layout`).
+    `decode_ahead` (default on): a token or colocated pipeline of one stage (continuous policy, no
+    swapping) decodes one batch ahead of the controller: greedy decodes are sent again before their
+    token comes back, the worker feeding in the id it sampled, so it computes while the controller
+    applies the previous step (`SchedulerConfig.decode_ahead`); elsewhere it does nothing.
     """
 
     engine: EngineConfig = EngineConfig(num_kv_blocks=2048)
@@ -234,6 +238,7 @@ class ClusterConfig:
     max_restarts: int = 3
     replication: str = "ring"
     swapping: bool = False
+    decode_ahead: bool = True
 
     def replicates(self, p: "PipelineSpec") -> str | None:
         """Where `p`'s stages replicate the KV they append: "ring" (to the next stage; depth >= 2),
@@ -287,7 +292,8 @@ class ClusterConfig:
 
     def scheduler_for(self, p: PipelineSpec) -> SchedulerConfig:
         """A pipeline's scheduler: `depth` batches in flight of at most `microbatch_size` requests."""
-        return pipeline_scheduler(self.engine.scheduler, self.policy, p.depth, p.microbatch_size, self.swap_layout(p))
+        return pipeline_scheduler(self.engine.scheduler, self.policy, p.depth, p.microbatch_size, self.swap_layout(p),
+                                  self.decode_ahead and p.role != "prompt")
 
 
 @dataclass(frozen=True)

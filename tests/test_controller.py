@@ -39,7 +39,8 @@ async def _collect(ctrl, prompt, n, rid):
     return toks, last
 
 
-def serve(cfg: ClusterConfig, prompts, lengths):
+def serve(cfg: ClusterConfig, prompts, lengths, ahead: list | None = None):
+    """`ahead`, if given, gets the number of decode-ahead seqs each pipeline scheduled."""
     async def main():
         ctrl = Controller(cfg)
         await ctrl.start()
@@ -47,6 +48,8 @@ def serve(cfg: ClusterConfig, prompts, lengths):
             results = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, lengths))])
             stats = ctrl.stats()
             free = [p.kv_manager.num_free_blocks for p in ctrl.pipelines]
+            if ahead is not None:
+                ahead.extend(p.sched.ahead_seqs for p in ctrl.pipelines)
             for p in ctrl.pipelines:  # every batch came back, timed: its round trip holds its stages' compute
                 assert p.step_log and not p.sent_at and all(0 < r.busy_s <= r.round_trip_s for r in p.step_log)
         finally:
@@ -67,12 +70,32 @@ def _cfg(tiny_ckpt_dir, num_kv_blocks=128, **kw) -> ClusterConfig:
     "kw",
     [dict(mode="colocated", depth=1), dict(mode="colocated", depth=2),
      dict(mode="disaggregated", prompt_depth=1, token_depth=1), dict(mode="disaggregated", prompt_depth=1, token_depth=2),
-     dict(mode="disaggregated", prompt_depth=2, token_depth=1)],
-    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1"],
+     dict(mode="disaggregated", prompt_depth=2, token_depth=1),
+     dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=False)],
+    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1", "disagg-1-1-serial"],
 )
 def test_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, kw):
     cfg = _cfg(tiny_ckpt_dir, **kw)
     results, stats, free = serve(cfg, PROMPTS, LENGTHS)
+    assert [toks for toks, _ in results] == reference(PROMPTS, LENGTHS)
+    assert all(last.finished and last.finish_reason == "length" for _, last in results)
+    assert free == [128] * len(free), "KV blocks leaked"
+    assert stats.generated_tokens_total == sum(LENGTHS)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(mode="colocated", depth=1), dict(mode="disaggregated", prompt_depth=1, token_depth=1),
+     dict(mode="disaggregated", prompt_depth=2, token_depth=1)],
+    ids=["colocated-1", "disagg-1-1", "disagg-2-1"],
+)
+def test_decoding_ahead_gives_the_engine_tokens(tiny_ckpt_dir, kw):
+    # the one-stage decoding pipeline runs greedy decodes one step ahead (its worker feeds in the
+    # token it sampled); requests finish at their last token, whatever was computed after it
+    cfg = _cfg(tiny_ckpt_dir, microbatch_size=6, prompt_microbatch_size=6, **kw)  # (decode_ahead: on by default)
+    ahead: list[int] = []
+    results, stats, free = serve(cfg, PROMPTS, LENGTHS, ahead)
+    assert ahead[-1] > 0 and sum(ahead[:-1]) == 0, "only the decoding pipeline decodes ahead"
     assert [toks for toks, _ in results] == reference(PROMPTS, LENGTHS)
     assert all(last.finished and last.finish_reason == "length" for _, last in results)
     assert free == [128] * len(free), "KV blocks leaked"
@@ -85,8 +108,10 @@ LONG = [list(range(3, 3 + 30)), list(range(40, 68)), [7] * 26, list(range(60, 91
 @pytest.mark.parametrize(
     "kw",
     [dict(mode="colocated", depth=1), dict(mode="colocated", depth=2), dict(mode="disaggregated", prompt_depth=1, token_depth=1),
-     dict(mode="disaggregated", prompt_depth=1, token_depth=2), dict(mode="disaggregated", prompt_depth=2, token_depth=1)],
-    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1"],
+     dict(mode="disaggregated", prompt_depth=1, token_depth=2), dict(mode="disaggregated", prompt_depth=2, token_depth=1),
+     dict(mode="colocated", depth=1, decode_ahead=False),
+     dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=False)],
+    ids=["colocated-1", "colocated-2", "disagg-1-1", "disagg-1-2", "disagg-2-1", "colocated-1-serial", "disagg-1-1-serial"],
 )
 def test_chunked_prefill_and_preemption_under_a_small_kv_budget(tiny_ckpt_dir, kw):
     # 4 requests of ~30 prompt + 14 output tokens = 11 blocks each of 4 tokens; 24 blocks cannot hold them
@@ -112,6 +137,43 @@ def test_chunked_prefill_and_preemption_under_a_small_kv_budget(tiny_ckpt_dir, k
     first = logs["prompt" if kw["mode"] == "disaggregated" else "colocated"]
     assert any(0 < n < len(LONG[int(rid[1:])]) for seqs in first for rid, n in seqs), "prompts were meant to be chunked"
     assert free == [24] * len(free), "KV blocks leaked"
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_request_aborted_while_decoding_ahead_frees_its_blocks_and_changes_no_other(tiny_ckpt_dir, mode):
+    # r0 is dropped by its client after 3 tokens (its batch and the one decoding ahead are in flight):
+    # its blocks come back once both return, and the others get the engine's tokens
+    prompts, lengths = PROMPTS[:4], [6, 30, 30, 30]
+
+    async def main():
+        ctrl = Controller(_cfg(tiny_ckpt_dir, mode=mode, depth=1, microbatch_size=4, prompt_microbatch_size=4))
+        await ctrl.start()
+        try:
+            async def dropped():
+                got = []
+                gen = ctrl.generate(prompts[0], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True), "r0")
+                async for out in gen:
+                    got += out.new_token_ids
+                    if len(got) >= 3:
+                        break
+                await gen.aclose()
+                return got
+
+            rest = [_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, lengths)) if i]
+            got, *results = await asyncio.gather(dropped(), *rest)
+            deadline = time.monotonic() + 60  # (the abort reaches the loop thread on its next turn)
+            while (ctrl.reqs or any(p.in_flight for p in ctrl.pipelines)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            ahead = ctrl.pipelines[-1].sched.ahead_seqs
+            return got, results, [p.kv_manager.num_free_blocks for p in ctrl.pipelines], ahead
+        finally:
+            await ctrl.shutdown()
+
+    got, results, free, ahead = asyncio.run(main())
+    expected = reference(prompts, [100] + lengths[1:])
+    assert got == expected[0][:len(got)] and len(got) >= 3 and ahead > 0
+    assert [t for t, _ in results] == expected[1:]
+    assert free == [128] * len(free), "KV blocks leaked"
 
 
 def test_early_finishing_microbatch_is_replaced(tiny_ckpt_dir):

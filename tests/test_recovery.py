@@ -81,6 +81,8 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
 
         def strike() -> None:
             nonlocal stopped
+            # requests with a decode-ahead batch in flight (voided by the failure), where the victim's pipeline decodes ahead
+            counters.update(ahead=len(p.sched.ahead), decodes_ahead=p.sched.config.decode_ahead)
             os.kill(s.process.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             if how != "kill":
                 stopped = s.process
@@ -114,11 +116,16 @@ def _cfg(tiny_ckpt_dir, **kw) -> ClusterConfig:
     (dict(mode="disaggregated", prompt_depth=1, token_depth=1), "token-0"),
     (dict(mode="disaggregated", prompt_depth=1, token_depth=2), "prompt-0"),
     (dict(mode="disaggregated", prompt_depth=2, token_depth=2), None),
-], ids=["colocated-2:stage1:no-replica", "disagg-1-1:token", "disagg-1-2:prompt", "disagg-2-2:random"])
+    (dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none"), "token-0"),
+    (dict(mode="colocated", depth=1, replication="none"), "colocated-0"),
+    (dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=False), "token-0"),
+], ids=["colocated-2:stage1:no-replica", "disagg-1-1:token", "disagg-1-2:prompt", "disagg-2-2:random",
+        "disagg-1-1:token:no-replica", "colocated-1:no-replica", "disagg-1-1:token:serial"])
 def test_a_killed_worker_is_replaced_and_every_request_completes_unchanged(tiny_ckpt_dir, kw, victim):
     expected = reference()
     streamed, finals, (failures, recoveries, healthy) = run_with_failure(_cfg(tiny_ckpt_dir, **kw), victim, "kill", 20)
     assert failures == 1 and recoveries == 1 and healthy
+    assert counters["ahead"] > 0 if counters["decodes_ahead"] else counters["ahead"] == 0
     assert all(f.finished and f.finish_reason == "length" for f in finals)
     assert streamed == expected  # no token lost, none duplicated, greedy and seeded alike
     assert [f.token_ids for f in finals] == expected
@@ -130,7 +137,10 @@ def test_a_killed_worker_is_replaced_and_every_request_completes_unchanged(tiny_
     (dict(mode="disaggregated", prompt_depth=1, token_depth=2), "token-0"),
     (dict(mode="disaggregated", prompt_depth=1, token_depth=1), "token-0"),
     (dict(mode="colocated", depth=2, replication="store"), "colocated-0"),
-], ids=["colocated-2", "colocated-3", "disagg-1-2:token", "disagg-1-1:token:store", "colocated-2:store"])
+    (dict(mode="colocated", depth=1), "colocated-0"),
+    (dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=False), "token-0"),
+], ids=["colocated-2", "colocated-3", "disagg-1-2:token", "disagg-1-1:token:store", "colocated-2:store",
+        "colocated-1:store", "disagg-1-1:token:store:serial"])
 def test_a_killed_worker_resumes_from_its_replica(tiny_ckpt_dir, tiny4_ckpt_dir, kw, victim):
     """Ring replication (or, depth 1 or when asked, the controller's host store): the requests of the
     lost stage resume from the replica's watermark and recompute only the tokens after it (not
@@ -142,6 +152,7 @@ def test_a_killed_worker_resumes_from_its_replica(tiny_ckpt_dir, tiny4_ckpt_dir,
     assert failures == 1 and recoveries == 1 and healthy
     assert counters["resumed"] > 0
     assert counters["recomputed"] < counters["lost"], counters
+    assert counters["ahead"] > 0 if counters["decodes_ahead"] else counters["ahead"] == 0
     assert streamed == expected and [f.token_ids for f in finals] == expected
 
 

@@ -372,3 +372,102 @@ def test_a_prompt_that_fits_a_chunk_is_not_split_by_the_decodes():
             assert sum(x.num_new_tokens for x in out.seqs if x.request is not new) == 3  # the decodes ran too
             s.update(out, {r.request_id: 1 for r in olds} | ({"p": 1} if sum(got) == 256 else {}))
         assert got == chunks
+
+
+def _decoding(kv: KVCacheManager, *reqs: Request, reserve_kv: bool = True) -> Scheduler:
+    """A colocated scheduler that decodes ahead, its requests past their prompts (one token sampled each)."""
+    s = Scheduler(SchedulerConfig(decode_ahead=True, reserve_kv=reserve_kv), kv, 256)
+    for r in reqs:
+        s.add(r)
+    out = s.schedule()
+    s.update(out, sampled_for(out, 5))
+    return s
+
+
+def test_a_greedy_decode_in_flight_runs_ahead_with_the_workers_own_token():
+    from kvflow.sched.output import AHEAD
+
+    kv = KVCacheManager(64, 4)
+    a, b = req("a", 3, max_tokens=6), req("b", 6, max_tokens=6)
+    b.params = SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True)  # sampled: never ahead
+    s = _decoding(kv, a, b)
+    n = s.schedule()
+    ahead = s.schedule()  # only a, at the position after the one in flight, its token not known yet
+    assert [(x.request.request_id, x.start, x.num_new_tokens, x.ahead) for x in ahead.seqs] == [("a", 4, 1, True)]
+    assert ahead.token_ids == [AHEAD] and len(a.block_ids) == 2  # (position 4 needs a's second block: taken)
+    assert ahead.seqs[0].new_block_ids == (a.block_ids[1],) and s.schedule().is_empty  # one decode-ahead at most
+    s.update(n, sampled_for(n, 6))
+    assert a.output_token_ids == [5, 6] and "a" in s.in_flight and not s.ahead
+    again = s.schedule()  # a decodes ahead of its decode-ahead batch; b is back
+    assert sorted((x.request.request_id, x.start, x.ahead) for x in again.seqs) == [("a", 5, True), ("b", 7, False)]
+    assert [x.completes_prompt for x in ahead.seqs] == [True]
+    s.update(ahead, sampled_for(ahead, 7))
+    assert a.output_token_ids == [5, 6, 7] and a.num_computed_tokens == 5
+
+
+def test_a_request_finished_in_flight_keeps_its_blocks_until_its_decode_ahead_returns():
+    kv = KVCacheManager(64, 4)
+    a, b = req("a", 4, max_tokens=8), req("b", 4, max_tokens=8)
+    a.eos_token_ids = (9,)
+    b.eos_token_ids = (9,)
+    b.params = SamplingParams(max_tokens=8, temperature=0)  # (not ignore_eos: its eos stops it)
+    a.params = SamplingParams(max_tokens=8, temperature=0)
+    s = _decoding(kv, a, b)
+    n, ahead = s.schedule(), s.schedule()
+    assert len(ahead.seqs) == 2
+    s.abort(a)  # the client went away: both of a's batches still write into its blocks
+    assert s.update(n, {"a": 6, "b": 9}) == [a, b]  # b stops (eos) in n: its token decoded ahead is void
+    assert a.is_finished and b.finish_reason == "stop" and b.output_token_ids == [5, 9]
+    assert kv.num_free_blocks == 64 - 4 and s.schedule().is_empty  # blocks held, nothing scheduled for them
+    assert s.update(ahead, {"a": 1, "b": 1}) == [a, b] and kv.num_free_blocks == 64
+    assert a.output_token_ids == [5] and b.output_token_ids == [5, 9] and not s.running and not s.in_flight
+
+
+def test_no_decode_ahead_for_a_last_token_or_without_a_free_block():
+    kv = KVCacheManager(2, 4)  # a holds both blocks once its 5th token runs, and its 6th fits them too
+    a = req("a", 4, max_tokens=4)
+    s = _decoding(kv, a)
+    first = s.schedule()
+    assert [x.request.request_id for x in first.seqs] == ["a"]  # position 4, in a's second block
+    assert [(x.start, x.ahead) for x in s.schedule().seqs] == [(5, True)]  # position 5: same block
+    kv2 = KVCacheManager(64, 4)
+    last = req("z", 4, max_tokens=2)  # its token in flight is its last: nothing to decode ahead for
+    s2 = _decoding(kv2, last)
+    assert s2.schedule().seqs and s2.schedule().is_empty
+    full = req("f", 7, max_tokens=8)  # position 8 needs a third block of a pool of two
+    s3 = _decoding(KVCacheManager(2, 4), full, reserve_kv=False)
+    assert [x.start for x in s3.schedule().seqs] == [7] and s3.schedule().is_empty
+
+
+def test_rewind_drops_the_decode_ahead_and_frees_what_finished_in_flight():
+    kv = KVCacheManager(64, 4)
+    a, b = req("a", 4, max_tokens=3), req("b", 4, max_tokens=8)
+    s = _decoding(kv, a, b)
+    n, ahead = s.schedule(), s.schedule()
+    s.update(n, sampled_for(n, 6))  # a: 2 of 3; its decode-ahead batch computes its 3rd
+    n2 = s.schedule()  # a's last token (no decode-ahead past it) and b's decode-ahead
+    assert {(x.request.request_id, x.ahead) for x in n2.seqs} == {("b", True)}
+    s.update(ahead, sampled_for(ahead, 7))
+    assert a.finish_reason == "length" and kv.num_free_blocks == 64 - 2  # a's blocks: its last batch is back
+    gone = s.rewind({"b": 5})  # the stage died with n2 in flight: b redoes it without sampling twice
+    assert gone == [] and not s.ahead and not s.in_flight and b.num_computed_tokens == 5
+    redo = s.schedule()
+    assert [(x.request.request_id, x.start, x.num_new_tokens, x.full_table) for x in redo.seqs] == [("b", 5, 2, True)]
+
+
+def test_what_cannot_decode_ahead_waits_for_the_next_batch_rather_than_split_off():
+    kv = KVCacheManager(64, 4)
+    a, b, c = req("a", 4, max_tokens=8), req("b", 4, max_tokens=8), req("c", 4, max_tokens=8)
+    a.params = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)  # sampled: never ahead
+    s = _decoding(kv, a)
+    n = s.schedule()
+    s.add(b)
+    assert s.schedule().is_empty  # nothing decodes ahead: b is not admitted into a batch of its own
+    s.update(n, sampled_for(n))
+    together = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in together.seqs] == [("a", 1), ("b", 4)]
+    s.update(together, sampled_for(together))
+    n2 = s.schedule()  # a and b decode; then b (greedy) decodes ahead, and c is admitted beside it
+    s.add(c)
+    beside = s.schedule()
+    assert [(x.request.request_id, x.ahead) for x in beside.seqs] == [("b", True), ("c", False)] and n2.seqs

@@ -266,3 +266,21 @@ def test_kv_chunks_verify_only_under_the_cluster_secret():
             with pytest.raises(ChunkCorrupted, match="not authentic"):
                 fetch(inp, timeout=5)
             assert ch._errors  # the rejection went back to the sender
+
+
+def test_a_decode_ahead_step_takes_the_id_the_worker_sampled_for_its_position():
+    from kvflow.sched.output import AHEAD
+    from kvflow.worker.steps import LastSampled
+
+    last = LastSampled()
+    n = Step(0, 1, [SeqStep("a", 4, 1, []), SeqStep("b", 0, 3, [])], [7, 1, 2, 3])
+    last.record(n, [0, 1], [11, 12])  # a's token at position 5, b's at 3
+    ahead = Step(0, 2, [SeqStep("b", 3, 1, []), SeqStep("c", 0, 2, []), SeqStep("a", 5, 1, [])], [AHEAD, 8, 9, AHEAD])
+    last.fill(ahead)
+    assert ahead.token_ids == [12, 8, 9, 11]
+    stale = Step(0, 3, [SeqStep("a", 7, 1, [])], [AHEAD])  # not the position a's last token was sampled for
+    with pytest.raises(RuntimeError, match="no token sampled for a at 7"):
+        last.fill(stale)
+    last.record(Step(0, 4, [], [], free=["a"]), [], [])  # a's table dropped: its id with it
+    with pytest.raises(RuntimeError):
+        last.fill(Step(0, 5, [SeqStep("a", 5, 1, [])], [AHEAD]))

@@ -99,6 +99,9 @@ def register(sub) -> None:
                    help="colocated and token pipelines: keep the KV of batches not computing on a stage in host "
                         "memory, swapped in while the previous one computes (DejaVu microbatch swapping); --kv-cache-gb "
                         "is then each stage's device budget, and the pipeline holds depth/min(2, depth) times more KV")
+    p.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="a one-stage token (or colocated) pipeline computes the next greedy decode step while the "
+                        "controller applies the previous one (--no-decode-ahead: one step at a time)")
     p.add_argument("--internal-host", default=None,
                    help="interface the controller and workers bind for their internal sockets "
                         "(default 127.0.0.1, whatever --host the HTTP server uses)")
@@ -247,7 +250,8 @@ def _controller(args):
         args.internal_host = args.internal_host or connect(args.ray_address)
     kw = dict(engine=engine, mode=args.mode, threads_per_worker=args.threads or 1, host=args.internal_host or "127.0.0.1",
               policy=args.policy, recovery=args.recovery, replication=args.replication,
-              heartbeat_timeout_s=args.heartbeat_timeout, max_restarts=args.max_restarts, swapping=args.swapping)
+              heartbeat_timeout_s=args.heartbeat_timeout, max_restarts=args.max_restarts, swapping=args.swapping,
+              decode_ahead=args.decode_ahead)
     if args.mode == "colocated":
         kw["depth"] = args.depth or 2
     else:

@@ -305,7 +305,7 @@ class Controller:
         kv_out = [KVOut(k.rid, k.start, k.end, k.total, k.dest_blocks, k.cached) for k in streams]
         kv_plan = [list(dataclasses.astuple(t)) for t in plan_handoff(p.layer_bounds, self.token.layer_bounds, len(kv_out))] if kv_out else []
         argmax = [i for i, s in enumerate(out.seqs) if s.completes_prompt and argmax_only(s.request)]
-        if len(p.sent_at) > p.depth:  # batches dropped by a recovery never return
+        if len(p.sent_at) > len(p.in_flight):  # batches dropped by a recovery never return
             p.sent_at = {w: t for w, t in p.sent_at.items() if w in p.in_flight}
         p.sent_at[wire_id] = time.perf_counter()
         self.workers.send(p.stages[0].name, Step(self.epoch, wire_id, seqs, out.token_ids, free, kv_out, kv_plan, out.tiers.to_wire(),

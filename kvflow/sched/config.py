@@ -50,7 +50,13 @@ class SchedulerConfig:
     request is admitted only while the blocks every running request may still need (prompt +
     max_tokens, capped at the context) plus its own fit in the pool, so a running request never
     has to be preempted and recomputed (on a CPU a recompute costs a whole prefill). Off: admit
-    while the next chunk fits and preempt the newest request when blocks run out (vLLM's way)."""
+    while the next chunk fits and preempt the newest request when blocks run out (vLLM's way).
+    `decode_ahead` (continuous, no swapping; a pipeline whose first stage is its last): one batch more
+    than `max_in_flight` may be in flight, and a plain greedy decode already in flight is scheduled
+    again at the next position (`ScheduledSeq.ahead`): its input token is the one its in-flight batch
+    samples, which the worker feeds in itself (`output.AHEAD`), so the worker computes the next step
+    while the executor applies the previous one (vLLM v1's async scheduling). A request that finishes
+    in its in-flight batch has the extra token discarded and keeps its blocks until that returns."""
 
     policy: str = "continuous"
     max_num_seqs: int = 64
@@ -61,6 +67,7 @@ class SchedulerConfig:
     swap_regions: int = 0
     swap_region_blocks: int = 0
     reserve_kv: bool = True
+    decode_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None and _positive_int(self.prefill_chunk_size) and _positive_int(self.max_num_seqs):
@@ -79,6 +86,8 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{key} must be a positive integer, got {v!r}")
         if not isinstance(self.reserve_kv, bool):
             raise ValueError(f"SchedulerConfig.reserve_kv must be a bool, got {self.reserve_kv!r}")
+        if self.decode_ahead and (self.policy != "continuous" or self.swap_regions):
+            raise ValueError("SchedulerConfig.decode_ahead needs the continuous policy without swapping")
 
 
 class SwapLayout(NamedTuple):
@@ -106,10 +115,12 @@ class SwapLayout(NamedTuple):
 
 
 def pipeline_scheduler(base: SchedulerConfig, policy: str, depth: int, microbatch_size: int,
-                       swap: SwapLayout | None = None) -> SchedulerConfig:
+                       swap: SwapLayout | None = None, decode_ahead: bool = False) -> SchedulerConfig:
     """The scheduler of a pipeline of `depth` stages: `base`'s budgets with `policy`, up to `depth`
     batches in flight (one per stage) of at most `microbatch_size` requests, and `swap`'s device
-    regions (None: no swapping)."""
+    regions (None: no swapping). `decode_ahead` is asked for; it applies only where it can (the
+    continuous policy, no swapping, one stage: the worker that samples a token also embeds the next)."""
     regions, per = (swap.regions, swap.region_blocks) if swap is not None else (0, 0)
+    ahead = decode_ahead and policy == "continuous" and not regions and depth == 1
     return replace(base, policy=policy, microbatch_size=microbatch_size, max_in_flight=depth, swap_regions=regions,
-                   swap_region_blocks=per)
+                   swap_region_blocks=per, decode_ahead=ahead)

@@ -147,14 +147,15 @@ class PipelineExecutor:
             self.fill(p)
 
     def fill(self, p: PipelineState) -> None:
-        """While `p` has fewer than `depth` batches in flight: offer it queued requests, schedule,
-        route preemptions, dispatch."""
+        """While `p` has fewer than `depth` batches in flight (one more when it decodes ahead,
+        `SchedulerConfig.decode_ahead`): offer it queued requests, schedule, route preemptions, dispatch."""
         if p.down:
             return
         if p.ready:
             self.handoff.fill_microbatches(p)
         admitting = p.role != "token" and not (self.rigid_rounds and p.sched.running)
-        while len(p.in_flight) < p.depth:
+        slots = p.depth + 1 if p.sched.config.decode_ahead else p.depth
+        while len(p.in_flight) < slots:
             offered = self._offer(p) if admitting else []
             out = p.sched.schedule()
             if offered:
@@ -214,6 +215,9 @@ class PipelineExecutor:
             return None
         rows = [i for i, (req, n, start, _, _, _) in enumerate(out.seqs)  # (`completes_prompt`, unfinished)
                 if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and req.status is not FINISHED]
+        # decoding ahead: requests that finished before this batch came back (their last token came in the
+        # batch before) were told then, and are not told again
+        told = {id(s[0]) for s in out.seqs if s[0].status is FINISHED} if p.sched.config.decode_ahead else ()
         sampled = {}
         if rows:
             toks = self.driver.sample(p, out, rows, result)
@@ -224,7 +228,8 @@ class PipelineExecutor:
         # its table, its KV is all in)
         settle = self.driver.settled if p.role == "token" else self._settle
         for req in p.sched.update(out, sampled):
-            emit(req)
+            if id(req) not in told:
+                emit(req)
             if req.status is FINISHED:
                 freed = True
                 settle(req)

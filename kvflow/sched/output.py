@@ -10,11 +10,17 @@ from typing import NamedTuple
 from kvflow.kv.tiers import TierPlan
 from kvflow.sched.request import Request
 
+# A step's input token that its executor does not know yet: the one the worker itself sampled for
+# the request in its previous step (a decode-ahead seq, `SchedulerConfig.decode_ahead`).
+AHEAD = -1
+
 
 class ScheduledSeq(NamedTuple):
     """`num_new_tokens` tokens of `request`, starting at `start` (its computed count when scheduled).
     `new_block_ids`: blocks this batch added to its table; `full_table`: they are the whole table, which
     replaces an executor's copy of it (first batch since admission, a preemption or a rewind).
+    A decode-ahead seq (`ahead`) starts at the request's token count: its one token is sampled by the
+    batch in flight before it.
     (A named tuple: one is made per request per batch, and a simulated run makes millions.)"""
 
     request: Request
@@ -26,8 +32,14 @@ class ScheduledSeq(NamedTuple):
 
     @property
     def completes_prompt(self) -> bool:
-        """After this batch the request's KV covers all its tokens, so a next token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        """After this batch the request's KV covers all its tokens, so a next token is sampled
+        (a decode-ahead seq goes one token past them until its previous batch has returned)."""
+        return self.start + self.num_new_tokens >= self.request.num_tokens
+
+    @property
+    def ahead(self) -> bool:
+        """A decode-ahead seq whose input token has not come back yet (`AHEAD` in `token_ids`)."""
+        return self.start + self.num_new_tokens > self.request.num_tokens
 
     @property
     def end(self) -> int:
@@ -62,6 +74,8 @@ class SchedulerOutput:
             r = s.request
             p = len(r.prompt_token_ids)
             ids += r.output_token_ids[s.start - p:s.end - p] if s.start >= p else r.token_ids[s.start:s.end]
+            if s.end > p + len(r.output_token_ids):  # a decode-ahead seq: its token is the worker's own last sample
+                ids.append(AHEAD)
         return ids
 
     @property

@@ -7,7 +7,9 @@ and the simulator are executors of this class; none of them decides what runs ne
     scheduler.update(out, sampled)    # progress, tokens, stop checks, frees
 
 An executor of a pipeline keeps up to `depth` batches in flight: a request belongs to at most one
-in-flight batch, so `schedule()` never picks a request whose previous batch has not returned.
+in-flight batch, so `schedule()` never picks a request whose previous batch has not returned; the
+one exception is decode-ahead (`SchedulerConfig.decode_ahead`): a plain greedy decode in flight may be
+scheduled once more, at the position after it, with the token its in-flight batch samples as input.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Scheduler(MicrobatchPolicy):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.in_flight: set[str] = set()  # request ids inside a batch that has not returned
+        self.ahead: set[str] = set()  # ... inside two: a decode-ahead batch after the one that samples its input
+        self.ahead_seqs = 0  # decode-ahead seqs scheduled so far
         self.handoffs: list[Request] = []
         self.groups: list[list[Request]] = []  # microbatch policy: the fixed microbatches
         self._freed: list[str] = []
@@ -144,6 +148,18 @@ class Scheduler(MicrobatchPolicy):
         preempted: list[Request] = []
         room = self.config.swap_region_blocks if self.config.swap_regions else None  # swapping: a batch fits a region
         bs = self.kv_manager.block_size
+        if self.config.decode_ahead and self.role != "prompt" and self._batches >= self.config.max_in_flight:
+            # the batch beyond `max_in_flight` of decoding ahead: the decodes in flight that can go ahead,
+            # and the rest only beside them (else requests that cannot would split off into batches of
+            # their own, alternating with the others: they wait for the next batch, the serial path)
+            for req in list(self.running):
+                if budget <= 0 or len(seqs) >= cap:
+                    break
+                if req.request_id in self.in_flight and req.status is RUNNING and (s := self._ahead(req)) is not None:
+                    seqs.append(s)
+                    budget -= 1
+            if not seqs:
+                return seqs, preempted
         for req in list(self.running):
             if budget <= 0 or len(seqs) >= cap:
                 break
@@ -203,6 +219,28 @@ class Scheduler(MicrobatchPolicy):
         new = self.kv_manager.frozen(req.block_ids) if full else tuple(req.block_ids[before:])
         return ScheduledSeq(req, n, req.num_computed_tokens, new, full)
 
+    def _ahead(self, req: Request) -> ScheduledSeq | None:
+        """A decode-ahead seq of `req` (in flight): its next token after the one its batch in flight
+        samples, or None where that is not worth it or not exact: it is already decoded ahead,
+        its batch in flight does not sample (a prompt chunk), the token sampled there surely ends it
+        (max_tokens, the context), its next token is not a plain argmax (sampling, penalties, ids
+        banned before min_tokens: the executor samples it), or the token would need a block the pool
+        cannot give without preempting (a token that may be discarded preempts nobody)."""
+        rid, p = req.request_id, req.params
+        n_out = len(req.output_token_ids)
+        if (rid in self.ahead or req.num_pending_tokens != 1 or n_out + 1 >= p.max_tokens
+                or req.num_tokens + 1 >= self.max_model_len or not p.greedy or p.penalized or n_out < p.min_tokens):
+            return None
+        before = len(req.block_ids)
+        if not self.kv_manager.ensure(req.block_ids, req.num_tokens + 1):
+            return None
+        self.ahead.add(rid)
+        self.ahead_seqs += 1
+        full = rid in self._full_table
+        self._full_table.discard(rid)
+        new = self.kv_manager.frozen(req.block_ids) if full else tuple(req.block_ids[before:])
+        return ScheduledSeq(req, 1, req.num_tokens, new, full)
+
     def _match(self, req: Request) -> PrefixHit:
         """The cached prefix a waiting request starts from: whole blocks, and never all its tokens
         (the last one is computed again to get the logits of the next token, as vLLM does)."""
@@ -240,12 +278,16 @@ class Scheduler(MicrobatchPolicy):
             self._batches -= 1
         changed, gone = [], []
         cache = self.kv_manager.cache_blocks if self.kv_manager.prefix_caching else None
-        in_flight, limit, prompt = self.in_flight, self.max_model_len, self.role == "prompt"
+        in_flight, limit, prompt, ahead = self.in_flight, self.max_model_len, self.role == "prompt", self.ahead
         for req, n, start, _, _, _ in out.seqs:  # (a ScheduledSeq's fields)
             rid = req.request_id
-            in_flight.discard(rid)
-            if req.status is FINISHED:  # aborted while in flight (its blocks are given back below)
-                gone.append(req)
+            if ahead and rid in ahead:
+                ahead.discard(rid)  # its decode-ahead batch (later, in order) is still in flight
+            else:
+                in_flight.discard(rid)
+            if req.status is FINISHED:  # aborted (or finished, decoded ahead) while in flight
+                if rid not in in_flight:  # (else its decode-ahead batch writes into its blocks: freed when it returns)
+                    gone.append(req)
                 changed.append(req)
                 continue
             req.num_computed_tokens = start + n
@@ -257,7 +299,8 @@ class Scheduler(MicrobatchPolicy):
             reason = req.append_token(tok, limit)
             if reason is not None:
                 req.finish(reason)
-                gone.append(req)
+                if rid not in in_flight:  # (else as above: the token decoded ahead is discarded, when it returns)
+                    gone.append(req)
             elif prompt:  # its KV has been streamed to the token side during this batch
                 gone.append(req)
                 req.status = WAITING
@@ -291,6 +334,7 @@ class Scheduler(MicrobatchPolicy):
         self.running.clear()
         self.groups.clear()
         self.in_flight.clear()
+        self.ahead.clear()
         self.handoffs.clear()
         self._full_table.clear()
         self._freed.clear()  # the workers drop every table after a failure (`wire.Fence`)
@@ -310,6 +354,7 @@ class Scheduler(MicrobatchPolicy):
             r.num_computed_tokens = min(r.num_computed_tokens, resume.get(r.request_id, 0))
             self._full_table.add(r.request_id)
         self.in_flight.clear()
+        self.ahead.clear()
         self._batches = 0
         return gone
 
@@ -323,6 +368,7 @@ class Scheduler(MicrobatchPolicy):
         self.running.clear()
         self.groups.clear()
         self.in_flight.clear()
+        self.ahead.clear()
         self._batches = 0
         return reqs
 

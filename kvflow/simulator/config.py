@@ -163,6 +163,9 @@ class SimConfig:
     `shared_host`: every stage of every pipeline runs on one host (a local cluster of worker
     processes): a stage's step that starts while another stage computes is slowed by the
     performance model's `co_run_factor` for as long as they overlap.
+    `decode_ahead`: one-stage token and colocated pipelines run greedy decodes one batch ahead
+    (`ClusterConfig.decode_ahead`: the same scheduling; no step time is modelled for the controller,
+    so it changes only which batches run).
     """
 
     layout: Layout
@@ -178,6 +181,7 @@ class SimConfig:
     max_model_len: int | None = None
     prefix_caching: bool = True
     shared_host: bool = False
+    decode_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("shared", "round_robin"):
@@ -208,7 +212,8 @@ class SimConfig:
         `role` and its pool's `pool_blocks`, a swapping pipeline's batches fit its device regions as
         the controller's do (`swap_layout`); without them it has none."""
         swap = self.swap_layout(spec, role, pool_blocks) if role is not None else None
-        return pipeline_scheduler(self.scheduler, self.policy, spec.depth, spec.microbatch, swap)
+        return pipeline_scheduler(self.scheduler, self.policy, spec.depth, spec.microbatch, swap,
+                                  self.decode_ahead and role != "prompt")
 
     @classmethod
     def from_cluster(cls, cluster, max_model_len: int | None = None, **kw) -> "SimConfig":
@@ -221,6 +226,7 @@ class SimConfig:
                             PipelineGroup(cluster.token_depth, cluster.microbatch_size))
         eng = cluster.engine
         kw.setdefault("swapping", cluster.swapping)
+        kw.setdefault("decode_ahead", cluster.decode_ahead)
         # one controller: a failure voids every pipeline's batches; without replication it recomputes
         kw.setdefault("recovery", Recovery("restart" if cluster.replication == "none" else "resume", fence="all"))
         return cls(layout, policy=cluster.policy, scheduler=eng.scheduler, kv_blocks=eng.num_kv_blocks,

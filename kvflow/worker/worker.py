@@ -29,7 +29,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import zmq
@@ -49,22 +49,13 @@ from kvflow.streaming.region import token_slots
 from kvflow.streaming.swapper import SwapSeq, Swapper
 from kvflow.streaming.tier_store import TierStore
 from kvflow.streaming.topology import Transfer
+from kvflow.worker.steps import AHEAD, LastSampled, Prepared
 from kvflow.wire import (
     SECRET_ENV, Fence, Heartbeat, Hello, KVArrived, Ready, Replicated, Restore, Route, Setup, Shutdown, Step, StepResult,
     WireError, WorkerError, decode, encode,
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Prepared:
-    """A step ready to compute: its attention metadata, its requests' block tables, its swap list."""
-
-    batch: ForwardBatch | None
-    tables: dict[str, tuple[int, ...]]
-    swap: list[SwapSeq]
-    graphed: list[tuple[int, tuple[int, ...]]] | None = None  # (context, blocks) per row: a decode graph runs it
 
 
 class Worker:
@@ -81,6 +72,7 @@ class Worker:
         self.epoch = 0
         self.stop = threading.Event()
         self.tables: dict[str, list[int]] = {}  # request -> this stage's block ids (mirrored from steps)
+        self.last = LastSampled()  # what decode-ahead steps take as input
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.replica: KVCache | None = None  # the previous stage's KV, replicated
@@ -298,6 +290,7 @@ class Worker:
                 self.epoch = max(self.epoch, msg.epoch)
                 if msg.tables and self.swapper is None:  # (the intake thread owns the tables when swapping)
                     self.tables.clear()
+                    self.last.clear()
                 if msg.kv and self.receiver is not None:
                     self.receiver.fence(msg.epoch)
                 if self.replica_rx is not None:  # the replica keeps its blocks; partial increments are void
@@ -349,6 +342,8 @@ class Worker:
         if prep.swap:
             self.swapper.wait((msg.epoch, msg.batch))  # its KV is in the device region
         if self.model.is_first:
+            if self.model.is_last and AHEAD in msg.token_ids:
+                self.last.fill(msg)
             hidden = None if prep.graphed else self.model.embed(torch.tensor(msg.token_ids, dtype=torch.long, device=self.device))
         else:
             hidden = hidden.to(self.device, self.engine_cfg.torch_dtype)
@@ -392,6 +387,7 @@ class Worker:
             if rows:  # greedy rows: their argmax here, so that only the ids leave the device
                 ids, skip = out[rows].argmax(-1).tolist(), set(rows)
                 out = out[[i for i in range(out.shape[0]) if i not in skip]]
+            self.last.record(msg, rows, ids)
             dt = time.perf_counter() - t0
             res = StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], msg.busy_s + dt, msg.tier_failed, rows, ids)
             self.out.send_multipart(encode(res, self.secret, out if out is not None else torch.empty(0)))

@@ -93,15 +93,18 @@ def run_controller(cfg: ClusterConfig, prompts, lengths, launcher: PacedLauncher
 
 
 class TimedSimulator(Simulator):
-    """Records when each pipeline's passes are sent and return."""
+    """Records when each pipeline's passes are sent, start on stage 0 (later than sent when it is busy:
+    behind the pass before it) and return."""
 
     def __init__(self, *a) -> None:
         super().__init__(*a, log_batches=True)
         self.returns: list[tuple[float, str]] = []
         self.sends: list[tuple[float, str]] = []
+        self.starts: list[tuple[float, str]] = []
 
     def dispatch(self, p, wire_id, out, free, streams):
         self.sends.append((self.now, p.role))
+        self.starts.append((max(self.now, p.stage_free[0]), p.role))  # (`SimPipeline.place`'s stage 0)
         return super().dispatch(p, wire_id, out, free, streams)
 
     def on_pass_done(self, now, p, wire_id):
@@ -132,17 +135,29 @@ LAYOUTS = {
     "colocated-3-swapping": dict(mode="colocated", depth=3, swapping=True, blocks=32),
     "colocated-2-prefix": dict(mode="colocated", depth=2, prompts=SHARED, lengths=[8, 3, 6, 4]),
     "disagg-1-1": dict(mode="disaggregated", prompt_depth=1, token_depth=1),
-    "disagg-1-1-chunked": dict(mode="disaggregated", prompt_depth=1, token_depth=1, sched=CHUNKED),
+    # (chunks of 10: with chunks of 8 a prompt step and a decode-ahead token step return within MARGIN)
+    "disagg-1-1-chunked": dict(mode="disaggregated", prompt_depth=1, token_depth=1,
+                               sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=10)),
     "disagg-1-1-microbatch": dict(mode="disaggregated", prompt_depth=1, token_depth=1, policy="microbatch"),
     "disagg-1-3-swapping": dict(mode="disaggregated", prompt_depth=1, token_depth=3, swapping=True, blocks=32),
     "disagg-1-1-prefix": dict(mode="disaggregated", prompt_depth=1, token_depth=1, prompts=SHARED, lengths=[8, 3, 6, 4]),
+    # one-stage decoding pipelines decode ahead (`ClusterConfig.decode_ahead`, on by default), or not
+    "colocated-1": dict(mode="colocated", depth=1),
+    "disagg-1-1-serial": dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=False),
+    "disagg-1-1-preempt": dict(mode="disaggregated", prompt_depth=1, token_depth=1, blocks=20,
+                               lengths=[12, 14, 13, 14], prompts=LONG,
+                               sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
     # a worker SIGKILLed when its n-th step arrives (the simulator: a failure right after that step is sent)
     "colocated-2-fail-recompute": dict(mode="colocated", depth=2, replication="none", fail=("colocated", 0, 5)),
     "colocated-2-fail-resume": dict(mode="colocated", depth=2, fail=("colocated", 0, 5)),
     "disagg-1-1-fail-prompt": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
                                    fail=("prompt", 0, 3)),
     "disagg-1-1-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
-                                  fail=("token", 0, 4)),
+                                  decode_ahead=False, fail=("token", 0, 4)),
+    # decoding ahead, a token stage is idle only before its first step (then each step starts as the one
+    # before it returns): it dies with that step and the one decoding ahead of it in flight
+    "disagg-1-1-ahead-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
+                                        fail=("token", 0, 1)),
 }
 
 
@@ -156,12 +171,17 @@ def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, tiny4_c
     cfg = ClusterConfig(engine=EngineConfig(model=str(ckpt), num_kv_blocks=blocks, block_size=4, scheduler=sched),
                         microbatch_size=2, prompt_microbatch_size=2, heartbeat_timeout_s=30.0, **kw)
     failures, launcher = (), PacedLauncher()
-    if fail is not None:  # when the victim's n-th step is sent, in a run without the failure
+    if fail is not None:  # when the victim's n-th step arrives, in a run without the failure
         pipeline, stage, n = fail
         assert stage == 0  # (every step of a pipeline reaches its stage 0: the n-th sent)
         role = "token" if pipeline == "token" else "prompt"
         _, clean = run_simulator(cfg, prompts, lengths)
         sent = [t for t, r in clean.sends if r == ("both" if pipeline == "colocated" else pipeline)]
+        if cfg.scheduler_for(cfg.pipelines()[-1 if pipeline == "token" else 0]).decode_ahead:
+            # the paced worker dies when it takes the step up; a step sent while the one before it computes
+            # starts as that one's output leaves, which may or may not get out before the worker dies
+            starts = [t for t, r in clean.starts if r == ("both" if pipeline == "colocated" else pipeline)]
+            assert starts[n - 1] == sent[n - 1], "decoding ahead, the victim must be idle when its n-th step is sent"
         failures = (Failure(sent[n - 1] + 1e-6, role, 0, stage),)
         launcher = PacedLauncher(f"{pipeline}-{stage}", n)
     simulated, sim = run_simulator(cfg, prompts, lengths, failures)
@@ -184,6 +204,9 @@ def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, tiny4_c
     assert real == simulated
     if "preempt" in name:
         assert ctrl.preemptions > 0, "the budget was meant to force preemption"
+    ahead = ctrl.pipelines[-1].sched.ahead_seqs
+    assert ahead == sim.executor.pipelines[-1].sched.ahead_seqs
+    assert ahead > 0 if ctrl.pipelines[-1].sched.config.decode_ahead else ahead == 0
     if "swapping" in name:  # both schedulers fit batches to the device regions
         assert ctrl.pipelines[-1].sched.config.swap_regions == sim.executor.pipelines[-1].sched.config.swap_regions > 0
     if fail is not None:
