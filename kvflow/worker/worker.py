@@ -387,7 +387,8 @@ class Worker:
             if rows:  # greedy rows: their argmax here, so that only the ids leave the device
                 ids, skip = out[rows].argmax(-1).tolist(), set(rows)
                 out = out[[i for i in range(out.shape[0]) if i not in skip]]
-            self.last.record(msg, rows, ids)
+            if self.model.is_first:  # (one stage: the ids a decode-ahead step of this worker takes in)
+                self.last.record(msg, rows, ids)
             dt = time.perf_counter() - t0
             res = StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], msg.busy_s + dt, msg.tier_failed, rows, ids)
             self.out.send_multipart(encode(res, self.secret, out if out is not None else torch.empty(0)))
