@@ -152,6 +152,7 @@ class Route:
     kv_peers: list[list] = field(default_factory=list)
     token_bounds: list[int] = field(default_factory=list)
     replica_to: str = ""  # the replica port of the stage holding this stage's replica ("": none)
+    replica_shm: str = ""  # or the store's shared-memory segment of it, to write in place if mapped here
 
 
 @dataclass
@@ -176,8 +177,8 @@ class KVArrived:
 
 @dataclass
 class Replicated:
-    """Holder -> controller: the replica it keeps of the previous stage received tokens [start, end)
-    of these requests (the controller advances its replication watermark when start <= it)."""
+    """Holder -> controller: its replica of the previous stage (a store-replicated worker: the store's of
+    its own) holds tokens [start, end) of these requests (the watermark advances when start <= it)."""
 
     name: str
     rids: list[str]

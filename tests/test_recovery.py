@@ -15,6 +15,7 @@ import pytest
 from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.controller.controller import Controller
 from kvflow.controller.launcher import SubprocessLauncher
+from kvflow.controller.replica_store import ReplicaStore
 from kvflow.sched.sampling import SamplingParams
 
 from conftest import on_loop_thread, run_to_completion, tiny_config, tiny_engine
@@ -94,7 +95,8 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
             assert fired, "the failure was meant to strike while requests were running"
             await recovered(ctrl, 1)
             counters.update(failures=ctrl.recovery.failures, recoveries=ctrl.recovery.recoveries, resumed=ctrl.recovery.resumed,
-                            lost=ctrl.recovery.lost_tokens, recomputed=ctrl.recovery.recomputed_tokens)
+                            lost=ctrl.recovery.lost_tokens, recomputed=ctrl.recovery.recomputed_tokens,
+                            store_port_bytes=ctrl.store.nbytes if ctrl.store is not None else None)
             return streamed, finals, (ctrl.recovery.failures, ctrl.recovery.recoveries, ctrl.healthy())
         finally:
             if stopped is not None and stopped.poll() is None:
@@ -154,6 +156,20 @@ def test_a_killed_worker_resumes_from_its_replica(tiny_ckpt_dir, tiny4_ckpt_dir,
     assert counters["recomputed"] < counters["lost"], counters
     assert counters["ahead"] > 0 if counters["decodes_ahead"] else counters["ahead"] == 0
     assert streamed == expected and [f.token_ids for f in finals] == expected
+    if cfg.replicates(cfg.pipelines()[-1]) == "store":  # local workers write the store's shared memory in place
+        assert counters["store_port_bytes"] == 0
+
+
+def test_a_store_replica_sent_to_its_kv_port_resumes_the_same(tiny_ckpt_dir, monkeypatch):
+    """A worker the store's shared memory is not offered to (one the controller cannot kill, e.g.
+    started by hand) sends each step's increment to the store's KV port instead, and resumes alike."""
+    monkeypatch.setattr(ReplicaStore, "segment", lambda self, pipeline, stage: "")
+    cfg = _cfg(tiny_ckpt_dir, mode="disaggregated", prompt_depth=1, token_depth=1)
+    streamed, finals, (failures, recoveries, healthy) = run_with_failure(cfg, "token-0", "kill", 20, replicated=True)
+    assert failures == 1 and recoveries == 1 and healthy
+    assert counters["resumed"] > 0 and counters["recomputed"] < counters["lost"], counters
+    assert counters["store_port_bytes"] > 0
+    assert streamed == reference() and [f.token_ids for f in finals] == reference()
 
 
 @pytest.mark.parametrize("kw", [dict(replication="none"), dict()], ids=["recompute", "replica"])
@@ -168,12 +184,20 @@ def test_a_killed_worker_of_a_swapping_pipeline_changes_no_token(tiny_ckpt_dir, 
     assert streamed == expected and [f.token_ids for f in finals] == expected
 
 
-def test_a_hung_worker_is_fenced_and_replaced(tiny_ckpt_dir):
+@pytest.mark.parametrize("kw, victim", [(dict(mode="colocated", depth=2), "colocated-0"),
+                                        (dict(mode="disaggregated", prompt_depth=1, token_depth=1), "token-0")],
+                         ids=["colocated-2", "disagg-1-1:token:store"])
+def test_a_hung_worker_is_fenced_and_replaced(tiny_ckpt_dir, kw, victim):
+    """A stopped worker is taken for lost after the heartbeat timeout and killed before its
+    replacement restores (one writing the store's shared memory must never write again)."""
     expected = reference()
-    cfg = _cfg(tiny_ckpt_dir, mode="colocated", depth=2, heartbeat_timeout_s=1.5)
-    streamed, finals, (failures, recoveries, healthy) = run_with_failure(cfg, "colocated-0", "stop", 10)
+    cfg = _cfg(tiny_ckpt_dir, heartbeat_timeout_s=1.5, **kw)
+    streamed, finals, (failures, recoveries, healthy) = run_with_failure(cfg, victim, "stop", 10,
+                                                                          replicated=cfg.replicates(cfg.pipelines()[-1]) == "store")
     assert failures == 1 and recoveries == 1 and healthy
     assert streamed == expected
+    if cfg.replicates(cfg.pipelines()[-1]) == "store":
+        assert counters["resumed"] > 0
 
 
 def test_two_failures_in_a_row(tiny_ckpt_dir):

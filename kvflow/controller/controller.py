@@ -122,7 +122,7 @@ class Controller:
             self.workers.kill_all()
             self.shutdown_blocking()  # sockets and the replica store closed: nothing left to hold up an exit
             raise RuntimeError(str(e)) from None
-        self.workers.wire(self.token, self.store.addresses if self.store else {})
+        self.workers.wire(self.token, self.store)
         now = time.monotonic()
         for s in self.stages.values():
             s.last_heartbeat = now
@@ -252,7 +252,8 @@ class Controller:
             s = self.stages.get(msg.name)
             if s is not None:
                 p = self.workers.pipeline_of(s)
-                self.recovery.replicated(p, (s.stage - 1) % p.depth, msg.rids, list(zip(msg.starts, msg.ends)))
+                of = s.stage if self.cfg.replicates(p.spec) == "store" else (s.stage - 1) % p.depth  # (its own, written in place)
+                self.recovery.replicated(p, of, msg.rids, list(zip(msg.starts, msg.ends)))
             return
         elif isinstance(msg, WorkerError):
             if msg.epoch not in (-1, self.epoch):

@@ -1,25 +1,39 @@
 """The controller's host store of KV replicas: where a stage with no other stage to replicate to
-(a pipeline of depth 1, or `ClusterConfig.replication="store"`) sends the KV each step appends.
+(a pipeline of depth 1, or `ClusterConfig.replication="store"`) copies the KV each step appends.
 
-One host `KVCache` per replicated stage (that stage's layers, the pipeline's block ids), each fed by
-its own `KVReceiver` on a KV port of the controller's internal interface; what arrived is queued as
-(pipeline, stage, request ids, spans) for the controller loop to advance its watermark. In a
-recovery the loop sends a stage's replica back into the replacement's cache (`send_restore`).
+One host `KVCache` per replicated stage (that stage's layers, the pipeline's block ids), in a POSIX
+shared-memory segment the store creates (and unlinks on close). Two ways in:
+- a worker on this host maps the segment (`Route.replica_shm`) and writes each step's increment in
+  place, then reports it (`Replicated`): no thread, socket or acknowledgement on either side, and
+  nothing in the controller's process but the report. The controller offers the segment only to
+  workers whose processes it can kill (a hung one is killed before its replacement restores, so a
+  stale writer cannot touch the replica again);
+- any other worker sends increments to a `KVReceiver` on a KV port of the controller's internal
+  interface (`Route.replica_to`); what arrived is queued as (pipeline, stage, request ids, spans)
+  for the controller loop to advance its watermark.
+In a recovery the loop sends a stage's replica back into the replacement's cache (`send_restore`).
 The store lives in the controller process, so it survives any worker; it costs as much host memory
-as the replicated stages' KV.
+as the replicated stages' KV (a plain host tensor where no segment can be created, e.g. a full
+/dev/shm: then every worker uses the KV port).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
+import uuid
 from collections import deque
 from collections.abc import Sequence
+from multiprocessing import shared_memory
 
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.streaming.connector import KVReceiver, send_restore
 from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.streaming.transports.tcp import TcpSender
 from kvflow.streaming.transports.tcp_receiver import TcpReceiver
+
+log = logging.getLogger(__name__)
 
 
 class ReplicaStore:
@@ -28,6 +42,7 @@ class ReplicaStore:
         self.caches: dict[tuple[str, int], KVCache] = {}
         self.receivers: dict[tuple[str, int], KVReceiver] = {}
         self.addresses: dict[tuple[str, int], str] = {}
+        self.segments: dict[tuple[str, int], shared_memory.SharedMemory] = {}  # (each cache's memory)
         self.events: deque[tuple[str, int, list[str], list[tuple[int, int]]]] = deque()
         self.dropped = 0
         self._lock = threading.Lock()
@@ -35,7 +50,15 @@ class ReplicaStore:
     def add(self, pipeline: str, stage: int, layout: KVLayout) -> str:
         """A replica of `pipeline`'s stage `stage` (its layers, in `layout`); returns its KV address."""
         key = (pipeline, stage)
-        cache = KVCache(layout, "cpu")
+        nbytes = math.prod(layout.shape) * layout.dtype.itemsize
+        try:
+            seg = shared_memory.SharedMemory(name=f"kvflow-replica-{uuid.uuid4().hex[:16]}", create=True, size=nbytes)
+        except OSError as e:
+            log.warning("the replica of %s stage %d is not in shared memory (%s): its worker sends it over TCP", pipeline, stage, e)
+            cache = KVCache(layout, "cpu")
+        else:
+            self.segments[key] = seg
+            cache = KVCache.over(layout, seg.buf)
         rx = TcpReceiver(self.host)
 
         def arrived(rids: list[str], spans: list[tuple[int, int]]) -> None:
@@ -64,10 +87,25 @@ class ReplicaStore:
         finally:
             out.sender.close()
 
+    def segment(self, pipeline: str, stage: int) -> str:
+        """The shared-memory segment holding the stage's replica ("": none, use the KV address)."""
+        seg = self.segments.get((pipeline, stage))
+        return seg.name if seg is not None else ""
+
     @property
     def nbytes(self) -> int:
+        """Bytes received on the KV ports (increments written in place by workers are not counted here)."""
         return sum(r.nbytes for r in self.receivers.values())
 
     def close(self) -> None:
         for r in self.receivers.values():
             r.close()
+        self.receivers.clear()
+        self.caches.clear()  # (the views into the mappings go before the mappings)
+        for seg in self.segments.values():
+            seg.unlink()
+            try:
+                seg.close()
+            except BufferError:  # a view is still held somewhere: the mapping goes with it
+                pass
+        self.segments.clear()

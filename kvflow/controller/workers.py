@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -14,6 +15,9 @@ from kvflow.config import ClusterConfig, WorkerSpec, to_dict
 from kvflow.controller.launcher import Launcher
 from kvflow.controller.pipeline import Pipeline, StageHandle
 from kvflow.wire import Hello, Ready, Route, Setup, Shutdown, WireError, WorkerError, decode, encode
+
+if TYPE_CHECKING:
+    from kvflow.controller.replica_store import ReplicaStore
 
 log = logging.getLogger(__name__)
 PEER_EXIT_WAIT_S = 2.0  # how long a stream peer's disconnection waits for a process exit to blame instead
@@ -130,9 +134,11 @@ class Workers:
                           disk_kv_slots=p.kv_manager.disk.num_slots if p.kv_manager.disk else 0, swap_regions=regions,
                           swap_region_blocks=per, pool_blocks=p.kv_manager.num_blocks)
 
-    def wire(self, token: Pipeline | None, store_addresses: dict[tuple[str, int], str]) -> None:
+    def wire(self, token: Pipeline | None, store: "ReplicaStore | None") -> None:
         """Tell every stage where its output goes (the next stage, or the controller), which token
-        stages take a prompt stage's KV, and where its KV replica goes."""
+        stages take a prompt stage's KV, and where its KV replica goes: the next stage's replica
+        port, or the store's (and the store's shared-memory segment to a worker whose process this
+        controller can kill, `ReplicaStore`)."""
         bounds = token.layer_bounds if token is not None else []
         for p in self.pipelines:
             for i, s in enumerate(p.stages):
@@ -140,8 +146,9 @@ class Workers:
                 peers = [[t.stage, t.layers[0], t.layers[1], t.kv_addr] for t in token.stages] if p.role == "prompt" else []
                 mode = self.cfg.replicates(p.spec)
                 replica_to = (p.stages[(i + 1) % p.depth].replica_addr if mode == "ring" else
-                              store_addresses[(p.name, i)] if mode == "store" else "")
-                self.send(s.name, Route(nxt, peers, bounds, replica_to))
+                              store.addresses[(p.name, i)] if mode == "store" else "")
+                shm = store.segment(p.name, i) if mode == "store" and s.process is not None else ""
+                self.send(s.name, Route(nxt, peers, bounds, replica_to, shm))
 
     def lost(self) -> tuple[StageHandle, str] | None:
         """The first live stage whose process exited or whose heartbeats stopped, and why."""

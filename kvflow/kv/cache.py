@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,6 +85,20 @@ class KVCache:
         self.layout = layout
         self.device = torch.device(device)
         self.data = torch.zeros(layout.shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory)
+
+    @classmethod
+    def over(cls, layout: KVLayout, buffer) -> "KVCache":
+        """A host cache whose tensor is the start of `buffer` (writable, e.g. a shared-memory
+        mapping two processes hold: the replica store's), not a copy of it. ValueError when the
+        buffer is too small for the layout."""
+        nbytes = math.prod(layout.shape) * layout.dtype.itemsize
+        if len(memoryview(buffer).cast("B")) < nbytes:
+            raise ValueError(f"a buffer of {len(memoryview(buffer).cast('B'))} bytes cannot hold a cache of {nbytes}")
+        cache = cls.__new__(cls)
+        cache.layout, cache.device = layout, torch.device("cpu")
+        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
+        cache.data = flat.view(layout.dtype).view(layout.shape)
+        return cache
 
     def _local(self, layer: int) -> int:
         if not self.layout.layer_start <= layer < self.layout.layer_end:

@@ -14,12 +14,13 @@ layer has written it (background thread), a token worker receives it into its ca
 `KVArrived`. A heartbeat thread reports liveness. Messages that are not authentic or do not decode
 are dropped and counted, never raised in a loop.
 
-Replication (a colocated or token pipeline of depth >= 2, `ClusterConfig.replication="ring"`): every
-step, each stage also sends the KV the step appended to the next stage (x+1 mod depth), as one
-increment through a second `KVSender` on its own background thread; the next stage keeps it in a replica
-cache (the previous stage's layers, the same block ids) and reports the replicated token counts
-(`Replicated`). In a recovery the controller has the replica's holder send it back into the
-replacement's cache and the previous stage refill the replica the replacement holds (`Restore`).
+Replication (`kvflow.worker.replication`): every step, each stage of a replicating pipeline also copies
+the KV the step appended to its replica. In a ring (depth >= 2, `ClusterConfig.replication="ring"`)
+the next stage (x+1 mod depth) keeps it in a replica cache (the previous stage's layers, the same
+block ids) and reports the replicated token counts (`Replicated`); with no other stage (depth 1, or
+`replication="store"`) it goes to the controller's replica store, written in place where the store's
+shared memory is mapped here. In a recovery the controller has the replica's holder send it back
+into the replacement's cache and the previous stage refill the replica the replacement holds (`Restore`).
 """
 
 from __future__ import annotations
@@ -41,14 +42,13 @@ from kvflow.model import cuda_graphs
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
-from kvflow.streaming.chunk import Segment
 from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender, send_restore
 from kvflow.streaming.errors import peer_gone
 from kvflow.streaming.primitives import InStream, OutStream
-from kvflow.streaming.region import token_slots
 from kvflow.streaming.swapper import SwapSeq, Swapper
 from kvflow.streaming.tier_store import TierStore
 from kvflow.streaming.topology import Transfer
+from kvflow.worker.replication import Replicator
 from kvflow.worker.steps import AHEAD, LastSampled, Prepared
 from kvflow.wire import (
     SECRET_ENV, Fence, Heartbeat, Hello, KVArrived, Ready, Replicated, Restore, Route, Setup, Shutdown, Step, StepResult,
@@ -77,7 +77,7 @@ class Worker:
         self.receiver: KVReceiver | None = None
         self.replica: KVCache | None = None  # the previous stage's KV, replicated
         self.replica_rx: KVReceiver | None = None
-        self.replicator: KVSender | None = None  # this stage's appended KV -> the next stage's replica
+        self.replicator: Replicator | None = None  # this stage's appended KV -> its replica (next stage's, or the store's)
         self._send_lock = threading.Lock()  # the controller socket is shared by compute and KV threads
 
     # ------------------------------------------------------------------ set-up
@@ -198,11 +198,9 @@ class Worker:
         if self.replicator is not None:  # rewired after a failure: the old peer may be gone, do not wait
             self.replicator.close(wait=False)
             self.replicator = None
-        if route.replica_to:
-            from kvflow.streaming.transports.tcp import TcpSender
-
-            out = OutStream(TcpSender(route.replica_to), f"{self.name}->replica@{self.epoch}", self.secret)
-            self.replicator = KVSender(self.cache, self.spec.stage, {self.spec.stage + 1: out}, mode="overlap")
+        if route.replica_to or route.replica_shm:
+            self.replicator = Replicator(self.cache, self.spec.stage, self.name, route, self.epoch, self.secret,
+                                         self._to_controller)
 
     def _controller_gone(self) -> bool:
         """Whether the local process that started this worker has exited (a worker must not linger)."""
@@ -362,22 +360,10 @@ class Worker:
         if prep.swap:
             self.swapper.write_back(prep.swap)  # only what this step appended
         self._forward(msg, out, t0)
-        if self.replicator is not None:  # after the output left: sent while the next step computes
-            self._replicate(msg, prep.tables)
+        if self.replicator is not None:  # after the output left: while the controller takes it in
+            self.replicator.step(msg, prep.tables)
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
-
-    def _replicate(self, msg: Step, tables: dict[str, list[int]]) -> None:
-        """What this step appended, to the next stage's replica (same block ids): one chunk naming its
-        slots. From token 0 when the step carries the whole table: a request new to this pipeline
-        (handed off with KV the replica has never seen, or re-sent after a recovery)."""
-        bs = self.cache.layout.block_size
-        segs, slots = [], []
-        for s in msg.seqs:
-            a = 0 if s.full_table else s.start
-            segs.append(Segment(s.rid, a, s.context_len))
-            slots += token_slots(tables[s.rid], a, s.context_len, bs, s.rid)
-        self.replicator.send_increment(segs, slots, msg.epoch)
 
     def _forward(self, msg: Step, out: torch.Tensor | None, t0: float) -> None:
         """The step's output (None for a step of tier copies only): its hidden states to the next stage,

@@ -5,7 +5,6 @@ rings in turn, blocking on the sockets only when every ring is empty."""
 from __future__ import annotations
 
 import mmap
-import os
 import select
 import socket
 import threading
@@ -13,7 +12,6 @@ import time
 import uuid
 from collections import deque
 
-import _posixshmem
 import numpy as np
 
 from kvflow.streaming.transport import ChunkReceiver, RawChunk
@@ -31,6 +29,7 @@ from kvflow.streaming.transports.shm_segment import (
     SPIN_S,
     STATE,
     TX_WAKE_AT,
+    attach,
     control_views,
     fence,
     sockaddr,
@@ -49,14 +48,7 @@ class _Peer:
         self.alive = True
 
     def attach(self, name: str) -> None:
-        # Mapped directly rather than through SharedMemory: attaching that way registers the segment
-        # with the resource tracker (shared with the sender when spawned), which then unlinks or
-        # double-unregisters it. The sender owns and unlinks the segment.
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
-        try:
-            self.seg = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+        self.seg = attach(name)  # (the sender owns and unlinks the segment)
         self.ctl, self.desc = control_views(self.seg)
         self.data = memoryview(self.seg)[DATA_START:]
         self.bytes = np.frombuffer(self.seg, dtype=np.uint8)[DATA_START:]

@@ -11,11 +11,13 @@ first-in first-out ranges (`Ring`).
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
 from collections import deque
 
+import _posixshmem
 import numpy as np
 
 ALIGN = 64  # data ranges start on cache lines
@@ -46,6 +48,20 @@ def sockaddr(address: str) -> str:
     if not address.startswith(ADDRESS_PREFIX):
         raise ValueError(f"not a shared-memory control address: {address!r} (expected {ADDRESS_PREFIX}NAME)")
     return "\0" + address[len(ADDRESS_PREFIX) :]  # Linux abstract namespace: nothing to clean up on disk
+
+
+def attach(name: str) -> mmap.mmap:
+    """Map the POSIX shared-memory segment `name` that another process created and owns.
+
+    Mapped directly rather than through `multiprocessing.shared_memory.SharedMemory`: attaching that
+    way registers the segment with the resource tracker (shared with its creator when spawned),
+    which then unlinks or double-unregisters it. Its creator unlinks it. OSError (FileNotFoundError
+    on another host) when there is no such segment."""
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 _fence_lock = threading.Lock()

@@ -1,0 +1,87 @@
+"""A stage's replication: after each step, the KV the step appended goes where the stage's replica
+lives, with the same block ids (a replica mirrors the cache block for block). Two ways, chosen by
+the stage's `Route`:
+
+- **in place** (`Route.replica_shm`): the controller's replica store keeps this stage's replica in a
+  shared-memory segment and offered it; this worker maps it and copies the step's slots into it
+  (from the device through the host on CUDA), then reports the tokens (`Replicated`). No thread,
+  socket or acknowledgement: the copy and one small message;
+- **as an increment** (`Route.replica_to`): one chunk per step to a KV port (the next stage's
+  replica, or the store of a worker that is not offered or cannot map the segment), packed at once
+  and sent by a `KVSender`'s background thread while the next step computes; the receiving side
+  reports it.
+
+Either way the copy starts after the step's output left, so it overlaps the controller's work on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from kvflow.kv.cache import KVCache
+from kvflow.streaming.chunk import Segment
+from kvflow.streaming.connector import KVSender
+from kvflow.streaming.primitives import OutStream
+from kvflow.streaming.region import pack, token_slots, unpack
+from kvflow.streaming.transports.shm_segment import attach
+from kvflow.wire import Replicated, Route, Step
+
+log = logging.getLogger(__name__)
+
+
+class Replicator:
+    """Replication of one worker's `cache` for one route (a new route: a new Replicator)."""
+
+    def __init__(self, cache: KVCache, stage: int, name: str, route: Route, epoch: int, secret: bytes,
+                 report: Callable[[Replicated], None]) -> None:
+        self.cache, self.name, self.report = cache, name, report
+        self.replica: KVCache | None = None  # the store's segment, mapped (in place)
+        self.sender: KVSender | None = None  # (as increments)
+        self.written = 0  # bytes written in place
+        if route.replica_shm:
+            try:
+                self._mapping = attach(route.replica_shm)
+                self.replica = KVCache.over(cache.layout, self._mapping)
+            except (OSError, ValueError) as e:  # another host, or a segment not of this cache's size
+                log.warning("%s: cannot map its replica %s (%s); sending increments to %s instead", name,
+                            route.replica_shm, e, route.replica_to)
+        if self.replica is None and route.replica_to:
+            from kvflow.streaming.transports.tcp import TcpSender
+
+            out = OutStream(TcpSender(route.replica_to), f"{name}->replica@{epoch}", secret)
+            self.sender = KVSender(cache, stage, {stage + 1: out}, mode="overlap")
+
+    @property
+    def nbytes(self) -> int:
+        """Replica bytes copied so far, either way."""
+        return self.written + (self.sender.nbytes if self.sender is not None else 0)
+
+    def step(self, msg: Step, tables: dict[str, tuple[int, ...]]) -> None:
+        """Replicate what `msg` appended (tokens [start, context) of each seq; from token 0 when the
+        step carries the whole table: a request new to this pipeline, handed off with KV the
+        replica has never seen, or re-sent after a recovery)."""
+        bs = self.cache.layout.block_size
+        segs, slots = [], []
+        for s in msg.seqs:
+            a = 0 if s.full_table else s.start
+            segs.append(Segment(s.rid, a, s.context_len))
+            slots += token_slots(tables[s.rid], a, s.context_len, bs, s.rid)
+        if self.replica is None:
+            self.sender.send_increment(segs, slots, msg.epoch)
+            return
+        lay = self.cache.layout
+        at = torch.tensor(slots, dtype=torch.long)
+        data = pack(self.cache, (lay.layer_start, lay.layer_end), at.to(self.cache.device))
+        unpack(self.replica, lay.layer_start, lay.layer_end, "kv", at, data)  # (device -> host here on CUDA)
+        self.written += data.numel() * data.element_size()
+        self.report(Replicated(self.name, [g.request_id for g in segs], [g.token_start for g in segs],
+                               [g.token_end for g in segs]))
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the sending thread (`wait=False`: without waiting for its peer, which may be gone)."""
+        if self.sender is not None:
+            self.sender.close(wait=wait)
+        self.replica = None  # (the mapping closes once nothing views it)

@@ -1,0 +1,89 @@
+"""A stage's replication (`kvflow.worker.replication.Replicator`) on real components: the replica
+store's shared-memory segment written in place, and the fallback to increments over TCP into the
+store's KV port when the segment cannot be mapped."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvflow.controller.replica_store import ReplicaStore
+from kvflow.kv.cache import KVCache, KVLayout
+from kvflow.streaming.region import token_slots
+from kvflow.wire import Replicated, Route, SeqStep, Step, new_secret
+from kvflow.worker.replication import Replicator
+
+LAYOUT = KVLayout(num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, layer_start=2, layer_end=4, dtype=torch.bfloat16)
+TABLES = {"a": (3, 7, 1), "b": (9, 2)}  # block tables (tokens: a 10, b 6 after the two steps)
+
+
+def filled_cache() -> KVCache:
+    cache = KVCache(LAYOUT)
+    cache.data.copy_(torch.randn(LAYOUT.shape).to(LAYOUT.dtype))
+    return cache
+
+
+def steps() -> list[Step]:
+    """A first step with whole tables (new to the pipeline: tokens from 0), then a decode step."""
+    first = Step(0, 0, [SeqStep("a", 0, 9, list(TABLES["a"]), full_table=True), SeqStep("b", 0, 5, list(TABLES["b"]), full_table=True)])
+    second = Step(0, 1, [SeqStep("a", 9, 1, []), SeqStep("b", 5, 1, [])])
+    return [first, second]
+
+
+def replica_rows(cache: KVCache, rid: str, n: int) -> torch.Tensor:
+    slots = torch.tensor(token_slots(TABLES[rid], 0, n, LAYOUT.block_size), dtype=torch.long)
+    return cache.data.view(LAYOUT.num_layers, 2, -1, LAYOUT.num_kv_heads, LAYOUT.head_dim)[:, :, slots]
+
+
+@pytest.fixture
+def store():
+    s = ReplicaStore("127.0.0.1", new_secret())
+    yield s
+    s.close()
+
+
+def test_the_store_segment_is_written_in_place_and_reported(store):
+    addr = store.add("token", 0, LAYOUT)
+    assert store.segment("token", 0), "the store keeps its replica in shared memory"
+    cache, reports = filled_cache(), []
+    rep = Replicator(cache, 0, "token-0", Route("", replica_to=addr, replica_shm=store.segment("token", 0)), 0,
+                     b"", reports.append)
+    assert rep.replica is not None and rep.sender is None
+    for msg in steps():
+        rep.step(msg, TABLES)
+    replica = store.caches[("token", 0)]
+    for rid, n in (("a", 10), ("b", 6)):
+        assert torch.equal(replica_rows(replica, rid, n), replica_rows(cache, rid, n))
+    assert reports == [Replicated("token-0", ["a", "b"], [0, 0], [9, 5]), Replicated("token-0", ["a", "b"], [9, 5], [10, 6])]
+    assert store.nbytes == 0 and rep.nbytes == 16 * LAYOUT.num_layers * 2 * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2
+    untouched = torch.ones(LAYOUT.num_blocks, dtype=torch.bool)
+    untouched[[b for t in TABLES.values() for b in t]] = False
+    assert not replica.data[:, :, untouched].any(), "only the steps' slots are written"
+
+
+@pytest.mark.parametrize("segment", ["kvflow-replica-none-such", "other-size"])
+def test_a_segment_it_cannot_map_falls_back_to_the_kv_port(store, segment):
+    secret = store.secret
+    addr = store.add("token", 0, LAYOUT)
+    if segment == "other-size":  # a segment of another layout's size (e.g. a stale route)
+        store.add("token", 1, KVLayout(2, 4, 2, 8, 0, 1, torch.bfloat16))
+        segment = store.segment("token", 1)
+    cache, reports = filled_cache(), []
+    rep = Replicator(cache, 0, "token-0", Route("", replica_to=addr, replica_shm=segment), 0, secret, reports.append)
+    assert rep.replica is None and rep.sender is not None
+    try:
+        for msg in steps():
+            rep.step(msg, TABLES)
+        rep.sender.finish()  # acknowledged: written into the store's cache
+    finally:
+        rep.close()
+    deadline = time.monotonic() + 30
+    while len(store.events) < 2:  # (queued by the receiving thread after the write)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert [e[2:] for e in store.events] == [(["a", "b"], [(0, 9), (0, 5)]), (["a", "b"], [(9, 10), (5, 6)])]
+    assert reports == [] and store.nbytes > 0
+    for rid, n in (("a", 10), ("b", 6)):
+        assert torch.equal(replica_rows(store.caches[("token", 0)], rid, n), replica_rows(cache, rid, n))
