@@ -133,13 +133,14 @@ class Setup:
 @dataclass
 class Ready:
     """Worker -> controller once its layers are loaded: where it receives KV into its cache (token
-    role, or any role restoring after a failure), and into the replica it holds of the previous stage;
-    the kernel variant its model computes with (`LlamaModel.kernel_variant`)."""
+    role, or any role restoring after a failure), and into the replica it holds of the previous stage
+    (mapped from `WorkerSpec.replica_shm` or not); its model's `LlamaModel.kernel_variant`."""
 
     name: str
     kv_addr: str = ""
     replica_addr: str = ""
     kernel_variant: str = ""
+    replica_shm: bool = False
 
 
 @dataclass
@@ -177,13 +178,14 @@ class KVArrived:
 
 @dataclass
 class Replicated:
-    """Holder -> controller: its replica of the previous stage (a store-replicated worker: the store's of
-    its own) holds tokens [start, end) of these requests (the watermark advances when start <= it)."""
+    """Holder -> controller: its replica of the previous stage (or of `stage`: a worker that wrote its own
+    replica in place) holds tokens [start, end) of these requests (the watermark advances when start <= it)."""
 
     name: str
     rids: list[str]
     starts: list[int]
     ends: list[int]
+    stage: int = -1
 
 
 @dataclass
@@ -440,9 +442,7 @@ def decode(frames: list, secret: bytes) -> tuple[Any, torch.Tensor | None]:
         raise WireError(f"{cls.__name__}: bad tensor spec {spec!r}") from None
     if payload is None:
         raise WireError(f"{cls.__name__} announces a tensor but carries none")
-    n = 1
-    for d in shape:
-        n *= d
+    n = functools.reduce(operator.mul, shape, 1)
     buf = bytearray(pbytes)
     if len(buf) != n * torch.empty((), dtype=dtype).element_size():
         raise WireError(f"{cls.__name__}: tensor frame of {len(buf)} bytes does not match {spec}")

@@ -96,7 +96,8 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
             await recovered(ctrl, 1)
             counters.update(failures=ctrl.recovery.failures, recoveries=ctrl.recovery.recoveries, resumed=ctrl.recovery.resumed,
                             lost=ctrl.recovery.lost_tokens, recomputed=ctrl.recovery.recomputed_tokens,
-                            store_port_bytes=ctrl.store.nbytes if ctrl.store is not None else None)
+                            store_port_bytes=ctrl.store.nbytes if ctrl.store is not None else None,
+                            held_in_shm=[s.replica_shm for s in p.stages])
             return streamed, finals, (ctrl.recovery.failures, ctrl.recovery.recoveries, ctrl.healthy())
         finally:
             if stopped is not None and stopped.poll() is None:
@@ -158,6 +159,8 @@ def test_a_killed_worker_resumes_from_its_replica(tiny_ckpt_dir, tiny4_ckpt_dir,
     assert streamed == expected and [f.token_ids for f in finals] == expected
     if cfg.replicates(cfg.pipelines()[-1]) == "store":  # local workers write the store's shared memory in place
         assert counters["store_port_bytes"] == 0
+    else:  # ring: each holder keeps the replica in the controller's shared memory, written in place
+        assert all(counters["held_in_shm"]), counters
 
 
 def test_a_store_replica_sent_to_its_kv_port_resumes_the_same(tiny_ckpt_dir, monkeypatch):

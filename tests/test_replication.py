@@ -13,7 +13,7 @@ from kvflow.controller.replica_store import ReplicaStore
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.streaming.region import token_slots
 from kvflow.wire import Replicated, Route, SeqStep, Step, new_secret
-from kvflow.worker.replication import Replicator
+from kvflow.worker.replication import Replicator, held_replica
 
 LAYOUT = KVLayout(num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, layer_start=2, layer_end=4, dtype=torch.bfloat16)
 TABLES = {"a": (3, 7, 1), "b": (9, 2)}  # block tables (tokens: a 10, b 6 after the two steps)
@@ -56,7 +56,7 @@ def test_the_store_segment_is_written_in_place_and_reported(store):
     replica = store.caches[("token", 0)]
     for rid, n in (("a", 10), ("b", 6)):
         assert torch.equal(replica_rows(replica, rid, n), replica_rows(cache, rid, n))
-    assert reports == [Replicated("token-0", ["a", "b"], [0, 0], [9, 5]), Replicated("token-0", ["a", "b"], [9, 5], [10, 6])]
+    assert reports == [Replicated("token-0", ["a", "b"], [0, 0], [9, 5], 0), Replicated("token-0", ["a", "b"], [9, 5], [10, 6], 0)]
     assert store.nbytes == 0 and rep.nbytes == 16 * LAYOUT.num_layers * 2 * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2
     untouched = torch.ones(LAYOUT.num_blocks, dtype=torch.bool)
     untouched[[b for t in TABLES.values() for b in t]] = False
@@ -87,3 +87,21 @@ def test_a_segment_it_cannot_map_falls_back_to_the_kv_port(store, segment):
     assert reports == [] and store.nbytes > 0
     for rid, n in (("a", 10), ("b", 6)):
         assert torch.equal(replica_rows(store.caches[("token", 0)], rid, n), replica_rows(cache, rid, n))
+
+
+def test_a_ring_holder_maps_the_segment_its_previous_stage_writes_in_place(store):
+    """Ring replication on one host: the store creates the segment (no KV port of its own), the
+    holder maps it as the replica it keeps, and the stage it replicates writes into it in place."""
+    assert store.add("colocated", 0, LAYOUT, port=False) == ""
+    segment = store.segment("colocated", 0)
+    held = held_replica(LAYOUT, segment, "colocated-1")
+    assert held.shared and not held_replica(LAYOUT, "", "colocated-1").shared
+    assert not held_replica(LAYOUT, "kvflow-replica-none-such", "colocated-1").shared  # (then it keeps its own)
+    cache, reports = filled_cache(), []
+    rep = Replicator(cache, 0, "colocated-0", Route("", replica_to="tcp://127.0.0.1:9", replica_shm=segment), 0, b"",
+                     reports.append)
+    for msg in steps():
+        rep.step(msg, TABLES)
+    for rid, n in (("a", 10), ("b", 6)):
+        assert torch.equal(replica_rows(held, rid, n), replica_rows(cache, rid, n))
+    assert [r.stage for r in reports] == [0, 0] and store.nbytes == 0

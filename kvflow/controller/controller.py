@@ -83,18 +83,18 @@ class Controller:
             kv = KVCacheManager(swap.pool_blocks, ecfg.block_size, ecfg.enable_prefix_caching, host, disk)
             sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role)
             self.pipelines.append(Pipeline(spec, stages, kv, sched))
-        self.store: ReplicaStore | None = None  # host replicas of stages with no stage to replicate to
+        self.store: ReplicaStore | None = None  # replicas in shared memory; host caches of stages with no stage to replicate to
         for p in self.pipelines:
-            if cfg.replicates(p.spec) == "store":
+            if (mode := cfg.replicates(p.spec)) is not None:
                 self.store = self.store or ReplicaStore(cfg.host, self.secret)
                 for s in p.stages:
                     self.store.add(p.name, s.stage, KVLayout.for_model(mc, p.kv_manager.num_blocks, ecfg.block_size, s.layers,
-                                                                       dtype=ecfg.torch_dtype))
+                                                                       dtype=ecfg.torch_dtype), port=mode == "store")
         self.token = self.pipelines[-1] if cfg.mode == "disaggregated" else None
         prompt = self.pipelines[:-1] if self.token is not None else self.pipelines
         self.executor = PipelineExecutor(prompt, [self.token] if self.token is not None else [], self)
         self.workers = Workers(cfg, self.pipelines, launcher if launcher is not None else SubprocessLauncher(local_gpus(ecfg.device)),
-                               self.secret)
+                               self.secret, self.store)
         self.recovery = Recovery(self)
         self.stages, self.address = self.workers.stages, self.workers.address
         # state owned by the loop thread once started
@@ -122,7 +122,7 @@ class Controller:
             self.workers.kill_all()
             self.shutdown_blocking()  # sockets and the replica store closed: nothing left to hold up an exit
             raise RuntimeError(str(e)) from None
-        self.workers.wire(self.token, self.store)
+        self.workers.wire(self.token)
         now = time.monotonic()
         for s in self.stages.values():
             s.last_heartbeat = now
@@ -252,7 +252,7 @@ class Controller:
             s = self.stages.get(msg.name)
             if s is not None:
                 p = self.workers.pipeline_of(s)
-                of = s.stage if self.cfg.replicates(p.spec) == "store" else (s.stage - 1) % p.depth  # (its own, written in place)
+                of = msg.stage if msg.stage >= 0 else (s.stage - 1) % p.depth  # (its own: written in place)
                 self.recovery.replicated(p, of, msg.rids, list(zip(msg.starts, msg.ends)))
             return
         elif isinstance(msg, WorkerError):

@@ -42,6 +42,7 @@ class StageHandle:
     step_addr: str = ""
     kv_addr: str = ""
     replica_addr: str = ""  # where the previous stage's replica is received ("" if none)
+    replica_shm: bool = False  # that replica is the controller's shared-memory segment, mapped (`Ready`)
     replica_bytes_sent: int = 0
     last_heartbeat: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0

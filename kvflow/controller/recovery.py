@@ -135,7 +135,7 @@ class Recovery:
         else:
             self.recovering = None
             return False
-        workers.wire(ctrl.token, ctrl.store)
+        workers.wire(ctrl.token)
         lost.alive = True
         t_replaced = time.monotonic()
         if resume is not None and not self._restore(lp, lost, holder, prev, resume):

@@ -2,7 +2,10 @@
 (a pipeline of depth 1, or `ClusterConfig.replication="store"`) copies the KV each step appends.
 
 One host `KVCache` per replicated stage (that stage's layers, the pipeline's block ids), in a POSIX
-shared-memory segment the store creates (and unlinks on close). Two ways in:
+shared-memory segment the store creates (and unlinks on close). The store also creates the segments
+of ring replicas (`add(port=False)`): the holder (the next stage) maps one as the replica it keeps,
+and the stage it replicates writes into it in place, as into the store's (below), when the
+controller can kill both. Two ways into the store's own caches:
 - a worker on this host maps the segment (`Route.replica_shm`) and writes each step's increment in
   place, then reports it (`Replicated`): no thread, socket or acknowledgement on either side, and
   nothing in the controller's process but the report. The controller offers the segment only to
@@ -47,18 +50,23 @@ class ReplicaStore:
         self.dropped = 0
         self._lock = threading.Lock()
 
-    def add(self, pipeline: str, stage: int, layout: KVLayout) -> str:
-        """A replica of `pipeline`'s stage `stage` (its layers, in `layout`); returns its KV address."""
+    def add(self, pipeline: str, stage: int, layout: KVLayout, port: bool = True) -> str:
+        """A replica of `pipeline`'s stage `stage` (its layers, in `layout`): its shared-memory segment
+        and, with `port` (the store holds it), a host cache over it fed by a KV port, whose address
+        is returned ("" without). Without `port` the segment is for a ring: the next stage maps it as
+        the replica it holds (`WorkerSpec.replica_shm`)."""
         key = (pipeline, stage)
         nbytes = math.prod(layout.shape) * layout.dtype.itemsize
         try:
             seg = shared_memory.SharedMemory(name=f"kvflow-replica-{uuid.uuid4().hex[:16]}", create=True, size=nbytes)
         except OSError as e:
-            log.warning("the replica of %s stage %d is not in shared memory (%s): its worker sends it over TCP", pipeline, stage, e)
-            cache = KVCache(layout, "cpu")
+            log.warning("the replica of %s stage %d is not in shared memory (%s): it travels over TCP", pipeline, stage, e)
+            seg = None
         else:
             self.segments[key] = seg
-            cache = KVCache.over(layout, seg.buf)
+        if not port:
+            return ""
+        cache = KVCache.over(layout, seg.buf) if seg is not None else KVCache(layout, "cpu")
         rx = TcpReceiver(self.host)
 
         def arrived(rids: list[str], spans: list[tuple[int, int]]) -> None:

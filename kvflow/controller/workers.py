@@ -31,8 +31,9 @@ class Workers:
     """Every stage process of a controller's pipelines, and the sockets to them: one inbox (PULL)
     that every worker sends to, one PUSH socket per stage."""
 
-    def __init__(self, cfg: ClusterConfig, pipelines: list[Pipeline], launcher: Launcher, secret: bytes) -> None:
-        self.cfg, self.pipelines, self.launcher, self.secret = cfg, pipelines, launcher, secret
+    def __init__(self, cfg: ClusterConfig, pipelines: list[Pipeline], launcher: Launcher, secret: bytes,
+                 store: "ReplicaStore | None" = None) -> None:
+        self.cfg, self.pipelines, self.launcher, self.secret, self.store = cfg, pipelines, launcher, secret, store
         self.stages = {s.name: s for p in pipelines for s in p.stages}
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -98,6 +99,7 @@ class Workers:
                 self._same_kernel_variant(msg.name, msg.kernel_variant)
                 s = self.stages[msg.name]
                 s.kv_addr, s.replica_addr, s.last_heartbeat = msg.kv_addr, msg.replica_addr, time.monotonic()
+                s.replica_shm = msg.replica_shm
                 ready.discard(msg.name)
             elif isinstance(msg, WorkerError) and msg.name in ready:
                 raise StartError(f"worker {msg.name} failed: {msg.message}")
@@ -128,26 +130,29 @@ class Workers:
         p = self.pipeline_of(s)
         mode, (regions, per, _) = self.cfg.replicates(p.spec), self.cfg.swap_layout(p.spec)
         rl = p.stages[(s.stage - 1) % p.depth].layers if mode == "ring" else (-1, -1)
+        shm = self.store.segment(p.name, (s.stage - 1) % p.depth) if mode == "ring" and s.process is not None else ""
         return WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], p.role, self.cfg.threads_per_worker,
-                          self.cfg.kv_send_mode, replica_layer_start=rl[0], replica_layer_end=rl[1],
+                          self.cfg.kv_send_mode, replica_layer_start=rl[0], replica_layer_end=rl[1], replica_shm=shm,
                           replicated=mode is not None, host_kv_slots=p.kv_manager.host.num_slots if p.kv_manager.host else 0,
                           disk_kv_slots=p.kv_manager.disk.num_slots if p.kv_manager.disk else 0, swap_regions=regions,
                           swap_region_blocks=per, pool_blocks=p.kv_manager.num_blocks)
 
-    def wire(self, token: Pipeline | None, store: "ReplicaStore | None") -> None:
+    def wire(self, token: Pipeline | None) -> None:
         """Tell every stage where its output goes (the next stage, or the controller), which token
         stages take a prompt stage's KV, and where its KV replica goes: the next stage's replica
-        port, or the store's (and the store's shared-memory segment to a worker whose process this
-        controller can kill, `ReplicaStore`)."""
+        port, or the store's; and the replica's shared-memory segment to a worker whose process this
+        controller can kill, where the replica is kept in it (the store's; a ring holder that
+        mapped it, `Ready.replica_shm`), to write in place (`ReplicaStore`)."""
         bounds = token.layer_bounds if token is not None else []
         for p in self.pipelines:
             for i, s in enumerate(p.stages):
                 nxt = p.stages[i + 1].step_addr if i + 1 < p.depth else self.address
                 peers = [[t.stage, t.layers[0], t.layers[1], t.kv_addr] for t in token.stages] if p.role == "prompt" else []
                 mode = self.cfg.replicates(p.spec)
-                replica_to = (p.stages[(i + 1) % p.depth].replica_addr if mode == "ring" else
-                              store.addresses[(p.name, i)] if mode == "store" else "")
-                shm = store.segment(p.name, i) if mode == "store" and s.process is not None else ""
+                holder = p.stages[(i + 1) % p.depth]
+                replica_to = (holder.replica_addr if mode == "ring" else self.store.addresses[(p.name, i)] if mode == "store" else "")
+                kept = mode == "store" or (mode == "ring" and holder.replica_shm)
+                shm = self.store.segment(p.name, i) if kept and s.process is not None else ""
                 self.send(s.name, Route(nxt, peers, bounds, replica_to, shm))
 
     def lost(self) -> tuple[StageHandle, str] | None:

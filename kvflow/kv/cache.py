@@ -81,6 +81,8 @@ class KVLayout:
 class KVCache:
     """The KV tensors of one worker (or one engine): see `KVLayout` for the geometry."""
 
+    shared = False  # its tensor is another object's buffer (`over`), e.g. shared memory
+
     def __init__(self, layout: KVLayout, device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
         self.layout = layout
         self.device = torch.device(device)
@@ -97,7 +99,7 @@ class KVCache:
         cache = cls.__new__(cls)
         cache.layout, cache.device = layout, torch.device("cpu")
         flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
-        cache.data = flat.view(layout.dtype).view(layout.shape)
+        cache.data, cache.shared = flat.view(layout.dtype).view(layout.shape), True
         return cache
 
     def _local(self, layer: int) -> int:

@@ -2,10 +2,11 @@
 lives, with the same block ids (a replica mirrors the cache block for block). Two ways, chosen by
 the stage's `Route`:
 
-- **in place** (`Route.replica_shm`): the controller's replica store keeps this stage's replica in a
-  shared-memory segment and offered it; this worker maps it and copies the step's slots into it
-  (from the device through the host on CUDA), then reports the tokens (`Replicated`). No thread,
-  socket or acknowledgement: the copy and one small message;
+- **in place** (`Route.replica_shm`): the replica is kept in a shared-memory segment of the
+  controller's (the replica store's own cache, or the one a ring's next stage holds: `held_replica`)
+  and the controller offered it; this worker maps it and copies the step's slots into it (from the
+  device through the host on CUDA), then reports the tokens (`Replicated` with its own stage). No
+  thread, socket or acknowledgement: the copy and one small message;
 - **as an increment** (`Route.replica_to`): one chunk per step to a KV port (the next stage's
   replica, or the store of a worker that is not offered or cannot map the segment), packed at once
   and sent by a `KVSender`'s background thread while the next step computes; the receiving side
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvflow.kv.cache import KVCache
+from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.streaming.chunk import Segment
 from kvflow.streaming.connector import KVSender
 from kvflow.streaming.primitives import OutStream
@@ -32,12 +33,24 @@ from kvflow.wire import Replicated, Route, Step
 log = logging.getLogger(__name__)
 
 
+def held_replica(layout: KVLayout, segment: str, name: str) -> KVCache:
+    """The replica a ring's stage keeps of the previous stage: the controller's shared-memory segment
+    `segment` mapped (then its `shared` is True, and the previous stage may write into it in place),
+    or, with none or where it cannot be mapped, a host cache of its own."""
+    if segment:
+        try:
+            return KVCache.over(layout, attach(segment))
+        except (OSError, ValueError) as e:
+            log.warning("%s: cannot map the replica segment %s (%s); keeping the replica in its own memory", name, segment, e)
+    return KVCache(layout, "cpu")
+
+
 class Replicator:
     """Replication of one worker's `cache` for one route (a new route: a new Replicator)."""
 
     def __init__(self, cache: KVCache, stage: int, name: str, route: Route, epoch: int, secret: bytes,
                  report: Callable[[Replicated], None]) -> None:
-        self.cache, self.name, self.report = cache, name, report
+        self.cache, self.stage, self.name, self.report = cache, stage, name, report
         self.replica: KVCache | None = None  # the store's segment, mapped (in place)
         self.sender: KVSender | None = None  # (as increments)
         self.written = 0  # bytes written in place
@@ -78,7 +91,7 @@ class Replicator:
         unpack(self.replica, lay.layer_start, lay.layer_end, "kv", at, data)  # (device -> host here on CUDA)
         self.written += data.numel() * data.element_size()
         self.report(Replicated(self.name, [g.request_id for g in segs], [g.token_start for g in segs],
-                               [g.token_end for g in segs]))
+                               [g.token_end for g in segs], self.stage))
 
     def close(self, wait: bool = True) -> None:
         """Stop the sending thread (`wait=False`: without waiting for its peer, which may be gone)."""

@@ -48,7 +48,7 @@ from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.streaming.swapper import SwapSeq, Swapper
 from kvflow.streaming.tier_store import TierStore
 from kvflow.streaming.topology import Transfer
-from kvflow.worker.replication import Replicator
+from kvflow.worker.replication import Replicator, held_replica
 from kvflow.worker.steps import AHEAD, LastSampled, Prepared
 from kvflow.wire import (
     SECRET_ENV, Fence, Heartbeat, Hello, KVArrived, Ready, Replicated, Restore, Route, Setup, Shutdown, Step, StepResult,
@@ -128,7 +128,7 @@ class Worker:
         if spec.replica_layer_start >= 0:  # a host-memory replica of the previous stage's KV
             rl = KVLayout.for_model(ck.config, nblocks, ecfg.block_size,
                                     (spec.replica_layer_start, spec.replica_layer_end), dtype=ecfg.torch_dtype)
-            self.replica = KVCache(rl, "cpu")
+            self.replica = held_replica(rl, spec.replica_shm, self.name)
         self.tiers = None  # the prefix cache's host and disk slots of this stage's layers
         if spec.host_kv_slots:
             path = os.path.join(ecfg.disk_kv_path, spec.name) if ecfg.disk_kv_path else None
@@ -161,7 +161,8 @@ class Worker:
             self.replica_rx = KVReceiver(self.replica, InStream(rx, secret=self.secret), self._replicated, self._kv_dropped,
                                          increments=True)
             self.replica_rx.start()
-        self._to_controller(Ready(self.name, kv_addr, replica_addr, self.model.kernel_variant))
+        self._to_controller(Ready(self.name, kv_addr, replica_addr, self.model.kernel_variant,
+                                  self.replica is not None and self.replica.shared))
         self.out = None
         self._route(self._expect(Route))
         hb = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
