@@ -153,7 +153,7 @@ class Route:
     kv_peers: list[list] = field(default_factory=list)
     token_bounds: list[int] = field(default_factory=list)
     replica_to: str = ""  # the replica port of the stage holding this stage's replica ("": none)
-    replica_shm: str = ""  # or the store's shared-memory segment of it, to write in place if mapped here
+    replica_shm: str = ""  # or its shared-memory segment (the controller's), to write in place if mapped here
 
 
 @dataclass
@@ -178,14 +178,15 @@ class KVArrived:
 
 @dataclass
 class Replicated:
-    """Holder -> controller: its replica of the previous stage (or of `stage`: a worker that wrote its own
-    replica in place) holds tokens [start, end) of these requests (the watermark advances when start <= it)."""
+    """Holder -> controller: its replica of the previous stage (or of `stage`, written in place in a step of
+    `epoch`) holds tokens [start, end) of these requests (the watermark advances when start <= it)."""
 
     name: str
     rids: list[str]
     starts: list[int]
     ends: list[int]
     stage: int = -1
+    epoch: int = -1
 
 
 @dataclass
@@ -211,8 +212,7 @@ class WorkerError:
 
 @dataclass
 class Fence:
-    """Controller -> worker after a failure: from now on only steps of `epoch` count; forget every
-    mirrored block table (`tables`) and every partly received KV hand-off (`kv`)."""
+    """Controller -> worker after a failure: only steps of `epoch` count; forget the mirrored block tables and partial KV."""
 
     epoch: int
     tables: bool = True

@@ -9,8 +9,12 @@ import time
 import pytest
 import torch
 
+from kvflow.config import ClusterConfig, EngineConfig
+from kvflow.controller.controller import Controller
 from kvflow.controller.replica_store import ReplicaStore
 from kvflow.kv.cache import KVCache, KVLayout
+from kvflow.sched.request import Request
+from kvflow.sched.sampling import SamplingParams
 from kvflow.streaming.region import token_slots
 from kvflow.wire import Replicated, Route, SeqStep, Step, new_secret
 from kvflow.worker.replication import Replicator, held_replica
@@ -56,7 +60,7 @@ def test_the_store_segment_is_written_in_place_and_reported(store):
     replica = store.caches[("token", 0)]
     for rid, n in (("a", 10), ("b", 6)):
         assert torch.equal(replica_rows(replica, rid, n), replica_rows(cache, rid, n))
-    assert reports == [Replicated("token-0", ["a", "b"], [0, 0], [9, 5], 0), Replicated("token-0", ["a", "b"], [9, 5], [10, 6], 0)]
+    assert reports == [Replicated("token-0", ["a", "b"], [0, 0], [9, 5], 0, 0), Replicated("token-0", ["a", "b"], [9, 5], [10, 6], 0, 0)]
     assert store.nbytes == 0 and rep.nbytes == 16 * LAYOUT.num_layers * 2 * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2
     untouched = torch.ones(LAYOUT.num_blocks, dtype=torch.bool)
     untouched[[b for t in TABLES.values() for b in t]] = False
@@ -105,3 +109,20 @@ def test_a_ring_holder_maps_the_segment_its_previous_stage_writes_in_place(store
     for rid, n in (("a", 10), ("b", 6)):
         assert torch.equal(replica_rows(held, rid, n), replica_rows(cache, rid, n))
     assert [r.stage for r in reports] == [0, 0] and store.nbytes == 0
+
+
+def test_the_controller_drops_an_in_place_report_of_a_step_a_recovery_voided(tiny_ckpt_dir):
+    """A worker writing in place learns of a recovery only after the step it is in: its report of that
+    step (an older epoch) must not move the watermark (the request may be recomputed in new blocks)."""
+    ctrl = Controller(ClusterConfig(engine=EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=64, block_size=4),
+                                    mode="colocated", depth=1))
+    try:
+        p, name = ctrl.pipelines[0], ctrl.pipelines[0].stages[0].name
+        ctrl.reqs["r"] = Request("r", [1, 2, 3], SamplingParams())
+        ctrl.epoch = 2
+        ctrl.handle(Replicated(name, ["r"], [0], [3], 0, 1), None)
+        assert p.watermark.get(0, {}).get("r", 0) == 0
+        ctrl.handle(Replicated(name, ["r"], [0], [3], 0, 2), None)
+        assert p.watermark[0]["r"] == 3
+    finally:
+        ctrl.shutdown_blocking()

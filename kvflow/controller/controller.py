@@ -250,7 +250,7 @@ class Controller:
             return
         elif isinstance(msg, Replicated):
             s = self.stages.get(msg.name)
-            if s is not None:
+            if s is not None and msg.epoch in (-1, self.epoch):  # (a step voided by a recovery wrote it: moot)
                 p = self.workers.pipeline_of(s)
                 of = msg.stage if msg.stage >= 0 else (s.stage - 1) % p.depth  # (its own: written in place)
                 self.recovery.replicated(p, of, msg.rids, list(zip(msg.starts, msg.ends)))

@@ -91,7 +91,7 @@ class Replicator:
         unpack(self.replica, lay.layer_start, lay.layer_end, "kv", at, data)  # (device -> host here on CUDA)
         self.written += data.numel() * data.element_size()
         self.report(Replicated(self.name, [g.request_id for g in segs], [g.token_start for g in segs],
-                               [g.token_end for g in segs], self.stage))
+                               [g.token_end for g in segs], self.stage, msg.epoch))
 
     def close(self, wait: bool = True) -> None:
         """Stop the sending thread (`wait=False`: without waiting for its peer, which may be gone)."""
