@@ -4,8 +4,9 @@ the stage's `Route`:
 
 - **in place** (`Route.replica_shm`): the replica is kept in a shared-memory segment of the
   controller's (the replica store's own cache, or the one a ring's next stage holds: `held_replica`)
-  and the controller offered it; this worker maps it and copies the step's slots into it (from the
-  device through the host on CUDA), then reports the tokens (`Replicated` with its own stage). No
+  and the controller offered it; this worker maps it and copies the step's slots into it (packed
+  into a reused `Staging` buffer: on CUDA gathered on the device and copied to pinned memory on a
+  side stream), then reports the tokens (`Replicated` with its own stage and the step's epoch). No
   thread, socket or acknowledgement: the copy and one small message;
 - **as an increment** (`Route.replica_to`): one chunk per step to a KV port (the next stage's
   replica, or the store of a worker that is not offered or cannot map the segment), packed at once
@@ -26,7 +27,8 @@ from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.streaming.chunk import Segment
 from kvflow.streaming.connector import KVSender
 from kvflow.streaming.primitives import OutStream
-from kvflow.streaming.region import pack, token_slots, unpack
+from kvflow.streaming.region import token_slots, unpack
+from kvflow.streaming.staging import Staging
 from kvflow.streaming.transports.shm_segment import attach
 from kvflow.wire import Replicated, Route, Step
 
@@ -56,8 +58,8 @@ class Replicator:
         self.written = 0  # bytes written in place
         if route.replica_shm:
             try:
-                self._mapping = attach(route.replica_shm)
-                self.replica = KVCache.over(cache.layout, self._mapping)
+                self.replica = KVCache.over(cache.layout, attach(route.replica_shm))
+                self._staging = Staging(cache.device)  # (one reused buffer: packed, then copied in)
             except (OSError, ValueError) as e:  # another host, or a segment not of this cache's size
                 log.warning("%s: cannot map its replica %s (%s); sending increments to %s instead", name,
                             route.replica_shm, e, route.replica_to)
@@ -87,8 +89,10 @@ class Replicator:
             return
         lay = self.cache.layout
         at = torch.tensor(slots, dtype=torch.long)
-        data = pack(self.cache, (lay.layer_start, lay.layer_end), at.to(self.cache.device))
-        unpack(self.replica, lay.layer_start, lay.layer_end, "kv", at, data)  # (device -> host here on CUDA)
+        data, copied = self._staging.pack(self.cache, (lay.layer_start, lay.layer_end), at)  # (CUDA: to pinned memory)
+        if copied is not None:
+            copied.synchronize()
+        unpack(self.replica, lay.layer_start, lay.layer_end, "kv", at, data)
         self.written += data.numel() * data.element_size()
         self.report(Replicated(self.name, [g.request_id for g in segs], [g.token_start for g in segs],
                                [g.token_end for g in segs], self.stage, msg.epoch))
