@@ -4,6 +4,7 @@ store's KV port when the segment cannot be mapped."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -126,3 +127,15 @@ def test_the_controller_drops_an_in_place_report_of_a_step_a_recovery_voided(tin
         assert p.watermark[0]["r"] == 3
     finally:
         ctrl.shutdown_blocking()
+
+
+def test_a_replica_dev_shm_cannot_hold_is_not_put_there(store):
+    """A segment's memory is reserved when it is made: one larger than /dev/shm's room is refused at
+    once (the replica then travels over TCP) instead of a SIGBUS at the first write beyond it."""
+    st = os.statvfs("/dev/shm")
+    block = LAYOUT.num_layers * 2 * LAYOUT.block_size * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2
+    huge = KVLayout(st.f_bavail * st.f_frsize // block + 1024, 4, 2, 8, 2, 4, torch.bfloat16)
+    store.add("colocated", 0, huge, port=False)
+    assert store.segment("colocated", 0) == ""
+    store.add("colocated", 1, LAYOUT, port=False)
+    assert store.segment("colocated", 1)

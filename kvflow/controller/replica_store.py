@@ -34,6 +34,7 @@ from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.streaming.connector import KVReceiver, send_restore
 from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.streaming.transports.tcp import TcpSender
+from kvflow.streaming.transports.shm_segment import create
 from kvflow.streaming.transports.tcp_receiver import TcpReceiver
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class ReplicaStore:
         key = (pipeline, stage)
         nbytes = math.prod(layout.shape) * layout.dtype.itemsize
         try:
-            seg = shared_memory.SharedMemory(name=f"kvflow-replica-{uuid.uuid4().hex[:16]}", create=True, size=nbytes)
+            seg = create(f"kvflow-replica-{uuid.uuid4().hex[:16]}", nbytes)
         except OSError as e:
             log.warning("the replica of %s stage %d is not in shared memory (%s): it travels over TCP", pipeline, stage, e)
             seg = None

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections import deque
+from multiprocessing import shared_memory
 
 import _posixshmem
 import numpy as np
@@ -62,6 +63,25 @@ def attach(name: str) -> mmap.mmap:
         return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+
+
+def create(name: str, nbytes: int) -> shared_memory.SharedMemory:
+    """A new segment `name` of `nbytes`, owned by this process (registered with the resource tracker,
+    so a killed owner's segment is still removed), with its memory reserved up front
+    (`posix_fallocate`): OSError (ENOSPC) when /dev/shm cannot hold it, rather than a SIGBUS at
+    the first write beyond its limit."""
+    seg = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+    except OSError:
+        seg.close()
+        seg.unlink()
+        raise
+    return seg
 
 
 _fence_lock = threading.Lock()
