@@ -465,6 +465,9 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
             t0 = time.perf_counter()
             got = await asyncio.gather(*[one(p, f"r{i}") for i, p in enumerate(ps)])
             result = {"tok_s": sum(got) / (time.perf_counter() - t0)}
+            store = getattr(backend, "store", None)
+            if store is not None:  # where the replicas went: shared-memory segments written in place, or the KV port
+                result.update(replica_segments=len(getattr(store, "segments", ())), replica_port_bytes=store.nbytes)
             token_steps = [r for r in list(log)[before:] if r[0] <= n] if log is not None else []  # (tokens, busy[, trip])
             if token_steps:
                 result["token_step_compute_ms"] = 1e3 * statistics.median(r[1] for r in token_steps)

@@ -29,7 +29,8 @@ if [ -d .gpu-wheels ] && ! "$PY" -c "import zmq" 2>/dev/null; then
   export PYTHONPATH="/tmp/kvflow-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-{ nvidia-smi; "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
+{ nvidia-smi; df -h /dev/shm; nproc  # (/dev/shm holds the pipelines' KV replicas: a small one sends them over TCP)
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
   > "$OUT/versions.txt" 2>&1
 tail -1 "$OUT/versions.txt"
 PART=${1:-all}
