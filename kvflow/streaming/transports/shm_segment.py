@@ -11,6 +11,7 @@ first-in first-out ranges (`Ring`).
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -69,7 +70,11 @@ def create(name: str, nbytes: int) -> shared_memory.SharedMemory:
     """A new segment `name` of `nbytes`, owned by this process (registered with the resource tracker,
     so a killed owner's segment is still removed), with its memory reserved up front
     (`posix_fallocate`): OSError (ENOSPC) when /dev/shm cannot hold it, rather than a SIGBUS at
-    the first write beyond its limit."""
+    the first write beyond its limit. The free room is checked first: tmpfs refuses only a request
+    beyond its whole size at once, and fills the rest page by page before it gives up."""
+    st = os.statvfs("/dev/shm")
+    if nbytes > st.f_bavail * st.f_frsize:
+        raise OSError(errno.ENOSPC, f"/dev/shm has {st.f_bavail * st.f_frsize} bytes free, not {nbytes}")
     seg = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
     try:
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
