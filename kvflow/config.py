@@ -215,10 +215,11 @@ class ClusterConfig:
     device budget, split into min(2, depth) regions; only the batch computing on a stage and the next
     one keep their KV on its device, the others' lives in host memory, so the pipeline's pool holds
     depth / min(2, depth) times the blocks (`swap_layout`).
-    `decode_ahead` (default on): a token or colocated pipeline of one stage (continuous policy, no
-    swapping) decodes one batch ahead of the controller: greedy decodes are sent again before their
-    token comes back, the worker feeding in the id it sampled, so it computes while the controller
-    applies the previous step (`SchedulerConfig.decode_ahead`); elsewhere it does nothing.
+    `decode_ahead` (default on): a token or colocated pipeline (continuous policy, no swapping)
+    decodes one batch ahead of the controller: greedy decodes are sent again before their token
+    comes back, the first stage feeding in the id the last one sampled (sent to it directly, or its
+    own with one stage), so the stages compute while the controller applies the previous step
+    (`SchedulerConfig.decode_ahead`); elsewhere it does nothing.
     """
 
     engine: EngineConfig = EngineConfig(num_kv_blocks=2048)

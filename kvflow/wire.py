@@ -1,16 +1,15 @@
 """Messages between the controller and the worker processes, and their one codec.
 
-Belongs to neither side: both import it. Messages are small dataclasses packed with msgpack; a
-tensor travels as a raw frame beside the header, never pickled. Every message is authenticated:
-the frames are `[header, mac, (tensor)]`, `mac` a keyed BLAKE2b over header and tensor bytes with
-the cluster's secret (handed to each worker at launch), so a stranger who can reach a port cannot
-inject steps. `decode` never raises anything but `WireError` for bytes it does not accept (bad MAC,
-not msgpack, unknown type, wrong field types, a tensor frame of the wrong size): the loop that
-receives drops the message and counts it.
+Belongs to neither side: both import it. Messages are small dataclasses packed with msgpack; a tensor travels
+as a raw frame beside the header, never pickled. Every message is authenticated: the frames are
+`[header, mac, (tensor)]`, `mac` a keyed BLAKE2b over header and tensor bytes with the cluster's secret (handed
+to each worker at launch), so a stranger who can reach a port cannot inject steps. `decode` never raises
+anything but `WireError` for bytes it does not accept (bad MAC, not msgpack, unknown type, wrong field types,
+a tensor frame of the wrong size): the loop that receives drops the message and counts it.
 
-Steps are deltas: a request's first step after admission (or preemption) carries its whole block
-table (`full_table`), later ones only the blocks added. Every step and result carries the controller's
-`epoch`, so a result from before a recovery is recognised as stale and dropped.
+Steps are deltas: a request's first step after admission (or preemption) carries its whole block table
+(`full_table`), later ones only the blocks added. Every step and result carries the controller's `epoch`, so
+a result from before a recovery is recognised as stale and dropped.
 """
 
 from __future__ import annotations
@@ -101,8 +100,8 @@ class Step:
 
 @dataclass
 class StepResult:
-    """Last stage -> controller: last-token logits of each sequence not in the step's `argmax_rows`
-    (tensor frame, in row order), and the argmax of each that is."""
+    """Last stage -> controller (and a decode-ahead stage 0): last-token logits of each sequence not in
+    the step's `argmax_rows` (tensor frame, in row order), and the argmax of each that is."""
 
     epoch: int
     batch: int
@@ -110,7 +109,8 @@ class StepResult:
     busy_s: float = 0.0  # compute seconds of the step in every stage of the pipeline, summed
     tier_failed: list[int] = field(default_factory=list)  # host slots whose disk block any stage rejected
     argmax_rows: list[int] = field(default_factory=list)  # the step's `argmax_rows`, whose tokens are
-    argmax_ids: list[int] = field(default_factory=list)  # these (the tensor holds the other rows)
+    argmax_ids: list[int] = field(default_factory=list)  # these (the tensor holds the other rows),
+    positions: list[int] = field(default_factory=list)  # at these positions (sent to a decode-ahead stage 0 too)
 
 
 @dataclass
@@ -154,6 +154,7 @@ class Route:
     token_bounds: list[int] = field(default_factory=list)
     replica_to: str = ""  # the replica port of the stage holding this stage's replica ("": none)
     replica_shm: str = ""  # or its shared-memory segment (the controller's), to write in place if mapped here
+    ids_to: str = ""  # decoding ahead, the last stage of a deeper pipeline: stage 0's step port (its results too)
 
 
 @dataclass
@@ -235,9 +236,8 @@ LEAF_BYTES = 1 << 20  # a tensor frame longer than this is MACed as leaves hashe
 
 def _mac(secret: bytes, header: bytes, payload) -> bytes:
     """Keyed BLAKE2b over the header and the tensor frame. A frame of more than `LEAF_BYTES` (a prompt
-    chunk's hidden states: megabytes) is MACed as its leaves' keyed digests,
-    each bound to its index and the frame's length, computed on a thread pool (hashlib lets go of the
-    GIL while it hashes), so a stage does not spend its step hashing on one core."""
+    chunk's hidden states: megabytes) is MACed as its leaves' keyed digests, each bound to its index and
+    the frame's length, computed on a thread pool (hashlib lets go of the GIL while it hashes)."""
     view = memoryview(payload).cast("B") if payload is not None else None
     leaves = view is not None and len(view) > LEAF_BYTES
     h = hashlib.blake2b(key=secret, digest_size=MAC_BYTES, person=b"kvflow-leaves" if leaves else b"")

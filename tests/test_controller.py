@@ -86,12 +86,14 @@ def test_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, kw):
 @pytest.mark.parametrize(
     "kw",
     [dict(mode="colocated", depth=1), dict(mode="disaggregated", prompt_depth=1, token_depth=1),
-     dict(mode="disaggregated", prompt_depth=2, token_depth=1)],
-    ids=["colocated-1", "disagg-1-1", "disagg-2-1"],
+     dict(mode="disaggregated", prompt_depth=2, token_depth=1), dict(mode="colocated", depth=2),
+     dict(mode="disaggregated", prompt_depth=1, token_depth=2)],
+    ids=["colocated-1", "disagg-1-1", "disagg-2-1", "colocated-2", "disagg-1-2"],
 )
 def test_decoding_ahead_gives_the_engine_tokens(tiny_ckpt_dir, kw):
-    # the one-stage decoding pipeline runs greedy decodes one step ahead (its worker feeds in the
-    # token it sampled); requests finish at their last token, whatever was computed after it
+    # the decoding pipeline runs greedy decodes one step ahead (its first stage feeds in the token its
+    # last stage sampled: its own, or sent to it); requests finish at their last token, whatever was
+    # computed after it
     cfg = _cfg(tiny_ckpt_dir, microbatch_size=6, prompt_microbatch_size=6, **kw)  # (decode_ahead: on by default)
     ahead: list[int] = []
     results, stats, free = serve(cfg, PROMPTS, LENGTHS, ahead)

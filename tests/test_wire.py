@@ -284,3 +284,42 @@ def test_a_decode_ahead_step_takes_the_id_the_worker_sampled_for_its_position():
     last.record(Step(0, 4, [], [], free=["a"]), [], [])  # a's table dropped: its id with it
     with pytest.raises(RuntimeError):
         last.fill(Step(0, 5, [SeqStep("a", 5, 1, [])], [AHEAD]))
+
+
+def test_a_first_stage_takes_the_last_stages_ids_and_holds_a_step_until_they_are_in():
+    from kvflow.sched.output import AHEAD
+    from kvflow.worker.steps import LastSampled
+
+    last = LastSampled()
+    ahead = Step(0, 2, [SeqStep("a", 5, 1, []), SeqStep("b", 3, 1, [])], [AHEAD, AHEAD])
+    assert last.ready(Step(0, 1, [SeqStep("a", 4, 1, [])], [7]))  # (nothing to fill)
+    assert not last.ready(ahead)
+    # the last stage's result for batch 1, sent on with the positions its rows' tokens go to
+    res = StepResult(0, 1, ["a", "x", "b"], 0.0, [], [0, 2], [11, 12], [5, 3])
+    last.take(res, known={"a": [1]})  # b was freed meanwhile: its id is not kept
+    assert not last.ready(ahead)
+    last.take(res, known={"a": [1], "b": [2]})
+    assert last.ready(ahead)
+    last.fill(ahead)
+    assert ahead.token_ids == [11, 12]
+    wire = decode(encode(res, SECRET, torch.empty(0)), SECRET)[0]
+    assert wire.positions == [5, 3]
+
+
+def test_a_first_stage_runs_held_steps_in_order_once_their_ids_are_in_and_reports_ids_that_never_come():
+    from kvflow.sched.output import AHEAD
+    from kvflow.worker.steps import LastSampled
+
+    last = LastSampled()
+    plain = Step(0, 1, [SeqStep("b", 0, 2, [])], [5, 6])
+    ahead = Step(0, 2, [SeqStep("a", 5, 1, [])], [AHEAD])
+    assert last.admit((plain,)) == [(plain,)]  # nothing to wait for
+    assert last.admit((ahead,)) == [] and last.admit((plain,)) == []  # held, and the step after it with it
+    assert last.released() == []
+    last.take(StepResult(0, 1, ["a"], 0.0, [], [0], [11], [5]), known={"a": [1]})
+    assert last.released() == [(ahead,), (plain,)] and ahead.token_ids == [AHEAD]  # (filled when it runs)
+    assert not last.overdue()
+    last.HOLD_LIMIT_S = -1.0  # (any wait is too long)
+    stuck = Step(0, 3, [SeqStep("a", 6, 1, [])], [AHEAD])
+    assert last.admit((stuck,)) == [] and last.overdue()
+    assert last.drop_held() == 1 and not last.overdue()

@@ -100,8 +100,8 @@ def register(sub) -> None:
                         "memory, swapped in while the previous one computes (DejaVu microbatch swapping); --kv-cache-gb "
                         "is then each stage's device budget, and the pipeline holds depth/min(2, depth) times more KV")
     p.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=True,
-                   help="a one-stage token (or colocated) pipeline computes the next greedy decode step while the "
-                        "controller applies the previous one (--no-decode-ahead: one step at a time)")
+                   help="token (and colocated) pipelines compute the next greedy decode step while the controller "
+                        "applies the previous one (--no-decode-ahead: one step at a time)")
     p.add_argument("--internal-host", default=None,
                    help="interface the controller and workers bind for their internal sockets "
                         "(default 127.0.0.1, whatever --host the HTTP server uses)")

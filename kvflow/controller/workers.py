@@ -142,7 +142,8 @@ class Workers:
         stages take a prompt stage's KV, and where its KV replica goes: the next stage's replica
         port, or the store's; and the replica's shared-memory segment to a worker whose process this
         controller can kill, where the replica is kept in it (the store's; a ring holder that
-        mapped it, `Ready.replica_shm`), to write in place (`ReplicaStore`)."""
+        mapped it, `Ready.replica_shm`), to write in place (`ReplicaStore`). The last stage of a
+        deeper pipeline that decodes ahead also sends its results to stage 0 (`Route.ids_to`)."""
         bounds = token.layer_bounds if token is not None else []
         for p in self.pipelines:
             for i, s in enumerate(p.stages):
@@ -153,7 +154,8 @@ class Workers:
                 replica_to = (holder.replica_addr if mode == "ring" else self.store.addresses[(p.name, i)] if mode == "store" else "")
                 kept = mode == "store" or (mode == "ring" and holder.replica_shm)
                 shm = self.store.segment(p.name, i) if kept and s.process is not None else ""
-                self.send(s.name, Route(nxt, peers, bounds, replica_to, shm))
+                ahead = p.sched.config.decode_ahead and p.depth > 1 and i == p.depth - 1  # (its ids to stage 0)
+                self.send(s.name, Route(nxt, peers, bounds, replica_to, shm, p.stages[0].step_addr if ahead else ""))
 
     def lost(self) -> tuple[StageHandle, str] | None:
         """The first live stage whose process exited or whose heartbeats stopped, and why."""

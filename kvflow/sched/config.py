@@ -51,11 +51,13 @@ class SchedulerConfig:
     max_tokens, capped at the context) plus its own fit in the pool, so a running request never
     has to be preempted and recomputed (on a CPU a recompute costs a whole prefill). Off: admit
     while the next chunk fits and preempt the newest request when blocks run out (vLLM's way).
-    `decode_ahead` (continuous, no swapping; a pipeline whose first stage is its last): one batch more
-    than `max_in_flight` may be in flight, and a plain greedy decode already in flight is scheduled
-    again at the next position (`ScheduledSeq.ahead`): its input token is the one its in-flight batch
-    samples, which the worker feeds in itself (`output.AHEAD`), so the worker computes the next step
-    while the executor applies the previous one (vLLM v1's async scheduling). A request that finishes
+    `decode_ahead` (continuous, no swapping): up to `max_in_flight` batches more may be in flight (one
+    after each batch: its successor), and a plain greedy decode already in flight is scheduled again
+    at the next position
+    (`ScheduledSeq.ahead`): its input token is the one its in-flight batch samples, which the
+    pipeline's first stage feeds in itself (`output.AHEAD`; the last stage sends it the ids it
+    sampled), so the workers compute the next step while the executor applies the previous one
+    (vLLM v1's async scheduling). A request that finishes
     in its in-flight batch has the extra token discarded and keeps its blocks until that returns."""
 
     policy: str = "continuous"
@@ -119,8 +121,9 @@ def pipeline_scheduler(base: SchedulerConfig, policy: str, depth: int, microbatc
     """The scheduler of a pipeline of `depth` stages: `base`'s budgets with `policy`, up to `depth`
     batches in flight (one per stage) of at most `microbatch_size` requests, and `swap`'s device
     regions (None: no swapping). `decode_ahead` is asked for; it applies only where it can (the
-    continuous policy, no swapping, one stage: the worker that samples a token also embeds the next)."""
+    continuous policy, no swapping: the first stage takes in the ids the last one sampled, from
+    itself in a pipeline of one stage, else sent to it by the last)."""
     regions, per = (swap.regions, swap.region_blocks) if swap is not None else (0, 0)
-    ahead = decode_ahead and policy == "continuous" and not regions and depth == 1
+    ahead = decode_ahead and policy == "continuous" and not regions
     return replace(base, policy=policy, microbatch_size=microbatch_size, max_in_flight=depth, swap_regions=regions,
                    swap_region_blocks=per, decode_ahead=ahead)

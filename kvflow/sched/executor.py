@@ -147,14 +147,15 @@ class PipelineExecutor:
             self.fill(p)
 
     def fill(self, p: PipelineState) -> None:
-        """While `p` has fewer than `depth` batches in flight (one more when it decodes ahead,
-        `SchedulerConfig.decode_ahead`): offer it queued requests, schedule, route preemptions, dispatch."""
+        """While `p` has fewer than `depth` batches in flight (twice as many when it decodes ahead,
+        `SchedulerConfig.decode_ahead`: each batch's successor sent before it returns): offer it queued
+        requests, schedule, route preemptions, dispatch."""
         if p.down:
             return
         if p.ready:
             self.handoff.fill_microbatches(p)
         admitting = p.role != "token" and not (self.rigid_rounds and p.sched.running)
-        slots = p.depth + 1 if p.sched.config.decode_ahead else p.depth
+        slots = 2 * p.depth if p.sched.config.decode_ahead else p.depth
         while len(p.in_flight) < slots:
             offered = self._offer(p) if admitting else []
             out = p.sched.schedule()

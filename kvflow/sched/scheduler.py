@@ -148,18 +148,15 @@ class Scheduler(MicrobatchPolicy):
         preempted: list[Request] = []
         room = self.config.swap_region_blocks if self.config.swap_regions else None  # swapping: a batch fits a region
         bs = self.kv_manager.block_size
-        if self.config.decode_ahead and self.role != "prompt" and self._batches >= self.config.max_in_flight:
-            # the batch beyond `max_in_flight` of decoding ahead: the decodes in flight that can go ahead,
+        ahead = self.config.decode_ahead and self.role != "prompt"
+        if ahead and self._batches >= self.config.max_in_flight:
+            # a batch beyond `max_in_flight` of decoding ahead: the decodes in flight that can go ahead,
             # and the rest only beside them (else requests that cannot would split off into batches of
             # their own, alternating with the others: they wait for the next batch, the serial path)
-            for req in list(self.running):
-                if budget <= 0 or len(seqs) >= cap:
-                    break
-                if req.request_id in self.in_flight and req.status is RUNNING and (s := self._ahead(req)) is not None:
-                    seqs.append(s)
-                    budget -= 1
+            budget = self._gather_ahead(seqs, budget, cap)
             if not seqs:
                 return seqs, preempted
+            ahead = False
         for req in list(self.running):
             if budget <= 0 or len(seqs) >= cap:
                 break
@@ -199,7 +196,20 @@ class Scheduler(MicrobatchPolicy):
             budget -= s.num_new_tokens
             if room is not None:
                 room -= len(req.block_ids)
+        if ahead and not seqs and self._batches:  # a free slot nothing else takes (fewer microbatches than stages)
+            self._gather_ahead(seqs, budget, cap)
         return seqs, preempted
+
+    def _gather_ahead(self, seqs: list[ScheduledSeq], budget: int, cap: int) -> int:
+        """Append the decode-ahead seqs of requests in flight (in running order) to `seqs`, within the
+        token budget and the batch cap; returns the budget left."""
+        for req in list(self.running):
+            if budget <= 0 or len(seqs) >= cap:
+                break
+            if req.request_id in self.in_flight and req.status is RUNNING and (s := self._ahead(req)) is not None:
+                seqs.append(s)
+                budget -= 1
+        return budget
 
     def _take(self, req: Request, budget: int, preempted: list[Request]) -> ScheduledSeq | None:
         """Schedule up to a chunk of `req`'s pending tokens, preempting the newest request that is not

@@ -163,9 +163,10 @@ class SimConfig:
     `shared_host`: every stage of every pipeline runs on one host (a local cluster of worker
     processes): a stage's step that starts while another stage computes is slowed by the
     performance model's `co_run_factor` for as long as they overlap.
-    `decode_ahead`: one-stage token and colocated pipelines run greedy decodes one batch ahead
+    `decode_ahead`: token and colocated pipelines run greedy decodes one batch ahead
     (`ClusterConfig.decode_ahead`: the same scheduling; no step time is modelled for the controller,
-    so it changes only which batches run).
+    so it changes which batches run, and a decode-ahead pass starts on stage 0 no earlier than the
+    passes it takes its input from have left the last stage, plus a hop).
     """
 
     layout: Layout

@@ -230,7 +230,7 @@ class Simulator:
         shape = BatchShape.of(seqs)
         t = self._step_time(shape, p)
         hop = self._hop(shape.tokens, p) if p.depth > 1 else 0.0
-        spans = p.place(self.now, t, hop, self._durations(shape, p, t))
+        spans = p.place(self.ready_at(p, wire_id, out), t, hop, self._durations(shape, p, t))
         pas = p.passes[wire_id] = Pass(t, spans[-1][1])
         if streams:  # what the token side's cached prefix lacks
             tokens = sum(k.end - k.start for k in streams)
@@ -238,6 +238,18 @@ class Simulator:
         elif p.role == "prompt":
             pas.kv_done = spans[-1][1]
         self._events.append(PassDone(spans[-1][1], p, wire_id, pas))
+
+    def ready_at(self, p: SimPipeline, wire_id: int, out: SchedulerOutput) -> float:
+        """When batch `wire_id` can start on stage 0 (if free): now, or decoding ahead in a deeper
+        pipeline, once the passes in flight that sample its requests' input ids have left the last
+        stage and the ids made the hop back (in a pipeline of one stage they come first, FIFO)."""
+        start = self.now
+        if p.depth > 1 and p.sched.config.decode_ahead and len(p.in_flight) > 1:
+            mine = {id(s[0]) for s in out.seqs}
+            for w, o in p.in_flight.items():
+                if w != wire_id and w in p.passes and any(id(s[0]) in mine for s in o.seqs):
+                    start = max(start, p.passes[w].done_at + self._hop(len(o.seqs), p))
+        return start
 
     def sample(self, p: SimPipeline, out: SchedulerOutput, rows: list[int], result) -> list[int]:
         return [SAMPLED] * len(rows)

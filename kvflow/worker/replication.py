@@ -14,6 +14,7 @@ the stage's `Route`:
   reports it.
 
 Either way the copy starts after the step's output left, so it overlaps the controller's work on it.
+`restore` is the worker's part of a recovery: a replica (or its own KV) sent back, `Restore`.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import torch
 
 from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.streaming.chunk import Segment
-from kvflow.streaming.connector import KVSender
+from kvflow.streaming.connector import KVSender, send_restore
 from kvflow.streaming.primitives import OutStream
 from kvflow.streaming.region import token_slots, unpack
 from kvflow.streaming.staging import Staging
 from kvflow.streaming.transports.shm_segment import attach
-from kvflow.wire import Replicated, Route, Step
+from kvflow.wire import Replicated, Restore, Route, Step
 
 log = logging.getLogger(__name__)
 
@@ -102,3 +103,18 @@ class Replicator:
         if self.sender is not None:
             self.sender.close(wait=wait)
         self.replica = None  # (the mapping closes once nothing views it)
+
+
+def restore(cache: KVCache | None, msg: Restore, name: str, secret: bytes) -> None:
+    """`Restore`: send tokens [0, n) of the listed requests from `cache` (the worker's own, "main", or
+    the replica it holds) to `msg.to_addr` (a replacement's cache or replica), synchronously: the
+    pipeline is paused for the recovery."""
+    from kvflow.streaming.transports.tcp import TcpSender
+
+    if cache is None:
+        raise ValueError(f"{name} has no {msg.source!r} KV to restore from")
+    out = OutStream(TcpSender(msg.to_addr), f"{name}-restore@{msg.epoch}", secret)
+    try:
+        send_restore(cache, msg.items, out, msg.dst_stage, msg.epoch)
+    finally:
+        out.sender.close()

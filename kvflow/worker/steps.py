@@ -1,15 +1,18 @@
-"""What a worker keeps between steps besides its KV: a prepared step (`Prepared`), and the ids its
-last stage sampled (`LastSampled`), which the first stage (the same process: decode-ahead pipelines
-have one stage) feeds into a decode-ahead step in place of `AHEAD` (`SchedulerConfig.decode_ahead`)."""
+"""What a worker keeps between steps besides its KV: a prepared step (`Prepared`), and the ids the
+pipeline's last stage sampled (`LastSampled`), which its first stage feeds into a decode-ahead step in
+place of `AHEAD` (`SchedulerConfig.decode_ahead`): its own in a pipeline of one stage, else sent to it
+by the last stage (its `StepResult`s, with the positions)."""
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 
 from kvflow.model.batch import ForwardBatch
 from kvflow.sched.output import AHEAD
 from kvflow.streaming.swapper import SwapSeq
-from kvflow.wire import Step
+from kvflow.wire import Step, StepResult
 
 
 @dataclass
@@ -23,10 +26,41 @@ class Prepared:
 
 
 class LastSampled:
-    """Request id -> (position, id) of the token this worker sampled (argmax) for it last."""
+    """Request id -> (position, id) of the token the pipeline's last stage sampled (argmax) for it last,
+    and (a first stage of several) the steps held until the ids they take in are in."""
+
+    HOLD_LIMIT_S = 120.0  # a held step whose ids have not come in this long: reported, not waited on forever
 
     def __init__(self) -> None:
         self.ids: dict[str, tuple[int, int]] = {}
+        self.held: deque[tuple] = deque()  # (step, ...) in arrival order
+        self.held_since = 0.0
+
+    def admit(self, item: tuple) -> list[tuple]:
+        """A step (`item[0]`, with what goes with it) in arrival order: the steps to run now (it, or
+        none while it or one before it waits for ids)."""
+        if not self.held and self.ready(item[0]):
+            return [item]
+        if not self.held:
+            self.held_since = time.monotonic()
+        self.held.append(item)
+        return []
+
+    def released(self) -> list[tuple]:
+        """The held steps that can run now that more ids are in, in order."""
+        out = []
+        while self.held and self.ready(self.held[0][0]):
+            out.append(self.held.popleft())
+            self.held_since = time.monotonic()
+        return out
+
+    def overdue(self) -> bool:
+        return bool(self.held) and time.monotonic() - self.held_since > self.HOLD_LIMIT_S
+
+    def drop_held(self) -> int:
+        n = len(self.held)
+        self.held.clear()
+        return n
 
     def record(self, msg: Step, rows: list[int], ids: list[int]) -> None:
         """The ids sampled for `msg`'s `rows` (each the token after its seq's context)."""
@@ -36,9 +70,29 @@ class LastSampled:
         for i, t in zip(rows, ids):
             last[seqs[i].rid] = (seqs[i].context_len, t)
 
+    def take(self, res: StepResult, known) -> None:
+        """The ids the last stage sampled (its result, sent on to this first stage with positions), of
+        the requests in `known` (not yet freed: one freed meanwhile is not kept)."""
+        last, rids = self.ids, res.rids
+        for row, pos, t in zip(res.argmax_rows, res.positions, res.argmax_ids):
+            if rids[row] in known:
+                last[rids[row]] = (pos, t)
+
+    def ready(self, msg: Step) -> bool:
+        """Whether every `AHEAD` of `msg` can be filled: a first stage of several stages may have the
+        step before the last stage's ids for it (they travel apart)."""
+        if AHEAD not in msg.token_ids:
+            return True
+        at, ids = 0, msg.token_ids
+        for s in msg.seqs:
+            at += s.num_new
+            if ids[at - 1] == AHEAD and self.ids.get(s.rid, (-1,))[0] != s.context_len - 1:
+                return False
+        return True
+
     def fill(self, msg: Step) -> None:
         """Replace each `AHEAD` in `msg.token_ids` (a seq's last token) by the id sampled for its
-        position; a decode-ahead step always follows the step that samples its input, in order."""
+        position (a step is run only once it is `ready`)."""
         at = 0
         for s in msg.seqs:
             at += s.num_new
@@ -50,3 +104,4 @@ class LastSampled:
 
     def clear(self) -> None:
         self.ids.clear()
+        self.held.clear()

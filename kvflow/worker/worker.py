@@ -42,13 +42,13 @@ from kvflow.model import cuda_graphs
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
-from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender, send_restore
+from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender
 from kvflow.streaming.errors import peer_gone
 from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.streaming.swapper import SwapSeq, Swapper
 from kvflow.streaming.tier_store import TierStore
 from kvflow.streaming.topology import Transfer
-from kvflow.worker.replication import Replicator, held_replica
+from kvflow.worker.replication import Replicator, held_replica, restore
 from kvflow.worker.steps import AHEAD, LastSampled, Prepared
 from kvflow.wire import (
     SECRET_ENV, Fence, Heartbeat, Hello, KVArrived, Ready, Replicated, Restore, Route, Setup, Shutdown, Step, StepResult,
@@ -73,6 +73,7 @@ class Worker:
         self.stop = threading.Event()
         self.tables: dict[str, list[int]] = {}  # request -> this stage's block ids (mirrored from steps)
         self.last = LastSampled()  # what decode-ahead steps take as input
+        self.ids_out: zmq.Socket | None = None  # (last stage, decoding ahead) stage 0's step socket
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.replica: KVCache | None = None  # the previous stage's KV, replicated
@@ -187,6 +188,13 @@ class Worker:
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 1000)
         self.out.connect(route.next_addr)
+        if self.ids_out is not None:
+            self.ids_out.close(0)
+        self.ids_out = None
+        if route.ids_to:
+            self.ids_out = self.ctx.socket(zmq.PUSH)
+            self.ids_out.setsockopt(zmq.LINGER, 0)
+            self.ids_out.connect(route.ids_to)
         if self.spec.role == "prompt":
             from kvflow.streaming.transports.tcp import TcpSender
 
@@ -263,6 +271,11 @@ class Worker:
             self._intake_thread.start()
         while True:
             msg, tensor, prep = self._next()
+            if self.last.overdue():  # a bug, not a slow peer: recover rather than hang
+                held = self.last.held[0][0]
+                self.last.drop_held()
+                self._to_controller(WorkerError(self.name, f"decode-ahead step {held.batch} got no input ids in "
+                                                f"{self.last.HOLD_LIMIT_S:.0f} s", held.epoch))
             if msg is None:
                 if self._controller_gone():  # the controller that started us is gone: do not linger
                     log.warning("controller process exited; worker %s stops", self.name)
@@ -275,18 +288,15 @@ class Worker:
                         self.swapper.done((msg.epoch, msg.batch))
                     continue
                 self.epoch = msg.epoch
-                try:
-                    if isinstance(prep, Exception):
-                        raise prep
-                    self._step(msg, tensor, prep if prep is not None else self._prepare(msg))
-                except Exception as e:  # report; the controller recovers or fails the batch's requests
-                    log.exception("step failed")
-                    self._to_controller(WorkerError(self.name, f"{type(e).__name__}: {e}", msg.epoch, peer_gone=peer_gone(e)))
-                finally:
-                    if self.swapper is not None:
-                        self.swapper.done((msg.epoch, msg.batch))
+                for item in self.last.admit((msg, tensor, prep)):  # (decoding ahead: held until the last stage's ids are in)
+                    self._run(*item)
+            elif isinstance(msg, StepResult):  # (a decode-ahead first stage: the ids the last stage sampled)
+                self.last.take(msg, self.tables)
+                for item in self.last.released():
+                    self._run(*item)
             elif isinstance(msg, Fence):
                 self.epoch = max(self.epoch, msg.epoch)
+                self.dropped += self.last.drop_held()  # (steps of an older epoch, waiting for ids that will not come)
                 if msg.tables and self.swapper is None:  # (the intake thread owns the tables when swapping)
                     self.tables.clear()
                     self.last.clear()
@@ -298,7 +308,7 @@ class Worker:
                 self._route(msg)
             elif isinstance(msg, Restore):
                 try:
-                    self._restore(msg)
+                    restore({"main": self.cache, "replica": self.replica}.get(msg.source), msg, self.name, self.secret)
                 except Exception as e:
                     log.exception("restore failed")
                     self._to_controller(WorkerError(self.name, f"restore failed: {type(e).__name__}: {e}", msg.epoch))
@@ -306,6 +316,18 @@ class Worker:
                 return
             else:
                 self.dropped += 1
+
+    def _run(self, msg: Step, tensor, prep) -> None:
+        try:
+            if isinstance(prep, Exception):
+                raise prep
+            self._step(msg, tensor, prep if prep is not None else self._prepare(msg))
+        except Exception as e:  # report; the controller recovers or fails the batch's requests
+            log.exception("step failed")
+            self._to_controller(WorkerError(self.name, f"{type(e).__name__}: {e}", msg.epoch, peer_gone=peer_gone(e)))
+        finally:
+            if self.swapper is not None:
+                self.swapper.done((msg.epoch, msg.batch))
 
     # ------------------------------------------------------------------ compute
     def _prepare(self, msg: Step) -> "Prepared":
@@ -316,6 +338,7 @@ class Worker:
             msg.tier_failed = sorted(set(msg.tier_failed) | set(self.tiers.apply(TierPlan.from_wire(msg.tier_ops))))
         for rid in msg.free:  # (a token worker's KV receiver forgets a request by itself once its KV is in)
             self.tables.pop(rid, None)
+            self.last.ids.pop(rid, None)
         seqs, tables, swap = [], {}, []
         for s in msg.seqs:
             if s.full_table:
@@ -341,7 +364,7 @@ class Worker:
         if prep.swap:
             self.swapper.wait((msg.epoch, msg.batch))  # its KV is in the device region
         if self.model.is_first:
-            if self.model.is_last and AHEAD in msg.token_ids:
+            if AHEAD in msg.token_ids:
                 self.last.fill(msg)
             hidden = None if prep.graphed else self.model.embed(torch.tensor(msg.token_ids, dtype=torch.long, device=self.device))
         else:
@@ -377,8 +400,13 @@ class Worker:
             if self.model.is_first:  # (one stage: the ids a decode-ahead step of this worker takes in)
                 self.last.record(msg, rows, ids)
             dt = time.perf_counter() - t0
-            res = StepResult(msg.epoch, msg.batch, [s.rid for s in msg.seqs], msg.busy_s + dt, msg.tier_failed, rows, ids)
-            self.out.send_multipart(encode(res, self.secret, out if out is not None else torch.empty(0)))
+            seqs = msg.seqs
+            res = StepResult(msg.epoch, msg.batch, [s.rid for s in seqs], msg.busy_s + dt, msg.tier_failed, rows, ids,
+                             [seqs[i].context_len for i in rows] if self.ids_out is not None and rows else [])
+            frames = encode(res, self.secret, out if out is not None else torch.empty(0))
+            self.out.send_multipart(frames)
+            if res.positions:  # decoding ahead: the ids to stage 0 as well, which waits for them
+                self.ids_out.send_multipart(frames)
         else:
             msg.token_ids = []
             msg.busy_s += time.perf_counter() - t0  # the pipeline's compute so far, for the controller's step log
@@ -390,20 +418,6 @@ class Worker:
 
     def _replicated(self, rids: list[str], spans: list[tuple[int, int]]) -> None:
         self._to_controller(Replicated(self.name, rids, [a for a, _ in spans], [b for _, b in spans]))
-
-    def _restore(self, msg: Restore) -> None:
-        """Send tokens [0, n) of the listed requests from the cache or the replica to `to_addr` (a
-        replacement's cache or replica), synchronously: the pipeline is paused for the recovery."""
-        from kvflow.streaming.transports.tcp import TcpSender
-
-        cache = self.cache if msg.source == "main" else self.replica
-        if cache is None or msg.source not in ("main", "replica"):
-            raise ValueError(f"{self.name} has no {msg.source!r} KV to restore from")
-        out = OutStream(TcpSender(msg.to_addr), f"{self.name}-restore@{msg.epoch}", self.secret)
-        try:
-            send_restore(cache, msg.items, out, msg.dst_stage, msg.epoch)
-        finally:
-            out.sender.close()
 
     def _kv_dropped(self, message: str) -> None:
         """A chunk that did not verify (not authentic, corrupted) or was not planned: dropped and

@@ -104,7 +104,7 @@ class TimedSimulator(Simulator):
 
     def dispatch(self, p, wire_id, out, free, streams):
         self.sends.append((self.now, p.role))
-        self.starts.append((max(self.now, p.stage_free[0]), p.role))  # (`SimPipeline.place`'s stage 0)
+        self.starts.append((max(self.ready_at(p, wire_id, out), p.stage_free[0]), p.role))  # (`SimPipeline.place`'s stage 0)
         return super().dispatch(p, wire_id, out, free, streams)
 
     def on_pass_done(self, now, p, wire_id):
@@ -148,8 +148,9 @@ LAYOUTS = {
                                lengths=[12, 14, 13, 14], prompts=LONG,
                                sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
     # a worker SIGKILLed when its n-th step arrives (the simulator: a failure right after that step is sent)
-    "colocated-2-fail-recompute": dict(mode="colocated", depth=2, replication="none", fail=("colocated", 0, 5)),
-    "colocated-2-fail-resume": dict(mode="colocated", depth=2, fail=("colocated", 0, 5)),
+    "colocated-2-fail-recompute": dict(mode="colocated", depth=2, replication="none", decode_ahead=False,
+                                       fail=("colocated", 0, 5)),
+    "colocated-2-fail-resume": dict(mode="colocated", depth=2, decode_ahead=False, fail=("colocated", 0, 5)),
     "disagg-1-1-fail-prompt": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
                                    fail=("prompt", 0, 3)),
     "disagg-1-1-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
@@ -158,6 +159,8 @@ LAYOUTS = {
     # before it returns): it dies with that step and the one decoding ahead of it in flight
     "disagg-1-1-ahead-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
                                         fail=("token", 0, 1)),
+    # a deeper pipeline decoding ahead: stage 0 also waits for the last stage's ids; its 3rd step finds it idle
+    "colocated-2-ahead-fail-resume": dict(mode="colocated", depth=2, fail=("colocated", 0, 3)),
 }
 
 
