@@ -291,7 +291,8 @@ class Worker:
                 for item in self.last.admit((msg, tensor, prep)):  # (decoding ahead: held until the last stage's ids are in)
                     self._run(*item)
             elif isinstance(msg, StepResult):  # (a decode-ahead first stage: the ids the last stage sampled)
-                self.last.take(msg, self.tables)
+                if msg.epoch >= self.epoch:  # (one of a batch a recovery voided is moot)
+                    self.last.take(msg, self.tables)
                 for item in self.last.released():
                     self._run(*item)
             elif isinstance(msg, Fence):
