@@ -284,7 +284,7 @@ def test_greedy_tokens_alone_equal_tokens_in_any_batch(dtype, head_dim):
 def test_real_model_greedy_alone_equals_batched_in_bf16():
     from kvflow import LLM
 
-    llm = LLM(dtype="bfloat16", deterministic=True)
+    llm = LLM(dtype="bfloat16", deterministic=True, kv_cache_memory_gb=0.25)  # 88 blocks of 128 tokens; 8 used
     prompts = ["The capital of France is", "Write a haiku about the sea.", "List three uses of a paperclip.",
                "Once upon a time", "def fibonacci(n):", "The quick brown fox", "In 1969, astronauts", "Water boils at"]
     sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

@@ -6,6 +6,9 @@ checks our converter, not only the forward pass.
 
 from __future__ import annotations
 
+import functools
+from unittest.mock import patch
+
 import pytest
 import torch
 
@@ -15,6 +18,9 @@ from kvflow.model.loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
+# The engines' KV cache: 44 blocks of 128 tokens in float32 (these tests use at most 16 per sequence), where
+# the default 1 GB takes 1.5 s to zero
+KV_GB = 0.25
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -28,14 +34,19 @@ PROMPTS = [
 def llm():
     from kvflow import LLM
 
-    return LLM(dtype="float32")  # the reference mode (the default is bf16 where the CPU has it)
+    return LLM(dtype="float32", kv_cache_memory_gb=KV_GB)  # the reference mode (the default is bf16 where the CPU has it)
 
 
 def _hf(dtype):
+    import gguf
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    # transformers reads the GGUF file twice (its config, then its tensors) and builds gguf's tensor name map
+    # once per module (~400 times): both pure functions of their arguments, memoized for this load
+    with (patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)),
+          patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))):
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +131,7 @@ def test_bf16_logits_and_greedy_tokens_close_to_transformers_bf16():
 
     from transformers import LlamaForCausalLM
 
-    llm = LLM(dtype="bfloat16")
+    llm = LLM(dtype="bfloat16", kv_cache_memory_gb=KV_GB)
     eng = llm.engine
     # the converted checkpoint (safetensors), as real bf16 weights: transformers keeps GGUF weights quantized
     hf = LlamaForCausalLM.from_pretrained(str(eng.checkpoint.directory), dtype=torch.bfloat16).eval()

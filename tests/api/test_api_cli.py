@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from api_helpers import sse_events
-from servers import ServeProcess
+from servers import SMALL_KV, ServeProcess
 
 from kvflow.cli.main import main
 
@@ -20,7 +20,7 @@ KEY = "sk-cli-test"
 
 def test_kvflow_serve_announces_serves_and_drains_on_sigterm(tiny_ckpt_dir):
     with ServeProcess("serve", "--model", str(tiny_ckpt_dir), "--threads", "1", "--served-model-name", MODEL,
-                      "--drain-timeout", "120", "--log-level", "info", env={"KVFLOW_API_KEY": KEY}) as srv:
+                      "--drain-timeout", "120", "--log-level", "info", *SMALL_KV, env={"KVFLOW_API_KEY": KEY}) as srv:
         srv.wait_ready()  # announced = listening and started: /health (open without the key) answers at once
         with pytest.raises(openai.AuthenticationError):  # KVFLOW_API_KEY is in force
             openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).models.list()

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
-from servers import ServeProcess
+from servers import SMALL_KV, ServeProcess
 
 from kvflow.api.server import BackgroundServer
 from kvflow.controller.controller import Controller
@@ -146,7 +146,7 @@ def _serve_one_worker(model, *extra: str):
     """`kvflow serve` of `model` in colocated depth 1, once ready, and its worker's pid (from the line the
     controller logs when it starts the worker)."""
     with ServeProcess("serve", "--model", str(model), "--mode", "colocated", "--depth", "1", "--threads", "1",
-                      "--served-model-name", "tiny", "--log-level", "info", *extra) as srv:
+                      "--served-model-name", "tiny", "--log-level", "info", *SMALL_KV, *extra) as srv:
         worker = int(srv.wait_for(r"started worker colocated-0 \(pid (\d+)\)").group(1))
         srv.wait_ready()
         yield srv, worker

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from api_helpers import MODEL, in_flight, in_thread, sse_events, tiny_backend, wait_until
 from gated import GatedEngine, GatedTokenizer
-from servers import ServeProcess
+from servers import SMALL_KV, ServeProcess
 
 from kvflow.api.server import APIConfig, BackgroundServer
 from kvflow.serving.backend import EngineBackend
@@ -182,7 +182,8 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_kvflow_serve_second_signal_ends_the_drain_without_a_traceback(tiny_ckpt_dir, sig):
     with ServeProcess("serve", "--model", str(tiny_ckpt_dir), "--threads", "1", "--served-model-name", MODEL,
-                      "--drain-timeout", "600", "--log-level", "info", command=(sys.executable, "-c", HELD_SERVE)) as srv:
+                      "--drain-timeout", "600", "--log-level", "info", *SMALL_KV,
+                      command=(sys.executable, "-c", HELD_SERVE)) as srv:
         srv.wait_ready()
         with held_stream(srv.url, None, HELD) as lines:
             srv.send_signal(sig)

@@ -18,7 +18,7 @@ from kvflow.router.app import build_router_app
 from kvflow.router.backend import RouterBackend
 from kvflow.router.config import RouterConfig
 from conftest import save_tiny_checkpoint, tiny_config
-from servers import ServeProcess, free_port
+from servers import SMALL_KV, ServeProcess, free_port
 
 MODEL = "tiny"
 BLOCK = 16  # the instances' KV block size, and the router's prefix-hash block
@@ -32,9 +32,9 @@ def tiny_long_ckpt(tmp_path_factory) -> Path:
 
 def instance_args(ckpt: Path) -> tuple[str, ...]:
     """`kvflow serve`'s arguments for the checkpoint: batch-invariant, KV blocks of BLOCK tokens, a host tier (what
-    an instance of the P/D pools pulls a prompt's KV into)."""
+    an instance of the P/D pools pulls a prompt's KV into), a small device KV cache (`SMALL_KV`)."""
     return ("--model", str(ckpt), "--threads", "1", "--deterministic", "--block-size", str(BLOCK), "--host-kv-bytes", "4M",
-            "--served-model-name", MODEL, "--log-level", "warning", "--drain-timeout", "2")
+            *SMALL_KV, "--served-model-name", MODEL, "--log-level", "warning", "--drain-timeout", "2")
 
 
 def serve_instance(ckpt: Path) -> ServeProcess:

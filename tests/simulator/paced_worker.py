@@ -1,30 +1,25 @@
-"""A real worker process (`python -m kvflow.worker`) held to the simulator's step-time function:
-each step computes as usual, then waits until `sim_helpers.paced_seconds(batch)` have passed since
-it began before sending its output on (the KV it streams leaves during the compute, as usual). The
+"""A real worker process (`kvflow.worker`) held to the simulator's step-time function: each step
+computes as usual, then waits until `sim_helpers.paced_seconds(batch)` have passed since it began
+before sending its output on (the KV it streams leaves during the compute, as usual). The
 same-decisions test runs its pipelines with these workers, so real and simulated stage times agree
 up to the messaging latency.
 
-With `DIE_AT_STEP_ENV` set to n, the worker kills itself (SIGKILL) when its n-th step arrives,
-before computing it: a failure at a point of the schedule the simulator can place exactly."""
+`run` is the entry of a worker forked by the multiprocessing fork server (`PacedLauncher`, as
+`kvflow.controller.launcher.SubprocessLauncher` forks its workers: torch is imported once, not on
+every start); the pacing is installed in the forked worker only, so the fork server's other
+workers (other tests') are not paced. `pace` scales the step times; with `die_at` = n, the worker
+kills itself (SIGKILL) when its n-th step arrives, before computing it: a failure at a point of
+the schedule the simulator can place exactly."""
 
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_helpers import paced_seconds
 
-from sim_helpers import paced_seconds  # noqa: E402
-
-from kvflow.perf.perf_model import BatchShape  # noqa: E402
-from kvflow.worker import worker as _worker  # noqa: E402
-from kvflow.worker.__main__ import main  # noqa: E402
-
-_step = _worker.Worker._step
-DIE_AT_STEP_ENV = "KVFLOW_TEST_DIE_AT_STEP"
-_die_at = int(os.environ.get(DIE_AT_STEP_ENV, "0"))
-_steps = 0
+from kvflow.controller.launcher import _run_forked_worker
+from kvflow.perf.perf_model import BatchShape
+from kvflow.worker import worker as _worker
 
 
 class _Paced:
@@ -43,18 +38,27 @@ class _Paced:
         return getattr(self.sock, name)
 
 
-def _paced_step(self, msg, hidden, *rest):
-    global _steps
-    _steps += 1
-    if _steps == _die_at:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if not isinstance(self.out, _Paced):  # (a Route message replaces the socket)
-        self.out = _Paced(self.out)
-    self.out.deadline = time.perf_counter() + paced_seconds(BatchShape.of((s.num_new, s.context_len) for s in msg.seqs))
-    return _step(self, msg, hidden, *rest)
+def _pace(pace: float, die_at: int) -> None:
+    """Make every `Worker` of this process paced (`paced_seconds` scaled by `pace`; it dies when its
+    `die_at`-th step arrives)."""
+    step, steps = _worker.Worker._step, 0
+
+    def paced_step(self, msg, hidden, *rest):
+        nonlocal steps
+        steps += 1
+        if steps == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if not isinstance(self.out, _Paced):  # (a Route message replaces the socket)
+            self.out = _Paced(self.out)
+        shape = BatchShape.of((s.num_new, s.context_len) for s in msg.seqs)
+        self.out.deadline = time.perf_counter() + paced_seconds(shape, pace)
+        return step(self, msg, hidden, *rest)
+
+    _worker.Worker._step = paced_step
 
 
-_worker.Worker._step = _paced_step
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def run(controller_addr: str, name: str, host: str, secret: bytes, env: dict[str, str], controller_pid: int,
+        pace: float, die_at: int = 0) -> None:
+    """A forked paced worker's entry (`SubprocessLauncher`'s, with the pacing installed first)."""
+    _pace(pace, die_at)
+    _run_forked_worker(controller_addr, name, host, secret, env, controller_pid)

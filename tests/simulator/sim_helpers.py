@@ -34,31 +34,33 @@ def workload(arrival, out, prompt: int = 10) -> Workload:
     return Workload(arrival, np.full(len(arrival), prompt, dtype=np.int64), np.asarray(out, dtype=np.int64))
 
 
-def paced_seconds(shape: BatchShape) -> float:
+def paced_seconds(shape: BatchShape, pace: float = 1.0) -> float:
     """The step-time function of the same-decisions test: what every stage of a pipeline takes for
-    one batch, in the simulator and (slept before computing) in the paced worker processes."""
+    one batch, in the simulator and (slept before computing) in the paced worker processes; `pace`
+    scales it (a timeline `pace` times as long, with the same order of events)."""
     t = 0.0
     if shape.prefill_seqs:
         t += 0.060 + 0.001 * shape.prefill_tokens
     if shape.decode_seqs:
         t += 0.170 + 0.017 * shape.decode_seqs
-    return t
+    return pace * t
 
 
 class PacedPerf(PerfModel):
     """`paced_seconds` per stage, free activation hops, a link fast enough that KV arrives at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, pace: float = 1.0) -> None:
         super().__init__(TINY, machine("1xA100-80GB", link_gbps=1e6))
+        self.pace = pace
 
     def step_time(self, batch: BatchShape, depth: int) -> float:
-        return paced_seconds(batch)
+        return paced_seconds(batch, self.pace)
 
     def prompt_stage_time(self, batch: int, prompt_len: int, depth: int) -> float:
-        return paced_seconds(BatchShape(batch, batch * prompt_len, batch * prompt_len * prompt_len))
+        return paced_seconds(BatchShape(batch, batch * prompt_len, batch * prompt_len * prompt_len), self.pace)
 
     def token_stage_time(self, batch: int, context_len: int, depth: int) -> float:
-        return paced_seconds(BatchShape(decode_seqs=batch, decode_context=batch * context_len))
+        return paced_seconds(BatchShape(decode_seqs=batch, decode_context=batch * context_len), self.pace)
 
     def hop_time(self, batch: int, tokens: int) -> float:
         return 0.0

@@ -3,7 +3,8 @@
 One workload (6 requests of the controller tests: unequal prompts and output lengths, greedy,
 `ignore_eos`, fixed `max_tokens`, all submitted before the controller's loop starts) and one
 step-time function (`sim_helpers.paced_seconds`: the simulator's stage time, and what every real
-worker process sleeps before computing a batch, see `paced_worker.py`). The real run uses a tiny
+worker process sleeps before computing a batch, see `paced_worker.py`; scaled per layout, below).
+The real run uses a tiny
 random-weight model in real worker processes; the simulator the same `ClusterConfig`
 (`SimConfig.from_cluster`). Compared: every pipeline's sequence of batches, each as
 [(request id, number of new tokens)] — which requests, in which order, with which prompt chunks.
@@ -15,55 +16,56 @@ What legitimately depends on timing, and how it is pinned down here:
   request joining the token side before or after a token batch returns, two results drained in one
   loop turn). The paced step times keep those events at least `MARGIN` apart in the simulated
   timeline (asserted below), far more than the real run's per-step overhead (a few ms), so the
-  real run sees them in the simulator's order.
+  real run sees them in the simulator's order. Each layout's step times are scaled down until its
+  closest two such events are `SPACING` apart (measured on 2 vCPUs, two CPU-bound processes beside
+  the test: two events of the real run came at most 11 ms closer than simulated, 7 ms in a scaled
+  layout).
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
+import paced_worker
 import pytest
 from sim_helpers import PacedPerf
 
 from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.controller.controller import Controller
+from kvflow.controller.launcher import ForkedWorker
 from kvflow.sched.sampling import SamplingParams
 from kvflow.sched.scheduler import SchedulerConfig
 from kvflow.simulator import Failure, SimConfig, Simulator, Workload
-from kvflow.wire import SECRET_ENV
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
 PROMPTS = [[5, 6, 7], list(range(10, 41)), [40] * 9, [3, 1, 4, 1, 5, 9, 2, 6], list(range(50, 70)), [11, 12]]
 LENGTHS = [12, 3, 9, 1, 6, 10]
 LONG = [list(range(3, 3 + 30)), list(range(40, 68)), [7] * 26, list(range(60, 91))]  # 11 blocks of 4 each
 MARGIN = 0.025  # seconds between events of different pipelines (or two results) in the simulated timeline
-
-
-DIE_AT_STEP_ENV = "KVFLOW_TEST_DIE_AT_STEP"  # (paced_worker.py's)
+SPACING = 0.030  # seconds between the closest two of a layout's events, its step times scaled to that (MARGIN and more)
 
 
 class PacedLauncher:
-    """Starts `paced_worker.py` (a real worker that sleeps the paced step time first); the first
+    """Forks `paced_worker.run` (a real worker that sleeps the paced step time, scaled by `pace`,
+    first) from the multiprocessing fork server, as `SubprocessLauncher` forks workers; the first
     start of worker `victim` kills itself when its `die_at`-th step arrives."""
 
-    def __init__(self, victim: str | None = None, die_at: int = 0) -> None:
-        self.victim, self.die_at, self.starts = victim, die_at, []
+    def __init__(self, pace: float, victim: str | None = None, die_at: int = 0) -> None:
+        self.pace, self.victim, self.die_at, self.starts = pace, victim, die_at, []
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["kvflow.worker.worker"])  # (as `SubprocessLauncher`'s, if it starts it)
 
-    def start(self, name: str, controller_addr: str, host: str, secret: bytes) -> subprocess.Popen:
-        env = {**os.environ, SECRET_ENV: secret.hex()}
-        if name == self.victim and name not in self.starts:
-            env[DIE_AT_STEP_ENV] = str(self.die_at)
+    def start(self, name: str, controller_addr: str, host: str, secret: bytes) -> ForkedWorker:
+        die_at = self.die_at if name == self.victim and name not in self.starts else 0
         self.starts.append(name)
-        cmd = [sys.executable, str(HERE / "paced_worker.py"), "--controller", controller_addr, "--name", name,
-               "--host", host]
-        return subprocess.Popen(cmd, env=env)
+        proc = self.ctx.Process(target=paced_worker.run, name=f"kvflow-worker-{name}", daemon=True,
+                                args=(controller_addr, name, host, secret, dict(os.environ), os.getpid(), self.pace, die_at))
+        proc.start()
+        return ForkedWorker(proc)
 
 
 def run_controller(cfg: ClusterConfig, prompts, lengths, launcher: PacedLauncher):
@@ -112,16 +114,28 @@ class TimedSimulator(Simulator):
         return super().on_pass_done(now, p, wire_id)
 
 
-def run_simulator(cfg: ClusterConfig, prompts, lengths, failures=()) -> tuple[dict[str, list[list[tuple[str, int]]]], TimedSimulator]:
+def run_simulator(cfg: ClusterConfig, prompts, lengths, failures=(), pace: float = 1.0
+                  ) -> tuple[dict[str, list[list[tuple[str, int]]]], TimedSimulator]:
     n = len(prompts)
     w = Workload(np.zeros(n), np.array([len(p) for p in prompts], dtype=np.int64), np.array(lengths, dtype=np.int64),
                  tuple(tuple(p) for p in prompts))
     sim_cfg = SimConfig.from_cluster(cfg, max_model_len=256)
     sim_cfg = replace(sim_cfg, failures=failures, recovery=replace(sim_cfg.recovery, detect_s=0.0, restart_s=1.0, restore_s=0.0))
-    sim = TimedSimulator(sim_cfg, PacedPerf(), w)
+    sim = TimedSimulator(sim_cfg, PacedPerf(pace), w)
     res = sim.run()
     assert np.all(res.completions == 1)
     return {p.role: list(p.batch_log) for p in sim.prompt + sim.token}, sim
+
+
+def closest(sim: TimedSimulator) -> float:
+    """The shortest time between two returns whose order the real run must see as the simulator
+    does: two of one pipeline, or one of the prompt pipeline and one of the token pipeline."""
+    gaps = [float("inf")]
+    for role in ("both", "prompt", "token"):
+        times = [t for t, r in sim.returns if r == role]
+        gaps += [b - a for a, b in zip(times, times[1:])]
+    prompt, token = ([t for t, r in sim.returns if r == role] for role in ("prompt", "token"))
+    return min(gaps + [abs(a - b) for a in prompt for b in token])
 
 
 SHARED = [list(range(20, 32)) + [5, 6], list(range(20, 32)) + [7, 8, 9], [1, 2, 3], list(range(20, 32)) + [4]]
@@ -173,29 +187,36 @@ def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, tiny4_c
     fail = kw.pop("fail", None)
     cfg = ClusterConfig(engine=EngineConfig(model=str(ckpt), num_kv_blocks=blocks, block_size=4, scheduler=sched),
                         microbatch_size=2, prompt_microbatch_size=2, heartbeat_timeout_s=30.0, **kw)
-    failures, launcher = (), PacedLauncher()
-    if fail is not None:  # when the victim's n-th step arrives, in a run without the failure
-        pipeline, stage, n = fail
-        assert stage == 0  # (every step of a pipeline reaches its stage 0: the n-th sent)
-        role = "token" if pipeline == "token" else "prompt"
-        _, clean = run_simulator(cfg, prompts, lengths)
-        sent = [t for t, r in clean.sends if r == ("both" if pipeline == "colocated" else pipeline)]
-        if cfg.scheduler_for(cfg.pipelines()[-1 if pipeline == "token" else 0]).decode_ahead:
-            # the paced worker dies when it takes the step up; a step sent while the one before it computes
-            # starts as that one's output leaves, which may or may not get out before the worker dies
-            starts = [t for t, r in clean.starts if r == ("both" if pipeline == "colocated" else pipeline)]
-            assert starts[n - 1] == sent[n - 1], "decoding ahead, the victim must be idle when its n-th step is sent"
-        failures = (Failure(sent[n - 1] + 1e-6, role, 0, stage),)
-        launcher = PacedLauncher(f"{pipeline}-{stage}", n)
-    simulated, sim = run_simulator(cfg, prompts, lengths, failures)
+
+    def simulate(pace: float) -> tuple[tuple[Failure, ...], dict, TimedSimulator]:
+        failures = ()
+        if fail is not None:  # when the victim's n-th step arrives, in a run without the failure
+            pipeline, stage, n = fail
+            assert stage == 0  # (every step of a pipeline reaches its stage 0: the n-th sent)
+            role = "token" if pipeline == "token" else "prompt"
+            _, clean = run_simulator(cfg, prompts, lengths, pace=pace)
+            sent = [t for t, r in clean.sends if r == ("both" if pipeline == "colocated" else pipeline)]
+            if cfg.scheduler_for(cfg.pipelines()[-1 if pipeline == "token" else 0]).decode_ahead:
+                # the paced worker dies when it takes the step up; a step sent while the one before it computes
+                # starts as that one's output leaves, which may or may not get out before the worker dies
+                starts = [t for t, r in clean.starts if r == ("both" if pipeline == "colocated" else pipeline)]
+                assert starts[n - 1] == sent[n - 1], "decoding ahead, the victim must be idle when its n-th step is sent"
+            failures = (Failure(sent[n - 1] + 1e-6, role, 0, stage),)
+        return failures, *run_simulator(cfg, prompts, lengths, failures, pace)
+
+    # Every time in the simulation scales with the step times (all requests arrive at 0, hops and KV
+    # transfers are free; restarts do not move a decision, checked from 0.01 to 5 s), so the layout's
+    # step times are scaled for its closest two returns to be SPACING apart: the same decisions in
+    # the shortest timeline that keeps them that far apart.
+    _, unpaced, sim = simulate(1.0)
+    pace = min(1.0, SPACING / closest(sim))
+    failures, simulated, sim = simulate(pace)
+    assert simulated == unpaced
+    launcher = PacedLauncher(pace, *((f"{fail[0]}-{fail[1]}", fail[2]) if fail is not None else ()))
     # Precondition: no two returns closer than MARGIN (of one pipeline: so two results are never
     # drained in one loop turn; of two pipelines: so the real run cannot see them reordered), and
     # nothing returns within MARGIN after a failure (the controller notices the loss first).
-    for role in ("both", "prompt", "token"):
-        times = [t for t, r in sim.returns if r == role]
-        assert all(b - a >= MARGIN for a, b in zip(times, times[1:]))
-    prompt, token = ([t for t, r in sim.returns if r == role] for role in ("prompt", "token"))
-    assert all(abs(a - b) >= MARGIN for a in prompt for b in token)
+    assert closest(sim) >= MARGIN
     for f in failures:
         assert not any(0 < t - f.time < MARGIN for t, _ in sim.returns)
     first = simulated["prompt" if cfg.mode == "disaggregated" else "both"]
@@ -213,7 +234,7 @@ def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, tiny4_c
     if "swapping" in name:  # both schedulers fit batches to the device regions
         assert ctrl.pipelines[-1].sched.config.swap_regions == sim.executor.pipelines[-1].sched.config.swap_regions > 0
     if fail is not None:
-        assert ctrl.recovery.recoveries == 1 and launcher.starts.count(f"{pipeline}-{stage}") == 2
+        assert ctrl.recovery.recoveries == 1 and launcher.starts.count(f"{fail[0]}-{fail[1]}") == 2
         if cfg.replication == "none":
             assert sim.restarts > 0  # requests lost their KV (the prompt side: prompts in flight)
         else:
