@@ -215,11 +215,13 @@ class ClusterConfig:
     device budget, split into min(2, depth) regions; only the batch computing on a stage and the next
     one keep their KV on its device, the others' lives in host memory, so the pipeline's pool holds
     depth / min(2, depth) times the blocks (`swap_layout`).
-    `decode_ahead` (default on): a token or colocated pipeline (continuous policy, no swapping)
-    decodes one batch ahead of the controller: greedy decodes are sent again before their token
-    comes back, the first stage feeding in the id the last one sampled (sent to it directly, or its
-    own with one stage), so the stages compute while the controller applies the previous step
-    (`SchedulerConfig.decode_ahead`); elsewhere it does nothing.
+    `decode_ahead` (default on): a token or colocated pipeline (continuous policy, no swapping) of at
+    most `decode_ahead_depth` stages (default 1) decodes one batch ahead of the controller: greedy
+    decodes are sent again before their token comes back, the first stage feeding in the id the last
+    one sampled (its own with one stage, else sent to it by the last), so the stages compute while
+    the controller applies the previous step (`SchedulerConfig.decode_ahead`); elsewhere it does
+    nothing. Deeper pipelines decode ahead only when asked: on the 2-CPU stand-in a depth-2 one ran
+    slower ahead than serial (docs/results.md, 2026-11-28), and no GPU has measured it yet.
     """
 
     engine: EngineConfig = EngineConfig(num_kv_blocks=2048)
@@ -240,6 +242,7 @@ class ClusterConfig:
     replication: str = "ring"
     swapping: bool = False
     decode_ahead: bool = True
+    decode_ahead_depth: int = 1
 
     def replicates(self, p: "PipelineSpec") -> str | None:
         """Where `p`'s stages replicate the KV they append: "ring" (to the next stage; depth >= 2),
@@ -270,7 +273,8 @@ class ClusterConfig:
             raise ValueError(f"max_restarts must be a positive integer, got {self.max_restarts!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for key in ("depth", "prompt_depth", "token_depth", "microbatch_size", "prompt_microbatch_size", "threads_per_worker"):
+        for key in ("depth", "prompt_depth", "token_depth", "microbatch_size", "prompt_microbatch_size", "threads_per_worker",
+                    "decode_ahead_depth"):
             v = getattr(self, key)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{key} must be a positive integer, got {v!r}")
@@ -294,7 +298,7 @@ class ClusterConfig:
     def scheduler_for(self, p: PipelineSpec) -> SchedulerConfig:
         """A pipeline's scheduler: `depth` batches in flight of at most `microbatch_size` requests."""
         return pipeline_scheduler(self.engine.scheduler, self.policy, p.depth, p.microbatch_size, self.swap_layout(p),
-                                  self.decode_ahead and p.role != "prompt")
+                                  self.decode_ahead and p.role != "prompt" and p.depth <= self.decode_ahead_depth)
 
 
 @dataclass(frozen=True)

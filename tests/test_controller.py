@@ -86,14 +86,14 @@ def test_every_layout_gives_the_engine_tokens(tiny_ckpt_dir, kw):
 @pytest.mark.parametrize(
     "kw",
     [dict(mode="colocated", depth=1), dict(mode="disaggregated", prompt_depth=1, token_depth=1),
-     dict(mode="disaggregated", prompt_depth=2, token_depth=1), dict(mode="colocated", depth=2),
-     dict(mode="disaggregated", prompt_depth=1, token_depth=2)],
+     dict(mode="disaggregated", prompt_depth=2, token_depth=1), dict(mode="colocated", depth=2, decode_ahead_depth=2),
+     dict(mode="disaggregated", prompt_depth=1, token_depth=2, decode_ahead_depth=2)],
     ids=["colocated-1", "disagg-1-1", "disagg-2-1", "colocated-2", "disagg-1-2"],
 )
 def test_decoding_ahead_gives_the_engine_tokens(tiny_ckpt_dir, kw):
     # the decoding pipeline runs greedy decodes one step ahead (its first stage feeds in the token its
-    # last stage sampled: its own, or sent to it); requests finish at their last token, whatever was
-    # computed after it
+    # last stage sampled: its own, or sent to it, where deeper pipelines are asked to); requests finish
+    # at their last token, whatever was computed after it
     cfg = _cfg(tiny_ckpt_dir, microbatch_size=6, prompt_microbatch_size=6, **kw)  # (decode_ahead: on by default)
     ahead: list[int] = []
     results, stats, free = serve(cfg, PROMPTS, LENGTHS, ahead)

@@ -142,8 +142,9 @@ def test_a_killed_worker_is_replaced_and_every_request_completes_unchanged(tiny_
     (dict(mode="colocated", depth=2, replication="store"), "colocated-0"),
     (dict(mode="colocated", depth=1), "colocated-0"),
     (dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=False), "token-0"),
+    (dict(mode="colocated", depth=2, decode_ahead_depth=2), "colocated-1"),
 ], ids=["colocated-2", "colocated-3", "disagg-1-2:token", "disagg-1-1:token:store", "colocated-2:store",
-        "colocated-1:store", "disagg-1-1:token:store:serial"])
+        "colocated-1:store", "disagg-1-1:token:store:serial", "colocated-2:ahead"])
 def test_a_killed_worker_resumes_from_its_replica(tiny_ckpt_dir, tiny4_ckpt_dir, kw, victim):
     """Ring replication (or, depth 1 or when asked, the controller's host store): the requests of the
     lost stage resume from the replica's watermark and recompute only the tokens after it (not

@@ -100,8 +100,10 @@ def register(sub) -> None:
                         "memory, swapped in while the previous one computes (DejaVu microbatch swapping); --kv-cache-gb "
                         "is then each stage's device budget, and the pipeline holds depth/min(2, depth) times more KV")
     p.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=True,
-                   help="token (and colocated) pipelines compute the next greedy decode step while the controller "
-                        "applies the previous one (--no-decode-ahead: one step at a time)")
+                   help="token (and colocated) pipelines of at most --decode-ahead-depth stages compute the next greedy "
+                        "decode step while the controller applies the previous one (--no-decode-ahead: one step at a time)")
+    p.add_argument("--decode-ahead-depth", type=int, default=1,
+                   help="the deepest pipeline that decodes ahead (default 1: deeper ones have not been measured faster)")
     p.add_argument("--internal-host", default=None,
                    help="interface the controller and workers bind for their internal sockets "
                         "(default 127.0.0.1, whatever --host the HTTP server uses)")
@@ -251,7 +253,7 @@ def _controller(args):
     kw = dict(engine=engine, mode=args.mode, threads_per_worker=args.threads or 1, host=args.internal_host or "127.0.0.1",
               policy=args.policy, recovery=args.recovery, replication=args.replication,
               heartbeat_timeout_s=args.heartbeat_timeout, max_restarts=args.max_restarts, swapping=args.swapping,
-              decode_ahead=args.decode_ahead)
+              decode_ahead=args.decode_ahead, decode_ahead_depth=args.decode_ahead_depth)
     if args.mode == "colocated":
         kw["depth"] = args.depth or 2
     else:

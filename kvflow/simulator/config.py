@@ -163,7 +163,7 @@ class SimConfig:
     `shared_host`: every stage of every pipeline runs on one host (a local cluster of worker
     processes): a stage's step that starts while another stage computes is slowed by the
     performance model's `co_run_factor` for as long as they overlap.
-    `decode_ahead`: token and colocated pipelines run greedy decodes one batch ahead
+    `decode_ahead`: token and colocated pipelines (of at most `decode_ahead_depth` stages) run greedy decodes one batch ahead
     (`ClusterConfig.decode_ahead`: the same scheduling; no step time is modelled for the controller,
     so it changes which batches run, and a decode-ahead pass starts on stage 0 no earlier than the
     passes it takes its input from have left the last stage, plus a hop).
@@ -183,6 +183,7 @@ class SimConfig:
     prefix_caching: bool = True
     shared_host: bool = False
     decode_ahead: bool = False
+    decode_ahead_depth: int = 1
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("shared", "round_robin"):
@@ -214,7 +215,7 @@ class SimConfig:
         the controller's do (`swap_layout`); without them it has none."""
         swap = self.swap_layout(spec, role, pool_blocks) if role is not None else None
         return pipeline_scheduler(self.scheduler, self.policy, spec.depth, spec.microbatch, swap,
-                                  self.decode_ahead and role != "prompt")
+                                  self.decode_ahead and role != "prompt" and spec.depth <= self.decode_ahead_depth)
 
     @classmethod
     def from_cluster(cls, cluster, max_model_len: int | None = None, **kw) -> "SimConfig":
@@ -228,6 +229,7 @@ class SimConfig:
         eng = cluster.engine
         kw.setdefault("swapping", cluster.swapping)
         kw.setdefault("decode_ahead", cluster.decode_ahead)
+        kw.setdefault("decode_ahead_depth", cluster.decode_ahead_depth)
         # one controller: a failure voids every pipeline's batches; without replication it recomputes
         kw.setdefault("recovery", Recovery("restart" if cluster.replication == "none" else "resume", fence="all"))
         return cls(layout, policy=cluster.policy, scheduler=eng.scheduler, kv_blocks=eng.num_kv_blocks,

@@ -162,9 +162,8 @@ LAYOUTS = {
                                lengths=[12, 14, 13, 14], prompts=LONG,
                                sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
     # a worker SIGKILLed when its n-th step arrives (the simulator: a failure right after that step is sent)
-    "colocated-2-fail-recompute": dict(mode="colocated", depth=2, replication="none", decode_ahead=False,
-                                       fail=("colocated", 0, 5)),
-    "colocated-2-fail-resume": dict(mode="colocated", depth=2, decode_ahead=False, fail=("colocated", 0, 5)),
+    "colocated-2-fail-recompute": dict(mode="colocated", depth=2, replication="none", fail=("colocated", 0, 5)),
+    "colocated-2-fail-resume": dict(mode="colocated", depth=2, fail=("colocated", 0, 5)),
     "disagg-1-1-fail-prompt": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
                                    fail=("prompt", 0, 3)),
     "disagg-1-1-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
@@ -173,8 +172,10 @@ LAYOUTS = {
     # before it returns): it dies with that step and the one decoding ahead of it in flight
     "disagg-1-1-ahead-fail-token": dict(mode="disaggregated", prompt_depth=1, token_depth=1, replication="none",
                                         fail=("token", 0, 1)),
-    # a deeper pipeline decoding ahead: stage 0 also waits for the last stage's ids; its 3rd step finds it idle
-    "colocated-2-ahead-fail-resume": dict(mode="colocated", depth=2, fail=("colocated", 0, 3)),
+    # a deeper pipeline decoding ahead (when asked): stage 0 also waits for the last stage's ids; its 3rd
+    # step finds it idle
+    "colocated-2-ahead": dict(mode="colocated", depth=2, decode_ahead_depth=2),
+    "colocated-2-ahead-fail-resume": dict(mode="colocated", depth=2, decode_ahead_depth=2, fail=("colocated", 0, 3)),
 }
 
 
