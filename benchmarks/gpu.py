@@ -370,15 +370,17 @@ def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: b
     return out
 
 
-BACKENDS = ("engine", "colocated-2", "colocated-2-no-replication", "disaggregated-1-1", "disaggregated-1-1-no-replication")
+BACKENDS = ("engine", "colocated-2", "colocated-2-ahead", "colocated-2-no-replication", "disaggregated-1-1",
+            "disaggregated-1-1-no-replication")
 
 
 def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Path | None = None,
              timeout_s: float = 240.0) -> dict:
     """Output tok/s of `n` requests of 256 + `new` tokens sent at once to each serving backend (the
     server's `Backend`, without HTTP): the engine, colocated depth 2 (two microbatches of n/2 in flight,
-    as a pipeline of depth 2 is run), disaggregated (1, 1) (one token microbatch of n); the pipelines
-    with their default KV replication (every step, for recovery) and without it; bf16.
+    as a pipeline of depth 2 is run; "-ahead": decoding ahead, `decode_ahead_depth=2`), disaggregated
+    (1, 1) (one token microbatch of n); the pipelines with their default KV replication (every step,
+    for recovery) and without it; bf16.
 
     Each backend runs in a fresh process, as a server does: on the H200, the engine measured in this
     benchmark's own process (after the earlier parts) gave a quarter of what the same code gave in a
@@ -437,12 +439,14 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
                           scheduler=SchedulerConfig(max_num_seqs=n))
     serial = name.endswith("-serial")  # (this tree's `ClusterConfig.decode_ahead` off, named apart to compare it)
     name = name.removesuffix("-serial")
+    deep = {"decode_ahead_depth": 2} if name.endswith("-ahead") else {}  # (a depth-2 pipeline decoding ahead: opt-in)
+    name = name.removesuffix("-ahead")
     replication = "none" if name.endswith("-no-replication") else "ring"
     if name == "engine":
         backend = EngineBackend.from_config(engine)
     elif name.startswith("colocated-2"):
         backend = Controller(ClusterConfig(engine=engine, mode="colocated", depth=2, microbatch_size=-(-n // 2),
-                                           replication=replication, **({"decode_ahead": False} if serial else {})))
+                                           replication=replication, **({"decode_ahead": False} if serial else deep)))
     else:
         backend = Controller(ClusterConfig(engine=engine, mode="disaggregated", prompt_depth=1, token_depth=1,
                                            microbatch_size=n, prompt_microbatch_size=n, replication=replication,
