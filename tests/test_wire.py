@@ -281,7 +281,7 @@ def test_a_decode_ahead_step_takes_the_id_the_worker_sampled_for_its_position():
     stale = Step(0, 3, [SeqStep("a", 7, 1, [])], [AHEAD])  # not the position a's last token was sampled for
     with pytest.raises(RuntimeError, match="no token sampled for a at 7"):
         last.fill(stale)
-    last.record(Step(0, 4, [], [], free=["a"]), [], [])  # a's table dropped: its id with it
+    last.forget(["a"])  # a's table dropped (the worker's `_prepare` of a step freeing it): its id with it
     with pytest.raises(RuntimeError):
         last.fill(Step(0, 5, [SeqStep("a", 5, 1, [])], [AHEAD]))
 

@@ -93,9 +93,9 @@ class KVCache:
         """A host cache whose tensor is the start of `buffer` (writable, e.g. a shared-memory
         mapping two processes hold: the replica store's), not a copy of it. ValueError when the
         buffer is too small for the layout."""
-        nbytes = math.prod(layout.shape) * layout.dtype.itemsize
-        if len(memoryview(buffer).cast("B")) < nbytes:
-            raise ValueError(f"a buffer of {len(memoryview(buffer).cast('B'))} bytes cannot hold a cache of {nbytes}")
+        nbytes, have = math.prod(layout.shape) * layout.dtype.itemsize, len(memoryview(buffer).cast("B"))
+        if have < nbytes:
+            raise ValueError(f"a buffer of {have} bytes cannot hold a cache of {nbytes}")
         cache = cls.__new__(cls)
         cache.layout, cache.device = layout, torch.device("cpu")
         flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)

@@ -36,16 +36,22 @@ from kvflow.wire import Replicated, Restore, Route, Step
 log = logging.getLogger(__name__)
 
 
+def mapped(layout: KVLayout, segment: str, name: str) -> KVCache | None:
+    """The controller's shared-memory segment `segment` as a cache of `layout`, or None (none named,
+    or not mappable here: another host, or a segment of another size; logged)."""
+    if not segment:
+        return None
+    try:
+        return KVCache.over(layout, attach(segment))
+    except (OSError, ValueError) as e:
+        log.warning("%s: cannot map the replica segment %s (%s); the replica goes over TCP", name, segment, e)
+        return None
+
+
 def held_replica(layout: KVLayout, segment: str, name: str) -> KVCache:
-    """The replica a ring's stage keeps of the previous stage: the controller's shared-memory segment
-    `segment` mapped (then its `shared` is True, and the previous stage may write into it in place),
-    or, with none or where it cannot be mapped, a host cache of its own."""
-    if segment:
-        try:
-            return KVCache.over(layout, attach(segment))
-        except (OSError, ValueError) as e:
-            log.warning("%s: cannot map the replica segment %s (%s); keeping the replica in its own memory", name, segment, e)
-    return KVCache(layout, "cpu")
+    """The replica a ring's stage keeps of the previous stage: the segment mapped (its `shared` is
+    True: the previous stage may write into it in place), or a host cache of its own."""
+    return mapped(layout, segment, name) or KVCache(layout, "cpu")
 
 
 class Replicator:
@@ -54,16 +60,10 @@ class Replicator:
     def __init__(self, cache: KVCache, stage: int, name: str, route: Route, epoch: int, secret: bytes,
                  report: Callable[[Replicated], None]) -> None:
         self.cache, self.stage, self.name, self.report = cache, stage, name, report
-        self.replica: KVCache | None = None  # the store's segment, mapped (in place)
+        self.replica = mapped(cache.layout, route.replica_shm, name)  # (in place)
+        self.staging = Staging(cache.device) if self.replica is not None else None  # (one reused buffer)
         self.sender: KVSender | None = None  # (as increments)
         self.written = 0  # bytes written in place
-        if route.replica_shm:
-            try:
-                self.replica = KVCache.over(cache.layout, attach(route.replica_shm))
-                self._staging = Staging(cache.device)  # (one reused buffer: packed, then copied in)
-            except (OSError, ValueError) as e:  # another host, or a segment not of this cache's size
-                log.warning("%s: cannot map its replica %s (%s); sending increments to %s instead", name,
-                            route.replica_shm, e, route.replica_to)
         if self.replica is None and route.replica_to:
             from kvflow.streaming.transports.tcp import TcpSender
 
@@ -79,24 +79,24 @@ class Replicator:
         """Replicate what `msg` appended (tokens [start, context) of each seq; from token 0 when the
         step carries the whole table: a request new to this pipeline, handed off with KV the
         replica has never seen, or re-sent after a recovery)."""
-        bs = self.cache.layout.block_size
-        segs, slots = [], []
+        lay = self.cache.layout
+        rids, starts, ends, slots = [], [], [], []
         for s in msg.seqs:
             a = 0 if s.full_table else s.start
-            segs.append(Segment(s.rid, a, s.context_len))
-            slots += token_slots(tables[s.rid], a, s.context_len, bs, s.rid)
+            rids.append(s.rid)
+            starts.append(a)
+            ends.append(s.context_len)
+            slots += token_slots(tables[s.rid], a, s.context_len, lay.block_size, s.rid)
         if self.replica is None:
-            self.sender.send_increment(segs, slots, msg.epoch)
+            self.sender.send_increment([Segment(*g) for g in zip(rids, starts, ends)], slots, msg.epoch)
             return
-        lay = self.cache.layout
         at = torch.tensor(slots, dtype=torch.long)
-        data, copied = self._staging.pack(self.cache, (lay.layer_start, lay.layer_end), at)  # (CUDA: to pinned memory)
+        data, copied = self.staging.pack(self.cache, (lay.layer_start, lay.layer_end), at)  # (CUDA: to pinned memory)
         if copied is not None:
             copied.synchronize()
         unpack(self.replica, lay.layer_start, lay.layer_end, "kv", at, data)
         self.written += data.numel() * data.element_size()
-        self.report(Replicated(self.name, [g.request_id for g in segs], [g.token_start for g in segs],
-                               [g.token_end for g in segs], self.stage, msg.epoch))
+        self.report(Replicated(self.name, rids, starts, ends, self.stage, msg.epoch))
 
     def close(self, wait: bool = True) -> None:
         """Stop the sending thread (`wait=False`: without waiting for its peer, which may be gone)."""

@@ -65,10 +65,13 @@ class LastSampled:
     def record(self, msg: Step, rows: list[int], ids: list[int]) -> None:
         """The ids sampled for `msg`'s `rows` (each the token after its seq's context)."""
         seqs, last = msg.seqs, self.ids
-        for rid in msg.free:  # (dropped before the step: a later step of the id starts it anew)
-            last.pop(rid, None)
         for i, t in zip(rows, ids):
             last[seqs[i].rid] = (seqs[i].context_len, t)
+
+    def forget(self, rids) -> None:
+        """Requests freed (before a step: a later step of the id starts it anew)."""
+        for rid in rids:
+            self.ids.pop(rid, None)
 
     def take(self, res: StepResult, known) -> None:
         """The ids the last stage sampled (its result, sent on to this first stage with positions), of
@@ -78,29 +81,29 @@ class LastSampled:
             if rids[row] in known:
                 last[rids[row]] = (pos, t)
 
-    def ready(self, msg: Step) -> bool:
-        """Whether every `AHEAD` of `msg` can be filled: a first stage of several stages may have the
-        step before the last stage's ids for it (they travel apart)."""
-        if AHEAD not in msg.token_ids:
-            return True
+    @staticmethod
+    def _aheads(msg: Step):
+        """(index into `msg.token_ids`, seq) of each `AHEAD` (a seq's last token)."""
         at, ids = 0, msg.token_ids
         for s in msg.seqs:
             at += s.num_new
-            if ids[at - 1] == AHEAD and self.ids.get(s.rid, (-1,))[0] != s.context_len - 1:
-                return False
-        return True
+            if ids[at - 1] == AHEAD:
+                yield at - 1, s
+
+    def ready(self, msg: Step) -> bool:
+        """Whether every `AHEAD` of `msg` can be filled: a first stage of several stages may have the
+        step before the last stage's ids for it (they travel apart)."""
+        return AHEAD not in msg.token_ids or all(self.ids.get(s.rid, (-1,))[0] == s.context_len - 1
+                                                 for _, s in self._aheads(msg))
 
     def fill(self, msg: Step) -> None:
-        """Replace each `AHEAD` in `msg.token_ids` (a seq's last token) by the id sampled for its
-        position (a step is run only once it is `ready`)."""
-        at = 0
-        for s in msg.seqs:
-            at += s.num_new
-            if msg.token_ids[at - 1] == AHEAD:
-                pos, t = self.ids.get(s.rid, (-1, AHEAD))
-                if pos != s.context_len - 1:
-                    raise RuntimeError(f"decode-ahead step {msg.batch}: no token sampled for {s.rid} at {s.context_len - 1}")
-                msg.token_ids[at - 1] = t
+        """Replace each `AHEAD` in `msg.token_ids` by the id sampled for its position (a step is run
+        only once it is `ready`)."""
+        for i, s in self._aheads(msg):
+            pos, t = self.ids.get(s.rid, (-1, AHEAD))
+            if pos != s.context_len - 1:
+                raise RuntimeError(f"decode-ahead step {msg.batch}: no token sampled for {s.rid} at {s.context_len - 1}")
+            msg.token_ids[i] = t
 
     def clear(self) -> None:
         self.ids.clear()

@@ -339,7 +339,7 @@ class Worker:
             msg.tier_failed = sorted(set(msg.tier_failed) | set(self.tiers.apply(TierPlan.from_wire(msg.tier_ops))))
         for rid in msg.free:  # (a token worker's KV receiver forgets a request by itself once its KV is in)
             self.tables.pop(rid, None)
-            self.last.ids.pop(rid, None)
+        self.last.forget(msg.free)
         seqs, tables, swap = [], {}, []
         for s in msg.seqs:
             if s.full_table:
