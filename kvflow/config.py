@@ -316,6 +316,7 @@ class WorkerSpec:
     replica_layer_start: int = -1  # layers of the previous stage whose KV replica this stage holds
     replica_layer_end: int = -1  # (-1: none)
     replica_shm: str = ""  # that replica's shared-memory segment (the controller's), to map ("": none)
+    hidden_shm: str = ""  # the ring its input hidden states arrive in (the controller's), to map ("": none)
     replicated: bool = False  # this stage's KV is replicated: it can have it restored after a failure
     host_kv_slots: int = 0  # the prefix cache's lower tiers: slots (blocks) in host memory and on disk,
     disk_kv_slots: int = 0  # each holding this stage's layers of a block (its pipeline's pools decide)

@@ -96,6 +96,7 @@ class Step:
     swap_region: int = -1  # microbatch swapping: the device region the step computes in (-1: none)
     argmax_rows: list[int] = field(default_factory=list)  # rows whose token is their logits' argmax: taken on the last stage
     busy_s: float = 0.0  # compute seconds of the stages before this one (a stage adds its own before forwarding)
+    hidden: list = field(default_factory=list)  # its input in the stage's hidden ring, [slot, dtype, *shape] (no frame)
 
 
 @dataclass
@@ -114,17 +115,13 @@ class StepResult:
 
 
 @dataclass
-class Hello:
-    """Worker -> controller at start: who it is and where its step socket listens."""
-
+class Hello:  # worker -> controller at start: who it is and where its step socket listens
     name: str
     step_addr: str
 
 
 @dataclass
-class Setup:
-    """Controller -> worker: what to be (a `WorkerSpec` and the `EngineConfig` subtree, as dicts)."""
-
+class Setup:  # controller -> worker: what to be (a `WorkerSpec` and the `EngineConfig` subtree, as dicts)
     spec: dict
     engine: dict
     epoch: int = 0
@@ -134,13 +131,15 @@ class Setup:
 class Ready:
     """Worker -> controller once its layers are loaded: where it receives KV into its cache (token
     role, or any role restoring after a failure), and into the replica it holds of the previous stage
-    (mapped from `WorkerSpec.replica_shm` or not); its model's `LlamaModel.kernel_variant`."""
+    (mapped from `WorkerSpec.replica_shm` or not); its model's `LlamaModel.kernel_variant`; whether it
+    mapped its hidden-state ring (`WorkerSpec.hidden_shm`)."""
 
     name: str
     kv_addr: str = ""
     replica_addr: str = ""
     kernel_variant: str = ""
     replica_shm: bool = False
+    hidden_shm: bool = False
 
 
 @dataclass
@@ -155,6 +154,7 @@ class Route:
     replica_to: str = ""  # the replica port of the stage holding this stage's replica ("": none)
     replica_shm: str = ""  # or its shared-memory segment (the controller's), to write in place if mapped here
     ids_to: str = ""  # decoding ahead, the last stage of a deeper pipeline: stage 0's step port (its results too)
+    hidden_to: str = ""  # the next stage's hidden-state ring (mapped there): its output goes in it, not in a frame
 
 
 @dataclass
@@ -166,13 +166,12 @@ class Heartbeat:
     kv_bytes_received: int
     dropped_messages: int = 0
     replica_bytes_sent: int = 0
+    hidden_bytes: int = 0  # hidden states written into the next stage's ring
     swap: dict = field(default_factory=dict)  # microbatch swapping: the worker's `Swapper.stats`
 
 
 @dataclass
-class KVArrived:
-    """Token worker -> controller: all planned KV of these requests is in its cache."""
-
+class KVArrived:  # token worker -> controller: all planned KV of these requests is in its cache
     name: str
     rids: list[str]
 
@@ -221,7 +220,7 @@ class Fence:
 
 
 @dataclass
-class Shutdown:
+class Shutdown:  # controller -> worker: stop
     pass
 
 

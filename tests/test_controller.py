@@ -214,6 +214,41 @@ def test_kv_streamed_equals_prompt_kv(tiny_ckpt_dir):
     assert stats.kv_bytes_streamed_total == kv_bytes
 
 
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "messages"])
+def test_hidden_states_between_stages_pass_through_the_ring_or_the_messages_alike(tiny_ckpt_dir, monkeypatch, ring):
+    # stages the controller started on its own host pass hidden states through a shared-memory ring;
+    # where /dev/shm cannot hold one they travel on the step messages, with the same tokens
+    from conftest import tiny_config
+
+    import kvflow.controller.workers as workers
+
+    if not ring:
+        def full(*_):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(workers, "create_ring", full)
+    hidden = tiny_config(num_layers=2).hidden_size * 4  # (float32)
+    expected = hidden * (sum(map(len, PROMPTS)) + sum(n - 1 for n in LENGTHS)) if ring else 0  # every token stage 0 computed
+
+    async def main():
+        ctrl = Controller(_cfg(tiny_ckpt_dir, mode="colocated", depth=2))
+        await ctrl.start()
+        try:
+            res = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))])
+            mapped = [s.hidden_shm for s in ctrl.pipelines[0].stages]
+            # stage 0 reports its ring bytes with its heartbeats: wait for one sent after the last step
+            done, deadline = time.monotonic(), time.monotonic() + 60
+            while ctrl.pipelines[0].stages[0].last_heartbeat <= done + 0.05 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return res, mapped, ctrl.stats()
+        finally:
+            await ctrl.shutdown()
+
+    res, mapped, stats = asyncio.run(main())
+    assert [t for t, _ in res] == reference(PROMPTS, LENGTHS)
+    assert mapped == [False, ring]
+    assert stats.hidden_ring_bytes_total == expected
+
+
 def test_without_recovery_a_killed_worker_fails_in_flight_requests_quickly(tiny_ckpt_dir):
     # Deterministic on any machine speed: a first request completes (so the prompt->token KV link is up),
     # then token-0 is stopped (SIGSTOP) before the victim request arrives, so

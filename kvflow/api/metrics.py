@@ -184,6 +184,8 @@ def _backend_families(s: BackendStats) -> list[Metric]:
         _counter("kvflow_recoveries_total", "Recoveries completed (worker replaced, requests resumed)", s.recoveries_total),
         _counter("kvflow_recovery_seconds_total", "Seconds spent recovering", s.recovery_seconds_total),
         _gauge("kvflow_recovering", "1 while a recovery is under way", int(s.recovering)),
+        _counter("kvflow_hidden_ring_bytes_total", "Hidden-state bytes passed between pipeline stages through shared memory",
+                 s.hidden_ring_bytes_total),
         _counter("kvflow_replicated_bytes_total", "KV bytes streamed to replicas (ring replication)", s.replicated_bytes_total),
         _gauge("kvflow_replication_lag_tokens", "Most KV tokens of one running request not yet in its stage's replica",
                s.replication_lag_tokens),

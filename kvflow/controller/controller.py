@@ -94,7 +94,7 @@ class Controller:
         prompt = self.pipelines[:-1] if self.token is not None else self.pipelines
         self.executor = PipelineExecutor(prompt, [self.token] if self.token is not None else [], self)
         self.workers = Workers(cfg, self.pipelines, launcher if launcher is not None else SubprocessLauncher(local_gpus(ecfg.device)),
-                               self.secret, self.store)
+                               self.secret, self.store, mc.hidden_size * ecfg.torch_dtype.itemsize)
         self.recovery = Recovery(self)
         self.stages, self.address = self.workers.stages, self.workers.address
         # state owned by the loop thread once started
@@ -158,6 +158,7 @@ class Controller:
             generated_tokens_total=self.generated,
             prompt_tokens_total=self.prompt_tokens,
             kv_bytes_streamed_total=sum(s.kv_bytes_sent for s in stages),
+            hidden_ring_bytes_total=sum(s.hidden_bytes_sent for s in stages),
             worker_busy_seconds={s.name: s.busy_s for s in stages},
             workers_alive={s.name: s.alive for s in stages},
             dropped_messages_total={"controller": self.dropped_messages,
@@ -246,7 +247,7 @@ class Controller:
             if s is not None:
                 s.last_heartbeat = time.monotonic()
                 s.busy_s, s.kv_bytes_sent, s.dropped_messages = msg.busy_s, msg.kv_bytes_sent, msg.dropped_messages
-                s.replica_bytes_sent, s.swap = msg.replica_bytes_sent, msg.swap
+                s.replica_bytes_sent, s.hidden_bytes_sent, s.swap = msg.replica_bytes_sent, msg.hidden_bytes, msg.swap
             return
         elif isinstance(msg, Replicated):
             s = self.stages.get(msg.name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from multiprocessing import shared_memory
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,7 @@ import zmq
 from kvflow.config import ClusterConfig, WorkerSpec, to_dict
 from kvflow.controller.launcher import Launcher
 from kvflow.controller.pipeline import Pipeline, StageHandle
+from kvflow.streaming.hidden_ring import create_ring
 from kvflow.wire import Hello, Ready, Route, Setup, Shutdown, WireError, WorkerError, decode, encode
 
 if TYPE_CHECKING:
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PEER_EXIT_WAIT_S = 2.0  # how long a stream peer's disconnection waits for a process exit to blame instead
+RING_SLOT_MAX = 64 << 20  # a hidden-state ring's slots hold a step of the pipeline's token budget, up to this
 
 
 class StartError(RuntimeError):
@@ -29,11 +32,14 @@ class StartError(RuntimeError):
 
 class Workers:
     """Every stage process of a controller's pipelines, and the sockets to them: one inbox (PULL)
-    that every worker sends to, one PUSH socket per stage."""
+    that every worker sends to, one PUSH socket per stage; and the hidden-state rings between
+    adjacent stages it started (`streaming.hidden_ring`: `token_bytes` is one token's hidden state)."""
 
     def __init__(self, cfg: ClusterConfig, pipelines: list[Pipeline], launcher: Launcher, secret: bytes,
-                 store: "ReplicaStore | None" = None) -> None:
+                 store: "ReplicaStore | None" = None, token_bytes: int = 0) -> None:
         self.cfg, self.pipelines, self.launcher, self.secret, self.store = cfg, pipelines, launcher, secret, store
+        self.token_bytes = token_bytes
+        self.rings: dict[str, shared_memory.SharedMemory] = {}  # receiving stage -> its ring
         self.stages = {s.name: s for p in pipelines for s in p.stages}
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -99,7 +105,7 @@ class Workers:
                 self._same_kernel_variant(msg.name, msg.kernel_variant)
                 s = self.stages[msg.name]
                 s.kv_addr, s.replica_addr, s.last_heartbeat = msg.kv_addr, msg.replica_addr, time.monotonic()
-                s.replica_shm = msg.replica_shm
+                s.replica_shm, s.hidden_shm = msg.replica_shm, msg.hidden_shm
                 ready.discard(msg.name)
             elif isinstance(msg, WorkerError) and msg.name in ready:
                 raise StartError(f"worker {msg.name} failed: {msg.message}")
@@ -135,7 +141,23 @@ class Workers:
                           self.cfg.kv_send_mode, replica_layer_start=rl[0], replica_layer_end=rl[1], replica_shm=shm,
                           replicated=mode is not None, host_kv_slots=p.kv_manager.host.num_slots if p.kv_manager.host else 0,
                           disk_kv_slots=p.kv_manager.disk.num_slots if p.kv_manager.disk else 0, swap_regions=regions,
-                          swap_region_blocks=per, pool_blocks=p.kv_manager.num_blocks)
+                          swap_region_blocks=per, pool_blocks=p.kv_manager.num_blocks, hidden_shm=self._ring(p, s))
+
+    def _ring(self, p: Pipeline, s: StageHandle) -> str:
+        """The ring `s` takes its input hidden states in ("": none): made once for a stage after the
+        first whose process and its predecessor's this controller started (on this host), with a
+        slot per batch the pipeline keeps in flight; none where /dev/shm cannot hold it."""
+        prev = p.stages[s.stage - 1] if s.stage > 0 else None
+        if prev is None or s.process is None or prev.process is None or not self.token_bytes:
+            return ""
+        if s.name not in self.rings:
+            budget = p.sched.config.max_num_batched_tokens or p.sched.config.max_num_seqs
+            try:
+                self.rings[s.name] = create_ring(p.max_in_flight, min(budget * self.token_bytes, RING_SLOT_MAX))
+            except OSError as e:
+                log.warning("no hidden-state ring for %s (%s): its input travels on the step messages", s.name, e)
+                return ""
+        return self.rings[s.name].name
 
     def wire(self, token: Pipeline | None) -> None:
         """Tell every stage where its output goes (the next stage, or the controller), which token
@@ -143,7 +165,8 @@ class Workers:
         port, or the store's; and the replica's shared-memory segment to a worker whose process this
         controller can kill, where the replica is kept in it (the store's; a ring holder that
         mapped it, `Ready.replica_shm`), to write in place (`ReplicaStore`). The last stage of a
-        deeper pipeline that decodes ahead also sends its results to stage 0 (`Route.ids_to`)."""
+        deeper pipeline that decodes ahead also sends its results to stage 0 (`Route.ids_to`). A
+        stage whose successor mapped its hidden-state ring writes its output there (`Route.hidden_to`)."""
         bounds = token.layer_bounds if token is not None else []
         for p in self.pipelines:
             for i, s in enumerate(p.stages):
@@ -155,7 +178,8 @@ class Workers:
                 kept = mode == "store" or (mode == "ring" and holder.replica_shm)
                 shm = self.store.segment(p.name, i) if kept and s.process is not None else ""
                 ahead = p.sched.config.decode_ahead and p.depth > 1 and i == p.depth - 1  # (its ids to stage 0)
-                self.send(s.name, Route(nxt, peers, bounds, replica_to, shm, p.stages[0].step_addr if ahead else ""))
+                ring = self.rings[p.stages[i + 1].name].name if i + 1 < p.depth and p.stages[i + 1].hidden_shm else ""
+                self.send(s.name, Route(nxt, peers, bounds, replica_to, shm, p.stages[0].step_addr if ahead else "", ring))
 
     def lost(self) -> tuple[StageHandle, str] | None:
         """The first live stage whose process exited or whose heartbeats stopped, and why."""
@@ -213,3 +237,7 @@ class Workers:
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
+        for seg in self.rings.values():
+            seg.unlink()
+            seg.close()
+        self.rings.clear()

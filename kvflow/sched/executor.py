@@ -53,6 +53,12 @@ class PipelineState:
         # what each batch ran, [(request id, new tokens)], for tests and benchmarks (the latest LOG_LEN)
         self.batch_log: deque[list[tuple[str, int]]] | None = deque(maxlen=LOG_LEN) if log_batches else None
 
+    @property
+    def max_in_flight(self) -> int:
+        """The most batches `fill` keeps in flight: `depth`, twice that when the pipeline decodes ahead
+        (`SchedulerConfig.decode_ahead`: each batch's successor sent before it returns)."""
+        return 2 * self.depth if self.sched.config.decode_ahead else self.depth
+
 
 @dataclass(frozen=True)
 class Voided:
@@ -147,16 +153,14 @@ class PipelineExecutor:
             self.fill(p)
 
     def fill(self, p: PipelineState) -> None:
-        """While `p` has fewer than `depth` batches in flight (twice as many when it decodes ahead,
-        `SchedulerConfig.decode_ahead`: each batch's successor sent before it returns): offer it queued
-        requests, schedule, route preemptions, dispatch."""
+        """While `p` has fewer than `max_in_flight` batches in flight: offer it queued requests,
+        schedule, route preemptions, dispatch."""
         if p.down:
             return
         if p.ready:
             self.handoff.fill_microbatches(p)
         admitting = p.role != "token" and not (self.rigid_rounds and p.sched.running)
-        slots = 2 * p.depth if p.sched.config.decode_ahead else p.depth
-        while len(p.in_flight) < slots:
+        while len(p.in_flight) < p.max_in_flight:
             offered = self._offer(p) if admitting else []
             out = p.sched.schedule()
             if offered:

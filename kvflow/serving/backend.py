@@ -43,6 +43,7 @@ class BackendStats:
     generated_tokens_total: int = 0
     prompt_tokens_total: int = 0
     kv_bytes_streamed_total: int = 0
+    hidden_ring_bytes_total: int = 0  # hidden states passed between stages through shared memory (not on messages)
     worker_busy_seconds: dict[str, float] = field(default_factory=dict)  # worker name -> busy time
     workers_alive: dict[str, bool] = field(default_factory=dict)
     dropped_messages_total: dict[str, int] = field(default_factory=dict)  # port owner -> messages dropped

@@ -43,11 +43,13 @@ from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
 from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender
+from kvflow.streaming.hidden_ring import HiddenRing, open_ring
 from kvflow.streaming.errors import peer_gone
 from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.streaming.swapper import SwapSeq, Swapper
 from kvflow.streaming.tier_store import TierStore
 from kvflow.streaming.topology import Transfer
+from kvflow.worker.parent import Parent
 from kvflow.worker.replication import Replicator, held_replica, restore
 from kvflow.worker.steps import AHEAD, LastSampled, Prepared
 from kvflow.wire import (
@@ -63,8 +65,7 @@ class Worker:
         """`controller_pid`: the local controller process this worker must not outlive (a worker forked by
         the launcher's fork server); None: the process that started this one (its parent)."""
         self.controller_addr, self.name, self.host, self.secret = controller_addr, name, host, secret
-        self._parent = os.getppid()
-        self.controller_pid = controller_pid
+        self.parent = Parent(controller_pid)
         self.ctx = zmq.Context()
         self.busy_s = 0.0
         self.steps = 0
@@ -79,6 +80,8 @@ class Worker:
         self.replica: KVCache | None = None  # the previous stage's KV, replicated
         self.replica_rx: KVReceiver | None = None
         self.replicator: Replicator | None = None  # this stage's appended KV -> its replica (next stage's, or the store's)
+        self.hidden_in: HiddenRing | None = None  # where its input hidden states arrive (a stage after the first, local)
+        self.hidden_out: HiddenRing | None = None  # the next stage's: its output goes there
         self._send_lock = threading.Lock()  # the controller socket is shared by compute and KV threads
 
     # ------------------------------------------------------------------ set-up
@@ -130,6 +133,7 @@ class Worker:
             rl = KVLayout.for_model(ck.config, nblocks, ecfg.block_size,
                                     (spec.replica_layer_start, spec.replica_layer_end), dtype=ecfg.torch_dtype)
             self.replica = held_replica(rl, spec.replica_shm, self.name)
+        self.hidden_in = open_ring(spec.hidden_shm, self.device, self.name)
         self.tiers = None  # the prefix cache's host and disk slots of this stage's layers
         if spec.host_kv_slots:
             path = os.path.join(ecfg.disk_kv_path, spec.name) if ecfg.disk_kv_path else None
@@ -163,7 +167,7 @@ class Worker:
                                          increments=True)
             self.replica_rx.start()
         self._to_controller(Ready(self.name, kv_addr, replica_addr, self.model.kernel_variant,
-                                  self.replica is not None and self.replica.shared))
+                                  self.replica is not None and self.replica.shared, self.hidden_in is not None))
         self.out = None
         self._route(self._expect(Route))
         hb = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
@@ -175,7 +179,7 @@ class Worker:
             hb.join(2.0)
             if getattr(self, "_intake_thread", None) is not None:
                 self._intake_thread.join(2.0)  # it polls the step socket: done before the context goes
-            for t in (self.sender, self.replicator, self.receiver, self.replica_rx, self.swapper):
+            for t in (self.sender, self.replicator, self.receiver, self.replica_rx, self.swapper, self.hidden_in, self.hidden_out):
                 if t is not None:
                     t.close()
             self.ctx.destroy(linger=0)
@@ -207,32 +211,21 @@ class Worker:
         if self.replicator is not None:  # rewired after a failure: the old peer may be gone, do not wait
             self.replicator.close(wait=False)
             self.replicator = None
+        if self.hidden_out is not None and self.hidden_out.name != route.hidden_to:
+            self.hidden_out.close()
+            self.hidden_out = None
+        if route.hidden_to and self.hidden_out is None:
+            self.hidden_out = open_ring(route.hidden_to, self.device, self.name)
         if route.replica_to or route.replica_shm:
             self.replicator = Replicator(self.cache, self.spec.stage, self.name, route, self.epoch, self.secret,
                                          self._to_controller)
-
-    def _controller_gone(self) -> bool:
-        """Whether the local process that started this worker has exited (a worker must not linger)."""
-        if self.controller_pid is None:
-            return os.getppid() != self._parent
-        try:
-            os.kill(self.controller_pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        try:  # an exited controller not yet reaped by its parent is a zombie
-            with open(f"/proc/{self.controller_pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            return False
 
     def _expect(self, cls):
         while True:
             msg, _ = self._recv(self.step_in, 1000)
             if isinstance(msg, cls):
                 return msg
-            if msg is None and self._controller_gone():
+            if msg is None and self.parent.gone():
                 raise SystemExit(f"{self.name}: the controller went away during start-up")
             if msg is not None:
                 self.dropped += 1
@@ -277,7 +270,7 @@ class Worker:
                 self._to_controller(WorkerError(self.name, f"decode-ahead step {held.batch} got no input ids in "
                                                 f"{self.last.HOLD_LIMIT_S:.0f} s", held.epoch))
             if msg is None:
-                if self._controller_gone():  # the controller that started us is gone: do not linger
+                if self.parent.gone():  # the controller that started us is gone: do not linger
                     log.warning("controller process exited; worker %s stops", self.name)
                     return
                 continue
@@ -369,6 +362,10 @@ class Worker:
                 self.last.fill(msg)
             hidden = None if prep.graphed else self.model.embed(torch.tensor(msg.token_ids, dtype=torch.long, device=self.device))
         else:
+            if msg.hidden:  # (in the ring, not a frame)
+                if self.hidden_in is None:
+                    raise ValueError(f"{self.name}: a step names a hidden-state ring this stage has not mapped")
+                hidden = self.hidden_in.get(msg.hidden)
             hidden = hidden.to(self.device, self.engine_cfg.torch_dtype)
         hook = None
         if self.sender is not None and msg.kv_plan:
@@ -410,8 +407,9 @@ class Worker:
                 self.ids_out.send_multipart(frames)
         else:
             msg.token_ids = []
+            msg.hidden = self.hidden_out.put(out) or [] if self.hidden_out is not None and out is not None else []
             msg.busy_s += time.perf_counter() - t0  # the pipeline's compute so far, for the controller's step log
-            self.out.send_multipart(encode(msg, self.secret, out))
+            self.out.send_multipart(encode(msg, self.secret, None if msg.hidden else out))
 
     # ------------------------------------------------------------------ token role: KV arrivals
     def _kv_complete(self, rids: list[str], spans: list[tuple[int, int]]) -> None:
@@ -435,7 +433,8 @@ class Worker:
             got = self.receiver.nbytes if self.receiver is not None else 0
             replicated = self.replicator.nbytes if self.replicator is not None else 0
             swap = dict(self.swapper.stats) if self.swapper is not None else {}
-            self._to_controller(Heartbeat(self.name, self.busy_s, self.steps, sent, got, self.dropped, replicated, swap))
+            hidden = self.hidden_out.nbytes if self.hidden_out is not None else 0
+            self._to_controller(Heartbeat(self.name, self.busy_s, self.steps, sent, got, self.dropped, replicated, hidden, swap))
 
 
 def run_worker(controller_addr: str, name: str, host: str, secret: bytes | None = None,
