@@ -469,6 +469,9 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
             t0 = time.perf_counter()
             got = await asyncio.gather(*[one(p, f"r{i}") for i, p in enumerate(ps)])
             result = {"tok_s": sum(got) / (time.perf_counter() - t0)}
+            workers = getattr(backend, "workers", None)
+            if workers is not None and hasattr(workers, "rings"):  # hidden states through shared memory or on the messages
+                result["hidden_rings_mapped"] = sum(s.hidden_shm for s in backend.stages.values())
             store = getattr(backend, "store", None)
             if store is not None:  # where the replicas went: shared-memory segments written in place, or the KV port
                 result.update(replica_segments=len(getattr(store, "segments", ())), replica_port_bytes=store.nbytes)

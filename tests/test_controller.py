@@ -218,19 +218,29 @@ def test_kv_streamed_equals_prompt_kv(tiny_ckpt_dir):
 def test_hidden_states_between_stages_pass_through_the_ring_or_the_messages_alike(tiny_ckpt_dir, monkeypatch, ring):
     # stages the controller started on its own host pass hidden states through a shared-memory ring;
     # where /dev/shm cannot hold one they travel on the step messages, with the same tokens
-    from conftest import tiny_config
-
     import kvflow.controller.workers as workers
 
     if not ring:
         def full(*_):
             raise OSError(28, "No space left on device")
         monkeypatch.setattr(workers, "create_ring", full)
+    check_hidden_states(tiny_ckpt_dir, ring)
+
+
+def check_hidden_states(tiny_ckpt_dir, ring: bool, device: str = "cpu") -> None:
+    """Colocated depth 2 on `device` gives the engine's tokens, with its stage 1 mapping a ring (or
+    not), and stage 0 putting every hidden state it computed into it (or none)."""
+    from dataclasses import replace
+
+    from conftest import tiny_config
+
     hidden = tiny_config(num_layers=2).hidden_size * 4  # (float32)
     expected = hidden * (sum(map(len, PROMPTS)) + sum(n - 1 for n in LENGTHS)) if ring else 0  # every token stage 0 computed
+    cfg = _cfg(tiny_ckpt_dir, mode="colocated", depth=2)
+    cfg = replace(cfg, engine=replace(cfg.engine, device=device))
 
     async def main():
-        ctrl = Controller(_cfg(tiny_ckpt_dir, mode="colocated", depth=2))
+        ctrl = Controller(cfg)
         await ctrl.start()
         try:
             res = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))])

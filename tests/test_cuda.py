@@ -143,6 +143,15 @@ def test_every_layout_on_cuda_gives_the_cpu_engines_tokens(tiny_ckpt_dir, kw):
     assert free == [128] * len(free), "KV blocks leaked"
 
 
+def test_hidden_states_between_gpu_stages_go_through_the_page_locked_ring(tiny_ckpt_dir):
+    """Two stages on the GPU pass hidden states through the shared-memory ring (registered with the
+    driver where it can be) and give the CPU engine's float32 tokens."""
+    pytest.importorskip("zmq")
+    from test_controller import check_hidden_states
+
+    check_hidden_states(tiny_ckpt_dir, ring=True, device="cuda")
+
+
 @pytest.mark.parametrize("kw, victim", [(dict(mode="colocated", depth=2), "colocated-1"),
                                         (dict(mode="disaggregated", prompt_depth=1, token_depth=1), "token-0")],
                          ids=["colocated-2:replica", "disagg-1-1:token"])
