@@ -156,7 +156,7 @@ class Worker:
         from kvflow.streaming.transports.tcp_receiver import TcpReceiver
 
         if self.spec.role == "token" or self.spec.replicated:  # hand-offs, or a restore after a failure
-            rx = TcpReceiver(self.host)
+            rx = TcpReceiver(self.host, pinned=self.cache.device.type == "cuda")
             kv_addr = rx.address
             self.receiver = KVReceiver(self.cache, InStream(rx, secret=self.secret), self._kv_complete, self._kv_dropped)
             self.receiver.start()

@@ -9,6 +9,9 @@ rejected, and its payload bytes are read and dropped); a connection is *pending*
 headers passes, and while pending its buffer grows only with the bytes it really sent (a header of
 at most `MAX_PENDING_HEAD`), at most `max_pending` connections are pending at once (the oldest is
 dropped for a new one) and each is dropped `auth_timeout` seconds after it connected.
+
+A receiver that writes into a cache on a CUDA device takes page-locked buffers (`pinned`), so a
+payload goes from the socket to the device by DMA, not through pageable memory staged by the driver.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from kvflow.streaming.transport import ChunkReceiver, RawChunk
 from kvflow.streaming.transports.link import CoalescedAcks
@@ -37,12 +41,13 @@ POOL_BYTES = 64 << 20  # receive buffers a receiver keeps for reuse, at most
 
 class _Buffers:
     """Receive buffers by power-of-two size class, the most recently released first (warm in
-    cache); at most `limit` bytes of them kept."""
+    cache); at most `limit` bytes of them kept; page-locked with `pinned` (CUDA)."""
 
-    def __init__(self, limit: int = POOL_BYTES) -> None:
+    def __init__(self, limit: int = POOL_BYTES, pinned: bool = False) -> None:
         self.free: dict[int, list[np.ndarray]] = {}
         self.kept = 0
         self.limit = limit
+        self.pinned = pinned
 
     def take(self, n: int) -> np.ndarray:
         size = max(4096, 1 << (n - 1).bit_length())
@@ -50,6 +55,8 @@ class _Buffers:
         if free:
             self.kept -= size
             return free.pop()
+        if self.pinned:  # (the array keeps the tensor, and so its page-locked memory, alive)
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
         return np.empty(size, dtype=np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
@@ -177,7 +184,7 @@ class TcpReceiver(CoalescedAcks, ChunkReceiver):
     ack_batch = 32
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, max_pending: int = MAX_PENDING,
-                 auth_timeout: float = AUTH_TIMEOUT_S) -> None:
+                 auth_timeout: float = AUTH_TIMEOUT_S, pinned: bool = False) -> None:
         if max_pending <= 0 or auth_timeout <= 0:
             raise ValueError(f"max_pending and auth_timeout must be positive ({max_pending}, {auth_timeout})")
         super().__init__()
@@ -189,7 +196,7 @@ class TcpReceiver(CoalescedAcks, ChunkReceiver):
         self.address = f"tcp://{host}:{self.listener.getsockname()[1]}"
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ)
-        self.pool = _Buffers()
+        self.pool = _Buffers(pinned=pinned)
         self.conns: dict[int, _Conn] = {}  # by a connection id never reused (file descriptors are)
         self.pending: dict[int, _Conn] = {}  # the connections not yet authenticated, oldest first
         self.refused = 0  # pending connections dropped (too many at once, or too slow to authenticate)
