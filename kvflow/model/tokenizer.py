@@ -22,6 +22,11 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         specials = sorted({t.content for t in self.hf.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
         self._specials_re = re.compile("|".join(map(re.escape, specials))) if specials else None  # special-token text
+        # decoding straight through the fast tokenizer's backend where transformers' `decode` would do just
+        # that (no clean-up of spaces): it is called twice per generated token, and transformers' own
+        # argument conversion costs several times the backend's decode
+        backend = getattr(self.hf, "_tokenizer", None)
+        self._backend_decode = backend.decode if backend is not None and not self.hf.clean_up_tokenization_spaces else None
 
     @staticmethod
     def available(directory: str | Path) -> bool:
@@ -37,6 +42,8 @@ class Tokenizer:
         return list(self.hf(text)["input_ids"])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
