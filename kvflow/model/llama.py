@@ -346,7 +346,7 @@ class LlamaModel:
     def _layer(self, layer, lw: LayerWeights, x, delta, batch: ForwardBatch, kv: KVCache, cos, sin, hook):
         """One decoder layer on x + delta -> (residual stream, MLP output still to be added to it)."""
         cfg, T = self.cfg, x.shape[0]
-        fuse = not batch.prefill and self.fusion.takes(T)  # (decode rows only: see `decode_fusion`)
+        fuse = not batch.prefill and self.fusion.takes(T) and self._fused(x, lw.input_norm)  # (decode rows: `decode_fusion`)
         x, qkv = self._norm_linear(x, delta, lw.input_norm, lw.qkv, fuse)
         kv_layer = kv.layer_kv(layer)
         if self._fused(qkv, cos, sin, kv_layer):  # RoPE in place and the K/V write, one pass
