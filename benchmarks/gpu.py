@@ -173,6 +173,10 @@ def decode_steps(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, 
     kv_bytes = batch * ctx * layout.bytes_per_block // layout.block_size
     result = {"batch": batch, "graphs": graphs and eng.runner.graphs is not None, "step_ms": 1e3 * statistics.median(times),
               "forward_ms": fwd, "weight_bytes": eng.model.weight_bytes, "kv_bytes": kv_bytes}
+    fusion = eng.model.fusion  # which decode row counts took the fused projections, and the load-time measurement
+    result["fusion"] = {"rows": sorted(fusion.rows), "why": fusion.why, "measured": [m._asdict() for m in fusion.measured]}
+    if result["graphs"] and device == "cuda":  # the graph's device time alone (the last step, replayed)
+        result["replay_ms"] = eng.runner.graphs.replay_ms(batch)
     del llm, eng
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -533,7 +537,9 @@ def main() -> None:
                     d["floor_ms"] = 1e3 * (d["weight_bytes"] + d["kv_bytes"]) / bw
                     r["decode"].append(d)
                     print(f"[{shape}] decode batch {b:3d} {'graphs' if d['graphs'] else 'eager ':6s} "
-                          f"{d['step_ms']:8.3f} ms (forward {d['forward_ms']:.3f})  floor {d['floor_ms']:.3f} ms  x{d['step_ms'] / d['floor_ms']:.1f}", flush=True)
+                          f"{d['step_ms']:8.3f} ms (forward {d['forward_ms']:.3f})  floor {d['floor_ms']:.3f} ms  x{d['step_ms'] / d['floor_ms']:.1f}"
+                          + (f"  replay {d['replay_ms']:.3f} ms, fused projections: {b in d['fusion']['rows']} "
+                             f"({d['fusion']['why']})" if "replay_ms" in d else ""), flush=True)
             if args.device == "cuda":
                 try:
                     r["attention"] = attention_kernels(shape, args.batches)

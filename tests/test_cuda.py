@@ -91,6 +91,25 @@ def test_a_replayed_graph_gives_the_eager_logits():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_fused_decode_projections_are_measured_and_give_the_separate_kernels_tokens(monkeypatch):
+    """A model not `deterministic` measures the fused decode projections against the separate kernels
+    when it loads (`decode_fusion`: it must not fail on the device); forced on, its graphed float32
+    steps give the tokens of the separate kernels (tests/test_triton_fused_linear.py compares the
+    kernels and the logits on the device)."""
+    from kvflow.model.decode_fusion import FUSED_ROWS
+
+    choice = engine("cuda", dtype="bfloat16").model.fusion
+    assert choice.why == "measured" and [m.rows for m in choice.measured] == list(FUSED_ROWS), choice
+    tokens = {}
+    for forced in ("1", "0"):
+        monkeypatch.setenv("KVFLOW_FUSED_PROJECTIONS", forced)
+        eng = engine("cuda", eager=False)
+        assert bool(eng.model.fusion.rows) == (forced == "1") and eng.runner.graphs is not None
+        tokens[forced] = greedy(eng)
+        assert eng.runner.graphs.replay_ms(3) > 0  # (what benchmarks/gpu.py reports)
+    assert tokens["1"] == tokens["0"]
+
+
 def test_the_kv_cache_takes_what_the_gpu_memory_leaves():
     """gpu_memory_utilization: the cache gets the fraction of the device's memory less what is in use
     and a step's measured peak (one GiB over what is held now, here), and serves the same tokens."""

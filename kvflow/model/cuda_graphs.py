@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from kvflow.kv.cache import KVCache
-from kvflow.model.batch import ForwardBatch, SeqSlice
+from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LlamaModel
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -131,6 +131,22 @@ class DecodeGraphs:
             return self._forward(b)[:n]
         self._graphs[b].replay()
         return self._out[b][:n]
+
+    def replay_ms(self, n: int, reps: int = 50) -> float:
+        """GPU milliseconds of one replay of the graph `n` rows take: `reps` replays back to back between
+        CUDA events, the step's device time without its host work (benchmarks). Each replay repeats
+        the last step run, writing the same K/V into the same slots."""
+        if not self.capture:
+            raise ValueError("no captured graphs to time")
+        graph = self._graphs[self.bucket(n)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
 
     def _forward(self, b: int) -> torch.Tensor:
         m, batch = self.model, self._batches[b]

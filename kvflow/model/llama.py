@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.kv.cache import KVCache
-from kvflow.model import cpu_kernels, prompt_attention
+from kvflow.model import cpu_kernels, decode_fusion, prompt_attention
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.config import ModelConfig
 from kvflow.model.linear import Linear, choose_small_paths
@@ -49,17 +50,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _triton_kernels():
-    """The Triton kernels' module, imported on first use (Triton's import is slow and only CUDA uses it)."""
-    from kvflow.model import triton_attention
-
-    return triton_attention
-
-
-def _triton_fused():
-    from kvflow.model import triton_fused
-
-    return triton_fused
+def _triton(kind: str):
+    """`kvflow.model.triton_<kind>` (Triton's kernels: "attention", "fused", "fused_linear"), imported on
+    first use: Triton's import is slow and only CUDA uses it."""
+    return importlib.import_module(f"kvflow.model.triton_{kind}")
 
 
 class LlamaModel:
@@ -76,7 +70,8 @@ class LlamaModel:
     length or recomputed (projections by `cpu_kernels.invariant_linear` for every row count, decode
     rows attended by the prefill kernel, RoPE from a per-position table, per-row norms); on CUDA, where
     the Triton kernels run (`triton_attention`, and `triton_invariant`'s projection and RMS norm). False
-    takes the fastest path per row count instead (`choose_small_paths`, oneDNN, the decode kernel; cuBLAS).
+    takes the fastest path per row count instead (`choose_small_paths`, oneDNN, the decode kernel; cuBLAS,
+    and on CUDA the norms and SiLU inside the projections of decode steps where that measured faster: `decode_fusion`).
     """
 
     def __init__(
@@ -116,10 +111,14 @@ class LlamaModel:
             cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
         # On CUDA with Triton, attention reads K/V in place too (`triton_attention`, batch-invariant by
         # construction); the projections there are cuBLAS's, which are not.
-        self.triton_attention = device.type == "cuda" and _triton_kernels().available(device)
+        self.triton_attention = device.type == "cuda" and _triton("attention").available(device)
         # The layer's elementwise passes (norms, RoPE + K/V write, SiLU) as fused kernels, one row per
         # program: `cpu_kernels` on CPU, `triton_fused` on CUDA; None runs them op by op in PyTorch.
-        self.fused_ops = cpu_kernels if self.cpu_kernels else _triton_fused() if self.triton_attention else None
+        self.fused_ops = cpu_kernels if self.cpu_kernels else _triton("fused") if self.triton_attention else None
+        # Not deterministic, on CUDA: decode steps of the row counts measured faster so take the norms and
+        # SiLU inside the projections they feed (`decode_fusion`, `triton_fused_linear`).
+        self.fusion = (decode_fusion.choose(layers, cfg.rms_norm_eps) if self.triton_attention and not deterministic
+                       else decode_fusion.FusionChoice(why="off: not on CUDA, or deterministic"))
         # A step of decode rows only runs its layers in one native call (`cpu_kernels.decode_layers`:
         # the same kernels and projections, bitwise the same result, no Python call per op); False
         # runs them op by op from Python (for comparison; hooks and prompt chunks always do).
@@ -136,7 +135,7 @@ class LlamaModel:
             if self.paged_kernel and not self.batch_invariant else (None, None))
         # Not batch-invariant on CUDA: decode rows through the split-context kernel, if it runs here.
         self.split_decode = (self.triton_attention and not self.batch_invariant
-                             and _triton_kernels().split_decode_works(device))
+                             and _triton("attention").split_decode_works(device))
         prepared = [lin.invariant if self.batch_invariant else lin.packed for lin in projections]
         none = [lin.weight.new_empty(0) for lin in projections]
         self._decode_weights = (
@@ -346,10 +345,9 @@ class LlamaModel:
 
     def _layer(self, layer, lw: LayerWeights, x, delta, batch: ForwardBatch, kv: KVCache, cos, sin, hook):
         """One decoder layer on x + delta -> (residual stream, MLP output still to be added to it)."""
-        cfg = self.cfg
-        x, h = self._add_norm(x, delta, lw.input_norm)
-        qkv = lw.qkv(h)
-        T = x.shape[0]
+        cfg, T = self.cfg, x.shape[0]
+        fuse = not batch.prefill and self.fusion.takes(T) and self._fused(x, lw.input_norm)  # (decode rows: `decode_fusion`)
+        x, qkv = self._norm_linear(x, delta, lw.input_norm, lw.qkv, fuse)
         kv_layer = kv.layer_kv(layer)
         if self._fused(qkv, cos, sin, kv_layer):  # RoPE in place and the K/V write, one pass
             self.fused_ops.rope_write(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_layer, batch.slot_mapping)
@@ -367,12 +365,20 @@ class LlamaModel:
         if hook is not None:
             hook(layer, batch)
         attn = self._attention(layer, q, k, v, batch, kv)
-        x, h = self._add_norm(x, lw.o(attn.reshape(T, cfg.q_size)), lw.post_norm)
-        gate_up = lw.gate_up(h)
+        x, gate_up = self._norm_linear(x, lw.o(attn.reshape(T, cfg.q_size)), lw.post_norm, lw.gate_up, fuse)
+        if fuse:
+            return x, _triton("fused_linear").silu_linear(gate_up, lw.down.weight)
         if self._fused(gate_up):
             return x, lw.down(self.fused_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return x, lw.down(F.silu(gate) * up)
+
+    def _norm_linear(self, x, delta, norm: torch.Tensor, lin: Linear, fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, lin(rms_norm(x + delta))): in one kernel where `fuse`, else the norm then the projection."""
+        if fuse:
+            return _triton("fused_linear").add_norm_linear(x, delta, norm, lin.weight, self.cfg.rms_norm_eps)
+        x, h = self._add_norm(x, delta, norm)
+        return x, lin(h)
 
     def _decode_attention(self, layer: int, qd: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """One query token per decode sequence [Bd, H, hd] over its cached context -> [Bd, H, hd]."""
@@ -419,15 +425,15 @@ class LlamaModel:
         batch-invariant, else the split decode kernel (`paged_decode`)."""
         out, kv_layer = torch.empty(q.shape, dtype=q.dtype, device=q.device), kv.layer_kv(layer)
         if batch.prefill:
-            _triton_kernels().paged_attention(q, kv_layer, batch.prefill_block_table, batch.prefill_query_start,
-                                             batch.prefill_query_len, batch.prefill_context_lens,
-                                             max(s.query_len for s in batch.prefill), self.scale, out)
+            _triton("attention").paged_attention(q, kv_layer, batch.prefill_block_table, batch.prefill_query_start,
+                                                batch.prefill_query_len, batch.prefill_context_lens,
+                                                max(s.query_len for s in batch.prefill), self.scale, out)
         if batch.decode_rows.numel() and not self.split_decode:
-            _triton_kernels().paged_attention(q, kv_layer, batch.decode_block_table, batch.decode_rows,
-                                             batch.decode_query_len, batch.decode_context_lens, 1, self.scale, out)
+            _triton("attention").paged_attention(q, kv_layer, batch.decode_block_table, batch.decode_rows,
+                                                batch.decode_query_len, batch.decode_context_lens, 1, self.scale, out)
         elif batch.decode_rows.numel():  # (fast path: contexts split across programs at small batches)
-            _triton_kernels().paged_decode(q, kv_layer, batch.decode_block_table, batch.decode_rows,
-                                          batch.decode_context_lens, self.scale, out)
+            _triton("attention").paged_decode(q, kv_layer, batch.decode_block_table, batch.decode_rows,
+                                             batch.decode_context_lens, self.scale, out)
         return out
 
     def _sdpa_chunk(self, layer: int, q, k, v, s, kv: KVCache, out: torch.Tensor) -> None:

@@ -29,6 +29,27 @@ SILU_BLOCK = 1024  # elements of a row of the MLP's intermediate size per progra
 
 if triton is not None:
 
+    # The rounding of the norm and of SiLU x up, shared with the projections that take them as their
+    # prologue (`triton_fused_linear`), so both round alike by construction.
+    @triton.jit
+    def rms_inverse(x, D, eps):
+        """1 / RMS of a row of D values (x: the row in its dtype, padded with zeros), in float32."""
+        xf = x.to(tl.float32)
+        return 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
+
+    @triton.jit
+    def rms_scale(x, inv, w):
+        """The row normalised in float32 and rounded to x's dtype, then scaled by w and rounded again."""
+        normed = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
+        return (w.to(tl.float32) * normed).to(x.dtype)
+
+    @triton.jit
+    def silu_times(g, u):
+        """SiLU(g) rounded to g's dtype, times u, rounded again (g and u in one dtype)."""
+        gf = g.to(tl.float32)
+        s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+        return (s * u.to(tl.float32)).to(g.dtype)
+
     @triton.jit
     def _norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, D, eps, ADD: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -38,11 +59,8 @@ if triton is not None:
         if ADD:  # x += residual, rounded to the dtype as PyTorch's `x + delta` is
             x = (x.to(tl.float32) + tl.load(r_ptr + row * D + d, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
             tl.store(x_ptr + row * D + d, x, mask=ok)
-        xf = x.to(tl.float32)
-        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
-        normed = (xf * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(y_ptr + row * D + d, (w * normed).to(y_ptr.dtype.element_ty), mask=ok)
+        w = tl.load(w_ptr + d, mask=ok, other=0.0)
+        tl.store(y_ptr + row * D + d, rms_scale(x, rms_inverse(x, D, eps), w), mask=ok)
 
     @triton.jit
     def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slots_ptr, v_offset,
@@ -83,10 +101,9 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = j < N
-        g = tl.load(gu_ptr + row * 2 * N + j, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * 2 * N + N + j, mask=ok, other=0.0).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * N + j, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
+        g = tl.load(gu_ptr + row * 2 * N + j, mask=ok, other=0.0)
+        u = tl.load(gu_ptr + row * 2 * N + N + j, mask=ok, other=0.0)
+        tl.store(out_ptr + row * N + j, silu_times(g, u), mask=ok)
 
 
 def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
