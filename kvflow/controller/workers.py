@@ -239,5 +239,8 @@ class Workers:
         self.ctx.destroy(linger=0)
         for seg in self.rings.values():
             seg.unlink()
-            seg.close()
+            try:
+                seg.close()
+            except BufferError:  # a view is still held somewhere: the mapping goes with it
+                pass
         self.rings.clear()
