@@ -12,7 +12,7 @@
 # Then, on the device:  OUT=$OUT bash scripts/gpu_check.sh [tests|bench|all]
 # "all" runs the tests, then the benchmark alone (its timings taken beside the tests would share the
 # GPU and the host with them; and lent machines differ, so compare figures within one run).
-# Limits: TEST_LIMIT (default 150 s), BENCH_LIMIT (default 400 s); gpu.json is rewritten after every
+# Limits: TEST_LIMIT (default 180 s), BENCH_LIMIT (default 400 s); gpu.json is rewritten after every
 # model shape, so a run cut off at its limit keeps what it measured. BENCH_ARGS adds benchmark options,
 # e.g. BENCH_ARGS="--baseline .gpu-base" serves each backend with an older tree's kvflow too, alternating
 # (mkdir .gpu-base && git archive <commit> | tar -x -C .gpu-base; ignored, carry it like .gpu-wheels).
@@ -35,8 +35,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 tail -1 "$OUT/versions.txt"
 PART=${1:-all}
 tests() {
-  timeout "${TEST_LIMIT:-150}" "$PY" -m pytest -m cuda -q -rfEs --tb=short -p no:cacheprovider tests/test_cuda.py tests/test_triton_fused.py \
-    tests/test_triton_attention.py tests/test_triton_invariant.py > "$OUT/cuda-tests.txt" 2>&1
+  timeout "${TEST_LIMIT:-180}" "$PY" -m pytest -m cuda -q -rfEs --tb=short -p no:cacheprovider tests/test_cuda.py tests/test_triton_fused.py \
+    tests/test_triton_fused_linear.py tests/test_triton_attention.py tests/test_triton_invariant.py > "$OUT/cuda-tests.txt" 2>&1
   echo "cuda tests: exit $?; $(tail -1 "$OUT/cuda-tests.txt")"
 }
 bench() {
