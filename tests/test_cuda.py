@@ -191,6 +191,17 @@ def test_a_killed_gpu_worker_is_replaced_and_no_token_changes(tiny_ckpt_dir, kw,
     assert streamed == expected and [f.token_ids for f in finals] == expected
 
 
+def test_host_and_disk_tiers_on_cuda_give_the_cpu_engines_tokens(tmp_path):
+    """KV blocks evicted from the GPU to pinned host memory and on to disk, and brought back (`TierStore`
+    through `Staging`: packed on the device, copied on a side stream), give the CPU engine's tokens."""
+    from tier_waves import TBS, engine_waves
+
+    reference = engine_waves(on=False)[0]
+    outs, eng = engine_waves(True, 3, 16, str(tmp_path), device="cuda")
+    assert outs == reference
+    assert eng.kv_manager.tier_stats()["disk"].hits >= 3 * TBS and eng.runner.tiers.moved["from_disk"][0] > 0
+
+
 def test_kv_pulled_between_gpu_engines_gives_the_cpu_engines_tokens(tiny_ckpt_dir):
     """The router's P/D pools on CUDA: a prompt's blocks copied out of one GPU engine's cache beside its engine
     thread, pulled over HTTP into another's host tier and promoted to its GPU: the CPU engine's float32 tokens."""
