@@ -201,21 +201,33 @@ def test_dtype_auto_resolves_once_to_bf16_only_with_native_bf16():
     assert EngineConfig().dtype == "float32"  # hand-built engines keep the reference dtype
 
 
-def _huge_kb(env_value: str | None) -> int:
-    """AnonHugePages (kB) of a fresh process that imports kvflow, then torch, and fills 64 MB."""
-    code = ("import kvflow, torch; x = torch.ones(16 << 20); "
-            "print(next(l.split()[1] for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')))")
+def _huge_kb(env_value: str | None) -> tuple[int, int, int]:
+    """In a fresh process that imports kvflow, then torch: AnonHugePages (kB) after filling a 64 MB
+    tensor, the resident kB a 64 MB KV cache adds when made, and the AnonHugePages it adds when filled."""
+    code = ("import kvflow, torch\n"
+            "from kvflow.kv.cache import KVCache, KVLayout\n"
+            "def kb(key): return int(next(l.split()[1] for l in open('/proc/self/smaps_rollup') if l.startswith(key)))\n"
+            "x = torch.ones(16 << 20); huge, rss = kb('AnonHugePages'), kb('Rss')\n"
+            "kv = KVCache(KVLayout(num_blocks=32, block_size=16, num_kv_heads=16, head_dim=64, layer_start=0, layer_end=16))\n"
+            "made = kb('Rss') - rss; assert not kv.data.any(); kv.data.fill_(1.0)\n"
+            "print(huge, made, kb('AnonHugePages') - huge)")
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     if env_value is not None:
         env["THP_MEM_ALLOC_ENABLE"] = env_value
-    return int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    huge, made, kv_huge = map(int, out.split())
+    return huge, made, kv_huge
 
 
 def test_large_tensors_on_transparent_huge_pages():
-    """Importing kvflow puts torch's large CPU allocations on transparent huge pages (madvised), and
-    THP_MEM_ALLOC_ENABLE=0 from the user turns that off."""
+    """Importing kvflow puts torch's large CPU allocations and the KV cache (a lazily zeroed mapping,
+    resident only where touched) on transparent huge pages (madvised), and THP_MEM_ALLOC_ENABLE=0 from
+    the user turns that off."""
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not Path("/proc/self/smaps_rollup").exists() or not mode.exists() or "[madvise]" not in mode.read_text():
         pytest.skip("needs Linux with transparent huge pages in madvise mode")
-    assert _huge_kb(None) >= 2048  # at least one 2 MB page of the 64 MB (the rest may fall back under fragmentation)
-    assert _huge_kb("0") == 0
+    huge, made, kv_huge = _huge_kb(None)
+    assert huge >= 2048  # at least one 2 MB page of the 64 MB (the rest may fall back under fragmentation)
+    assert kv_huge >= 2048 and made < 8 << 10  # 64 MB of zeros, not one page of it written at start
+    huge, made, kv_huge = _huge_kb("0")
+    assert huge == 0 and kv_huge == 0 and made < 8 << 10

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import mmap
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,6 +80,26 @@ class KVLayout:
         return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
 
+HUGE_PAGE = 2 << 20
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor whose pages the kernel zeroes when they are first touched: a private
+    anonymous mapping reads as zeros by POSIX's guarantee, so a large cache costs nothing at start
+    (`torch.zeros` writes every page: about 1.5 s per GB) and only the blocks in use become resident.
+    Like PyTorch's own allocations of 2 MB or more under THP_MEM_ALLOC_ENABLE=1 (`kvflow/__init__.py`),
+    the mapping starts on a 2 MB boundary and is madvised onto transparent huge pages."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MAP_ANONYMOUS"):  # (small, or no POSIX mmap: Windows)
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping: unmapped when the last view goes
+    start = -flat.data_ptr() % HUGE_PAGE
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    return flat[start : start + nbytes].view(dtype).view(shape)
+
+
 class KVCache:
     """The KV tensors of one worker (or one engine): see `KVLayout` for the geometry."""
 
@@ -86,7 +108,10 @@ class KVCache:
     def __init__(self, layout: KVLayout, device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
         self.layout = layout
         self.device = torch.device(device)
-        self.data = torch.zeros(layout.shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory)
+        if self.device.type == "cpu" and not pin_memory:
+            self.data = lazy_zeros(layout.shape, layout.dtype)
+        else:  # pinned host memory comes from the CUDA allocator; on a device, zeros is one memset kernel
+            self.data = torch.zeros(layout.shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory)
 
     @classmethod
     def over(cls, layout: KVLayout, buffer) -> "KVCache":
