@@ -34,7 +34,7 @@ from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.streaming.connector import KVReceiver, send_restore
 from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.streaming.transports.tcp import TcpSender
-from kvflow.streaming.transports.shm_segment import create
+from kvflow.streaming.transports.shm_segment import create, release
 from kvflow.streaming.transports.tcp_receiver import TcpReceiver
 
 log = logging.getLogger(__name__)
@@ -112,9 +112,5 @@ class ReplicaStore:
         self.receivers.clear()
         self.caches.clear()  # (the views into the mappings go before the mappings)
         for seg in self.segments.values():
-            seg.unlink()
-            try:
-                seg.close()
-            except BufferError:  # a view is still held somewhere: the mapping goes with it
-                pass
+            release(seg)
         self.segments.clear()

@@ -16,6 +16,7 @@ from kvflow.config import ClusterConfig, WorkerSpec, to_dict
 from kvflow.controller.launcher import Launcher
 from kvflow.controller.pipeline import Pipeline, StageHandle
 from kvflow.streaming.hidden_ring import create_ring
+from kvflow.streaming.transports.shm_segment import release
 from kvflow.wire import Hello, Ready, Route, Setup, Shutdown, WireError, WorkerError, decode, encode
 
 if TYPE_CHECKING:
@@ -238,9 +239,5 @@ class Workers:
     def close(self) -> None:
         self.ctx.destroy(linger=0)
         for seg in self.rings.values():
-            seg.unlink()
-            try:
-                seg.close()
-            except BufferError:  # a view is still held somewhere: the mapping goes with it
-                pass
+            release(seg)
         self.rings.clear()

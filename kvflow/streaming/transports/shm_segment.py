@@ -89,6 +89,16 @@ def create(name: str, nbytes: int) -> shared_memory.SharedMemory:
     return seg
 
 
+def release(seg: shared_memory.SharedMemory) -> None:
+    """Unlink a segment `create` made and close its mapping; a mapping still viewed (a tensor over it
+    somewhere) closes with its last view instead."""
+    seg.unlink()
+    try:
+        seg.close()
+    except BufferError:
+        pass
+
+
 _fence_lock = threading.Lock()
 
 
