@@ -374,15 +374,16 @@ def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: b
     return out
 
 
-BACKENDS = ("engine", "colocated-2", "colocated-2-ahead", "colocated-2-no-replication", "disaggregated-1-1",
-            "disaggregated-1-1-no-replication")
+BACKENDS = ("engine", "colocated-2", "colocated-2-frames", "colocated-2-ahead", "colocated-2-no-replication",
+            "disaggregated-1-1", "disaggregated-1-1-no-replication")
 
 
 def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Path | None = None,
              timeout_s: float = 240.0) -> dict:
     """Output tok/s of `n` requests of 256 + `new` tokens sent at once to each serving backend (the
     server's `Backend`, without HTTP): the engine, colocated depth 2 (two microbatches of n/2 in flight,
-    as a pipeline of depth 2 is run; "-ahead": decoding ahead, `decode_ahead_depth=2`), disaggregated
+    as a pipeline of depth 2 is run; "-ahead": decoding ahead, `decode_ahead_depth=2`; "-frames": its
+    hidden states on the step messages, `KVFLOW_HIDDEN_RINGS=0`), disaggregated
     (1, 1) (one token microbatch of n); the pipelines with their default KV replication (every step,
     for recovery) and without it; bf16.
 
@@ -443,6 +444,9 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
                           scheduler=SchedulerConfig(max_num_seqs=n))
     serial = name.endswith("-serial")  # (this tree's `ClusterConfig.decode_ahead` off, named apart to compare it)
     name = name.removesuffix("-serial")
+    if name.endswith("-frames"):  # hidden states on the step messages, not through the shared-memory rings
+        os.environ["KVFLOW_HIDDEN_RINGS"] = "0"
+        name = name.removesuffix("-frames")
     deep = {"decode_ahead_depth": 2} if name.endswith("-ahead") else {}  # (a depth-2 pipeline decoding ahead: opt-in)
     name = name.removesuffix("-ahead")
     replication = "none" if name.endswith("-no-replication") else "ring"

@@ -4,6 +4,7 @@ messages to and from them, liveness, and stopping them. Knows nothing of schedul
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from multiprocessing import shared_memory
@@ -147,9 +148,11 @@ class Workers:
     def _ring(self, p: Pipeline, s: StageHandle) -> str:
         """The ring `s` takes its input hidden states in ("": none): made once for a stage after the
         first whose process and its predecessor's this controller started (on this host), with a
-        slot per batch the pipeline keeps in flight; none where /dev/shm cannot hold it."""
+        slot per batch the pipeline keeps in flight; none where /dev/shm cannot hold it, or with
+        `KVFLOW_HIDDEN_RINGS=0` (the hidden states on the step messages, for comparisons)."""
         prev = p.stages[s.stage - 1] if s.stage > 0 else None
-        if prev is None or s.process is None or prev.process is None or not self.token_bytes:
+        if prev is None or s.process is None or prev.process is None or not self.token_bytes \
+                or os.environ.get("KVFLOW_HIDDEN_RINGS") == "0":
             return ""
         if s.name not in self.rings:
             budget = p.sched.config.max_num_batched_tokens or p.sched.config.max_num_seqs
