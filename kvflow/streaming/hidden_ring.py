@@ -9,7 +9,7 @@ device into memory registered with the driver, so a DMA both ways) and the step 
 slot, dtype and shape (`Step.hidden`); the receiving stage reads it there.
 
 The controller creates one ring per pair of adjacent stages whose processes it started on its own
-host (`create`); the receiving stage maps it at start-up and says so (`Ready.hidden_shm`), and only
+host (`create_ring`); the receiving stage maps it at start-up and says so (`Ready.hidden_shm`), and only
 then is the sending stage told to write into it (`Route.hidden_to`). A sender that cannot map it,
 or an output bigger than a slot, falls back to the frame. A slot is reused once per `slots` sends,
 and the controller keeps at most that many batches of the pipeline in flight
