@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,26 @@ def tiny_ckpt_dir(tmp_path_factory) -> Path:
 def tiny4_ckpt_dir(tmp_path_factory) -> Path:
     """A 4-layer tiny model (pipelines of depth 3 and 4); its engine is `tiny_engine(tiny_config(num_layers=4))`."""
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny4-ckpt"), tiny_config(num_layers=4))
+
+
+def controller_state(ctrl) -> str:
+    """What a controller holds, for a test that waited too long: its epoch and recoveries, each
+    pipeline's batches in flight (with their requests and age), queue and requests, each stage's
+    liveness and counters, and the requests not finished."""
+    now = time.monotonic()
+    lines = [f"epoch {ctrl.epoch}, failure {ctrl.failure!r}, recoveries {ctrl.recovery.recoveries}, "
+             f"recovering {ctrl.recovery.recovering!r}, stale results {ctrl.stale_results}, submissions {len(ctrl.submissions)}"]
+    for p in ctrl.pipelines:
+        flight = {b: ([s.request.request_id for s in out.seqs], round(now - p.sent_at.get(b, now), 1)) for b, out in p.in_flight.items()}
+        lines.append(f"{p.name}: in flight {flight}, queue {len(p.queue)}, "
+                     f"running {[(r.request_id, r.status.name, r.num_computed_tokens, len(r.output_token_ids)) for r in p.sched.running]}, "
+                     f"waiting {[r.request_id for r in p.sched.waiting]}")
+    for s in ctrl.stages.values():
+        lines.append(f"{s.name}: alive {s.alive}, exit {s.process.poll() if s.process is not None else None}, "
+                     f"heartbeat {now - s.last_heartbeat:.1f} s ago, busy {s.busy_s:.2f} s, dropped {s.dropped_messages}")
+    lines.append(f"unfinished {[(rid, r.status.name, len(r.output_token_ids)) for rid, r in ctrl.reqs.items() if not r.is_finished]}, "
+                 f"streams open {sorted(ctrl.sinks)}")
+    return "\n".join(lines)
 
 
 def on_loop_thread(ctrl, *steps) -> list:

@@ -18,7 +18,7 @@ from kvflow.controller.launcher import SubprocessLauncher
 from kvflow.controller.replica_store import ReplicaStore
 from kvflow.sched.sampling import SamplingParams
 
-from conftest import on_loop_thread, run_to_completion, tiny_config, tiny_engine
+from conftest import controller_state, on_loop_thread, run_to_completion, tiny_config, tiny_engine
 
 PROMPTS = [[5, 6, 7], list(range(10, 41)), [40] * 9, [3, 1, 4, 1, 5, 9, 2, 6], list(range(50, 70)), [11, 12]]
 LENGTHS = [40, 25, 60, 35, 50, 45]
@@ -91,7 +91,12 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
         fired = on_loop_thread(ctrl, (due, strike))
         tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
         try:
-            await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            done, pending = await asyncio.wait(tasks, timeout=150)  # (seconds a run takes; a hang says where it stood)
+            for t in pending:
+                t.cancel()
+            assert not pending, f"streams still open after 150 s:\n{controller_state(ctrl)}"
+            for t in done:
+                t.result()
             assert fired, "the failure was meant to strike while requests were running"
             await recovered(ctrl, 1)
             counters.update(failures=ctrl.recovery.failures, recoveries=ctrl.recovery.recoveries, resumed=ctrl.recovery.resumed,
