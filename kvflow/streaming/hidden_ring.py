@@ -34,13 +34,12 @@ import numpy as np
 import torch
 
 from kvflow.streaming.transports.shm_segment import ALIGN, attach, create
+from kvflow.streaming.chunk import DTYPE_NAMES, DTYPES  # (the dtypes KV chunks carry, named as they name them)
 
 log = logging.getLogger(__name__)
 
 MAGIC = 0x6B76666C6F77_6869  # "kvflowhi": the segment is a hidden-state ring
 HEADER = ALIGN  # [magic, slots, slot_bytes] as int64, then the slots, each on a cache line
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def create_ring(slots: int, slot_bytes: int) -> shared_memory.SharedMemory:
@@ -84,13 +83,13 @@ class HiddenRing:
         """Copy `t` into the next slot; its descriptor for `Step.hidden`, or None when it does not
         fit (a dtype the ring does not carry, or more bytes than a slot): send it as a frame."""
         nbytes = t.numel() * t.element_size()
-        if t.dtype not in _NAMES or nbytes > self.slot_bytes:
+        if t.dtype not in DTYPE_NAMES or nbytes > self.slot_bytes:
             return None
         slot = self.next
         self.next = (slot + 1) % self.slots
         self._view(slot, t.dtype, tuple(t.shape)).copy_(t)  # (from CUDA: a synchronous copy, done on return)
         self.nbytes += nbytes
-        return [slot, _NAMES[t.dtype], *t.shape]
+        return [slot, DTYPE_NAMES[t.dtype], *t.shape]
 
     def get(self, desc: list) -> torch.Tensor:
         """The tensor a descriptor from `put` names, in place in the ring (valid until its slot is
