@@ -17,7 +17,7 @@ from kvflow.kv.cache import KVCache, KVLayout
 from kvflow.sched.request import Request
 from kvflow.sched.sampling import SamplingParams
 from kvflow.streaming.region import token_slots
-from kvflow.wire import Replicated, Route, SeqStep, Step, new_secret
+from kvflow.wire import Replicated, Route, SeqStep, Step, WorkerError, new_secret
 from kvflow.worker.replication import Replicator, held_replica
 
 LAYOUT = KVLayout(num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, layer_start=2, layer_end=4, dtype=torch.bfloat16)
@@ -66,6 +66,57 @@ def test_the_store_segment_is_written_in_place_and_reported(store):
     untouched = torch.ones(LAYOUT.num_blocks, dtype=torch.bool)
     untouched[[b for t in TABLES.values() for b in t]] = False
     assert not replica.data[:, :, untouched].any(), "only the steps' slots are written"
+
+
+def test_copies_landed_by_the_background_thread_are_the_inline_ones_in_order(store):
+    """The CUDA way (`background`: the step only packs; a thread writes the segment and reports),
+    run on the CPU: after `drain`, the replica and the reports are those of the inline copies, and
+    more steps than there are staging buffers queue up (back-pressure) without reordering."""
+    segment = (store.add("colocated", 0, LAYOUT, port=False), store.segment("colocated", 0))[1]
+    cache, reports = filled_cache(), []
+    rep = Replicator(cache, 0, "colocated-0", Route("", replica_shm=segment), 3, b"", reports.append, background=True)
+    assert rep._thread is not None
+    held = held_replica(LAYOUT, segment, "colocated-1")
+    try:
+        first, second = steps()
+        rep.step(first, TABLES)
+        for n in range(6):  # six one-token steps, a: tokens 9..14 (its third block, then more blocks), b: 5..10
+            tables = {"a": TABLES["a"] + (11, 12), "b": TABLES["b"] + (13, 14)}
+            rep.step(Step(3, 1 + n, [SeqStep("a", 9 + n, 1, []), SeqStep("b", 5 + n, 1, [])]), tables)
+        rep.drain()
+        assert [(r.starts, r.ends, r.epoch) for r in reports] == [([0, 0], [9, 5], 0)] + [
+            ([9 + n, 5 + n], [10 + n, 6 + n], 3) for n in range(6)]
+        full = {"a": TABLES["a"] + (11, 12), "b": TABLES["b"] + (13, 14)}
+        for rid, n in (("a", 15), ("b", 11)):
+            slots = torch.tensor(token_slots(full[rid], 0, n, LAYOUT.block_size), dtype=torch.long)
+            view = lambda c: c.data.view(LAYOUT.num_layers, 2, -1, LAYOUT.num_kv_heads, LAYOUT.head_dim)[:, :, slots]  # noqa: E731
+            assert torch.equal(view(held), view(cache))
+        assert rep.nbytes == (14 + 6 * 2) * LAYOUT.num_layers * 2 * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2
+    finally:
+        rep.close()
+    assert rep._thread is None
+
+
+def test_a_copy_that_fails_on_the_background_thread_is_reported_as_the_workers_error(store):
+    """A write the landing thread cannot make (here: a replica smaller than the cache's slots) is not
+    swallowed: it reaches the controller as a `WorkerError` of the step's epoch, and the thread goes on."""
+    segment = (store.add("colocated", 0, LAYOUT, port=False), store.segment("colocated", 0))[1]
+    cache, reports = filled_cache(), []
+    rep = Replicator(cache, 0, "colocated-0", Route("", replica_shm=segment), 5, b"", reports.append, background=True)
+    good = rep.replica
+    try:
+        rep.replica = KVCache(KVLayout(2, 4, 2, 8, 2, 4, torch.bfloat16))  # slots up to 8 only
+        first, second = steps()
+        rep.step(first, TABLES)
+        rep.drain()
+        assert len(reports) == 1 and isinstance(reports[0], WorkerError) and reports[0].epoch == 0
+        assert "replicating in place failed" in reports[0].message and reports[0].name == "colocated-0"
+        rep.replica = good
+        rep.step(second, TABLES)
+        rep.drain()
+        assert reports[1] == Replicated("colocated-0", ["a", "b"], [9, 5], [10, 6], 0, 0)
+    finally:
+        rep.close()
 
 
 @pytest.mark.parametrize("segment", ["kvflow-replica-none-such", "other-size"])

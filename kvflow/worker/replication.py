@@ -5,9 +5,13 @@ the stage's `Route`:
 - **in place** (`Route.replica_shm`): the replica is kept in a shared-memory segment of the
   controller's (the replica store's own cache, or the one a ring's next stage holds: `held_replica`)
   and the controller offered it; this worker maps it and copies the step's slots into it (packed
-  into a reused `Staging` buffer: on CUDA gathered on the device and copied to pinned memory on a
-  side stream), then reports the tokens (`Replicated` with its own stage and the step's epoch). No
-  thread, socket or acknowledgement: the copy and one small message;
+  into one of two reused `Staging` buffers: on CUDA gathered on the device and copied to pinned
+  memory on a side stream), then reports the tokens (`Replicated` with its own stage and the step's
+  epoch). No socket or acknowledgement: the copy and one small message. On CUDA the step loop only
+  launches the gather and the device-to-host copy; a thread waits for the copy, writes the segment
+  (page faults and all) and reports, so the next step computes meanwhile. A report follows its
+  write, so the controller's watermarks never count a token the replica does not hold. On the CPU
+  the copy runs inline: there it would take the cores the next step computes on;
 - **as an increment** (`Route.replica_to`): one chunk per step to a KV port (the next stage's
   replica, or the store of a worker that is not offered or cannot map the segment), packed at once
   and sent by a `KVSender`'s background thread while the next step computes; the receiving side
@@ -20,6 +24,8 @@ Either way the copy starts after the step's output left, so it overlaps the cont
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Callable
 
 import torch
@@ -29,9 +35,9 @@ from kvflow.streaming.chunk import Segment
 from kvflow.streaming.connector import KVSender, send_restore
 from kvflow.streaming.primitives import OutStream
 from kvflow.streaming.region import token_slots, unpack
-from kvflow.streaming.staging import Staging
+from kvflow.streaming.staging import Staging, StagingPool
 from kvflow.streaming.transports.shm_segment import attach
-from kvflow.wire import Replicated, Restore, Route, Step
+from kvflow.wire import Replicated, Restore, Route, Step, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +61,25 @@ def held_replica(layout: KVLayout, segment: str, name: str) -> KVCache:
 
 
 class Replicator:
-    """Replication of one worker's `cache` for one route (a new route: a new Replicator)."""
+    """Replication of one worker's `cache` for one route (a new route: a new Replicator). `report`
+    takes the `Replicated` messages (and, from the background thread, a `WorkerError` when a copy
+    fails). `background` (default: on CUDA) lands in-place copies on a thread of its own."""
+
+    STAGINGS = 2  # in-place copies in flight: a step's gather waits while both are unlanded
 
     def __init__(self, cache: KVCache, stage: int, name: str, route: Route, epoch: int, secret: bytes,
-                 report: Callable[[Replicated], None]) -> None:
+                 report: Callable[[Replicated | WorkerError], None], background: bool | None = None) -> None:
         self.cache, self.stage, self.name, self.report = cache, stage, name, report
         self.replica = mapped(cache.layout, route.replica_shm, name)  # (in place)
-        self.staging = Staging(cache.device) if self.replica is not None else None  # (one reused buffer)
+        self.stagings = StagingPool(self.STAGINGS, cache.device) if self.replica is not None else None
         self.sender: KVSender | None = None  # (as increments)
         self.written = 0  # bytes written in place
+        self._jobs: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        if self.replica is not None and (cache.device.type == "cuda" if background is None else background):
+            self._jobs = queue.Queue()
+            self._thread = threading.Thread(target=self._land_loop, name=f"{name}-replicate", daemon=True)
+            self._thread.start()
         if self.replica is None and route.replica_to:
             from kvflow.streaming.transports.tcp import TcpSender
 
@@ -91,17 +107,51 @@ class Replicator:
             self.sender.send_increment([Segment(*g) for g in zip(rids, starts, ends)], slots, msg.epoch)
             return
         at = torch.tensor(slots, dtype=torch.long)
-        data, copied = self.staging.pack(self.cache, (lay.layer_start, lay.layer_end), at)  # (CUDA: to pinned memory)
-        if copied is not None:
-            copied.synchronize()
-        unpack(self.replica, lay.layer_start, lay.layer_end, "kv", at, data)
-        self.written += data.numel() * data.element_size()
-        self.report(Replicated(self.name, rids, starts, ends, self.stage, msg.epoch))
+        staging = self.stagings.acquire()  # (back-pressure: both copies still landing)
+        data, copied = staging.pack(self.cache, (lay.layer_start, lay.layer_end), at)  # (CUDA: to pinned memory)
+        job = (staging, data, copied, at, Replicated(self.name, rids, starts, ends, self.stage, msg.epoch))
+        if self._jobs is None:
+            self._land(*job)
+        else:
+            self._jobs.put(job)
+
+    def _land(self, staging: Staging, data: torch.Tensor, copied, at: torch.Tensor, done: Replicated) -> None:
+        """Write a packed copy into the replica once it is in host memory, then report it."""
+        try:
+            if copied is not None:
+                copied.synchronize()
+            unpack(self.replica, self.cache.layout.layer_start, self.cache.layout.layer_end, "kv", at, data)
+            self.written += data.numel() * data.element_size()
+        finally:
+            self.stagings.release(staging)
+        self.report(done)
+
+    def _land_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._land(*job)
+            except Exception as e:  # the step that packed it has returned: the controller recovers
+                log.exception("%s: replicating in place failed", self.name)
+                self.report(WorkerError(self.name, f"replicating in place failed: {type(e).__name__}: {e}", job[-1].epoch))
+            finally:
+                self._jobs.task_done()
+        self._jobs.task_done()
+
+    def drain(self) -> None:
+        """Wait until every copy begun has been written and reported (before a fence, a restore or
+        a new route: what the replica holds is then what the controller was told)."""
+        if self._jobs is not None:
+            self._jobs.join()
 
     def close(self, wait: bool = True) -> None:
-        """Stop the sending thread (`wait=False`: without waiting for its peer, which may be gone)."""
+        """Stop the sending thread (`wait=False`: without waiting for its peer, which may be gone) and
+        the landing thread (after the copies it has: they write shared memory, no peer to wait for)."""
         if self.sender is not None:
             self.sender.close(wait=wait)
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
         self.replica = None  # (the mapping closes once nothing views it)
 
 

@@ -290,6 +290,8 @@ class Worker:
                     self._run(*item)
             elif isinstance(msg, Fence):
                 self.epoch = max(self.epoch, msg.epoch)
+                if self.replicator is not None:  # (its copies in flight land before a restore reads or refills)
+                    self.replicator.drain()
                 self.dropped += self.last.drop_held()  # (steps of an older epoch, waiting for ids that will not come)
                 if msg.tables and self.swapper is None:  # (the intake thread owns the tables when swapping)
                     self.tables.clear()
