@@ -429,7 +429,9 @@ def _serve_in(tree: Path, args: list[str], timeout_s: float) -> dict:
 
 
 def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> dict:
-    """One backend of `BACKENDS`: two warm-up requests, then `n` at once; output tok/s and, for a
+    """One backend of `BACKENDS`: a warm-up of `n` other prompts at once with 4 new tokens each (the
+    prompt chunks and decode batches of the timed run, so that no kernel is first compiled while
+    timed: a fresh process compiles what the Triton cache lacks), then `n` at once; output tok/s and, for a
     pipeline, the median token step (a batch of at most `n` tokens) of the pipeline that decodes: its
     round trip as the controller saw it, its compute summed over the stages, in ms."""
     import asyncio
@@ -462,7 +464,7 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
     ps = prompts([256] * n, vocab, seed=11)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
 
-    async def one(p, rid) -> int:
+    async def one(p, rid, params=params) -> int:
         got = 0
         async for out in backend.generate(p, params, rid):
             got += len(out.new_token_ids)
@@ -471,7 +473,9 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
     async def run() -> dict:
         await backend.start()
         try:
-            await asyncio.gather(*[one(p, f"warm{i}") for i, p in enumerate(ps[:2])])
+            warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            others = prompts([256] * n, vocab, seed=12)  # (other tokens: the prefix cache must not serve the timed prompts)
+            await asyncio.gather(*[one(p, f"warm{i}", warm) for i, p in enumerate(others)])
             log = backend.pipelines[-1].step_log if name != "engine" else None
             before = len(log) if log is not None else 0
             t0 = time.perf_counter()
