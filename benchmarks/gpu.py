@@ -429,9 +429,10 @@ def _serve_in(tree: Path, args: list[str], timeout_s: float) -> dict:
 
 
 def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> dict:
-    """One backend of `BACKENDS`: a warm-up of `n` other prompts at once with 4 new tokens each (the
-    prompt chunks and decode batches of the timed run, so that no kernel is first compiled while
-    timed: a fresh process compiles what the Triton cache lacks), then `n` at once; output tok/s and, for a
+    """One backend of `BACKENDS`: a warm-up run of `n` other prompts, the timed run's shapes (its
+    prompt chunks, decode batches and context lengths: a fresh process compiles what the Triton
+    cache lacks, and nothing may compile while timed), then `n` at once; output tok/s, the seconds
+    until every request had its first token, and, for a
     pipeline, the median token step (a batch of at most `n` tokens) of the pipeline that decodes: its
     round trip as the controller saw it, its compute summed over the stages, in ms."""
     import asyncio
@@ -464,23 +465,26 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
     ps = prompts([256] * n, vocab, seed=11)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
 
-    async def one(p, rid, params=params) -> int:
+    first: list[float] = []  # when each timed request had its first token
+
+    async def one(p, rid, timed=True) -> int:
         got = 0
         async for out in backend.generate(p, params, rid):
+            if timed and not got and out.new_token_ids:
+                first.append(time.perf_counter())
             got += len(out.new_token_ids)
         return got
 
     async def run() -> dict:
         await backend.start()
         try:
-            warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
             others = prompts([256] * n, vocab, seed=12)  # (other tokens: the prefix cache must not serve the timed prompts)
-            await asyncio.gather(*[one(p, f"warm{i}", warm) for i, p in enumerate(others)])
+            await asyncio.gather(*[one(p, f"warm{i}", timed=False) for i, p in enumerate(others)])
             log = backend.pipelines[-1].step_log if name != "engine" else None
             before = len(log) if log is not None else 0
             t0 = time.perf_counter()
             got = await asyncio.gather(*[one(p, f"r{i}") for i, p in enumerate(ps)])
-            result = {"tok_s": sum(got) / (time.perf_counter() - t0)}
+            result = {"tok_s": sum(got) / (time.perf_counter() - t0), "all_first_tokens_s": max(first) - t0}
             workers = getattr(backend, "workers", None)
             if workers is not None and hasattr(workers, "rings"):  # hidden states through shared memory or on the messages
                 result["hidden_rings_mapped"] = sum(s.hidden_shm for s in backend.stages.values())
