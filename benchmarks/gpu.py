@@ -146,17 +146,18 @@ def correctness(ckpt: Path, device: str, vocab: int) -> dict:
             "bf16_logits_max_abs_err_over_max_abs": worst}
 
 
-def decode_steps(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, steps: int) -> dict:
+def decode_steps(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, steps: int, ahead: bool = True) -> dict:
     """Once `batch` requests (256-token prompts) all decode: the median wall time of one engine step
     between device syncs (`step_ms`: a step's latency, its host work and the device's in series), and
     the steady-state time per step (`steady_step_ms`: `steps` steps back to back, synced only at both
     ends, over `steps`: time per output token at batch 1). Decoding ahead (`decode_ahead`, CUDA
     graphs), a step's host work runs while the device computes the step it launched, which only the
-    back-to-back figure shows."""
+    back-to-back figure shows (`ahead=False`: the engine one step at a time, for comparison)."""
     from kvflow.engine.llm import LLM
     from kvflow.sched.sampling import SamplingParams
 
-    llm = LLM(str(ckpt), dtype="bfloat16", device=device, enforce_eager=not graphs, max_num_seqs=max(batch, 1))
+    llm = LLM(str(ckpt), dtype="bfloat16", device=device, enforce_eager=not graphs, max_num_seqs=max(batch, 1),
+              decode_ahead=ahead)
     eng = llm.engine
     params = SamplingParams(max_tokens=2 * steps + 8, temperature=0, ignore_eos=True)
     for p in prompts([256] * batch, vocab, seed=batch):
@@ -280,7 +281,8 @@ def profile_step(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, 
     from kvflow.engine.llm import LLM
     from kvflow.sched.sampling import SamplingParams
 
-    llm = LLM(str(ckpt), dtype="bfloat16", device=device, enforce_eager=not graphs, max_num_seqs=max(batch, 1))
+    llm = LLM(str(ckpt), dtype="bfloat16", device=device, enforce_eager=not graphs, max_num_seqs=max(batch, 1),
+              decode_ahead=ahead)
     eng = llm.engine
     for p in prompts([256] * batch, vocab, seed=batch):
         eng.add_request(p, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
