@@ -281,8 +281,7 @@ def profile_step(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, 
     from kvflow.engine.llm import LLM
     from kvflow.sched.sampling import SamplingParams
 
-    llm = LLM(str(ckpt), dtype="bfloat16", device=device, enforce_eager=not graphs, max_num_seqs=max(batch, 1),
-              decode_ahead=ahead)
+    llm = LLM(str(ckpt), dtype="bfloat16", device=device, enforce_eager=not graphs, max_num_seqs=max(batch, 1))
     eng = llm.engine
     for p in prompts([256] * batch, vocab, seed=batch):
         eng.add_request(p, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
