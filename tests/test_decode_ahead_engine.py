@@ -189,3 +189,75 @@ def test_a_step_fed_the_argmax_on_the_device_gives_the_step_fed_it_from_the_host
         ahead.run(ctx2, tokens=[1, 2], sources=[2, 0])  # the step before had 2 rows
     with pytest.raises(ValueError, match="ahead=True"):
         plain.run(ctx2, tokens=[1, 2], sources=[0, 1])
+
+
+def test_the_llm_class_generates_and_streams_the_serial_tokens(monkeypatch):
+    from kvflow.engine.llm import LLM
+
+    params = [SamplingParams(max_tokens=4 + i, temperature=0, ignore_eos=True) for i in range(5)]
+    ids = [prompt(i) for i in range(5)]
+    want = [o.token_ids for o in LLM.from_engine(engine(False, monkeypatch)).generate(ids, params, use_tqdm=False)]
+    llm = LLM.from_engine(engine(True, monkeypatch))
+    assert [o.token_ids for o in llm.generate(ids, params, use_tqdm=False)] == want
+    streamed = [t for out in llm.stream(ids[2], params[2]) for t in out.new_token_ids]
+    assert streamed == want[2] and llm.engine.runner.launches > 5
+    for _ in llm.stream(ids[0], params[0]):  # left after its first output: aborted, maybe with a step in flight
+        break
+    assert llm.generate(ids[:2], params[:2], use_tqdm=False)[1].token_ids == want[1]
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+
+
+def test_the_server_backend_streams_the_serial_tokens_and_survives_clients_leaving(tiny_ckpt_dir, monkeypatch):
+    """`EngineBackend` (the server's engine thread) over an engine decoding ahead: concurrent streams
+    give the serial engine's tokens, and streams cancelled mid-way (aborts while a step is in flight)
+    leave the others whole and the pool free."""
+    import asyncio
+
+    from kvflow.serving.backend import EngineBackend
+
+    monkeypatch.setenv("KVFLOW_TEST_DECODE_BUFFERS", "1")
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0, ignore_eos=True) for i in range(6)]
+
+    def build(ahead: bool) -> LLMEngine:
+        eng = LLMEngine.from_config(EngineConfig(model=str(tiny_ckpt_dir), num_kv_blocks=256, block_size=4,
+                                                 deterministic=True, decode_ahead=ahead))
+        assert eng.decode_ahead == ahead
+        return eng
+
+    serial = build(False)
+    want = {}
+    for i in range(6):
+        serial.add_request(prompt(i), params[i], f"r{i}")
+    while serial.has_unfinished():
+        for out in serial.step():
+            if out.finished:
+                want[out.request_id] = out.token_ids
+    eng = build(True)
+    backend = EngineBackend(eng, "tiny")
+
+    async def one(i: int, leave_after: int | None) -> list[int]:
+        got = []
+        async for out in backend.generate(prompt(i), params[i], f"r{i}"):
+            got += out.new_token_ids
+            if leave_after is not None and len(got) >= leave_after:
+                break
+        return got
+
+    async def main() -> list[list[int]]:
+        await backend.start()
+        try:
+            return await asyncio.gather(*(one(i, 3 if i in (1, 4) else None) for i in range(6)))
+        finally:
+            for _ in range(200):  # the aborted requests' steps in flight come back
+                if not eng.has_unfinished():
+                    break
+                await asyncio.sleep(0.01)
+            await backend.shutdown()
+
+    got = asyncio.run(main())
+    for i in range(6):
+        if i in (1, 4):
+            assert got[i] == want[f"r{i}"][:len(got[i])] and len(got[i]) >= 3
+        else:
+            assert got[i] == want[f"r{i}"]
+    assert eng.runner.launches > 5 and eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks and not eng.requests
