@@ -77,7 +77,7 @@ def test_requests_that_stop_mid_flight_finish_as_in_the_serial_engine(monkeypatc
     """Stop ids and EOS met while the next step is already launched: the extra token is dropped."""
     base = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     first = tokens(drive(engine(False, monkeypatch), {0: [(prompt(i), base, f"r{i}") for i in range(6)]}))
-    # each request stops at an id it produces at its 2nd..7th token (one of them as its EOS: id 2 is the model's)
+    # each request stops at an id it produces at its 2nd..6th token (EOS, id 2, is not ignored either)
     params = [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[first[f"r{i}"][1 + i]]) for i in range(5)]
     params.append(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, min_tokens=4))
     work = {0: [(prompt(i), params[i], f"r{i}") for i in range(6)]}
