@@ -11,8 +11,9 @@ SmolLM2-135M shape and a Llama-3.2-1B-like shape, bf16, vocab 49,152. For each s
   split one, replayed from CUDA graphs;
 - the decode step (`LLMEngine.step`, host work and sampling included) at each batch size, with CUDA
   graphs (the engine decoding ahead) and eager, as one synced step and as steps back to back (the
-  steady-state time per token, which decoding ahead brings down to the graph replay), beside the floor: weight bytes + the KV bytes a step reads, over the device's
-  measured copy bandwidth (bytes read + written by a device-to-device copy, per second);
+  steady-state time per token, which decoding ahead brings down to the graph replay), beside the
+  floor: weight bytes + the KV bytes a step reads, over the device's measured copy bandwidth (bytes
+  read + written by a device-to-device copy, per second);
 - a prompt step of 2,048 tokens (8 fresh 256-token prompts, eager as every prompt step is), and
   (CUDA) the host time of a Triton kernel's launch against a PyTorch op's;
 - offline output tok/s (`LLM.generate`, 256 in / 128 out, `--offline-batch` requests) against
