@@ -10,8 +10,10 @@ SmolLM2-135M shape and a Llama-3.2-1B-like shape, bf16, vocab 49,152. For each s
 - decode attention alone at each batch size (CUDA only): the batch-invariant kernel against the
   split one, replayed from CUDA graphs;
 - the decode step (`LLMEngine.step`, host work and sampling included) at each batch size, with CUDA
-  graphs and eager, beside the floor: weight bytes + the KV bytes a step reads, over the device's
-  measured copy bandwidth (bytes read + written by a device-to-device copy, per second);
+  graphs (the engine decoding ahead) and eager, as one synced step and as steps back to back (the
+  steady-state time per token, which decoding ahead brings down to the graph replay), beside the
+  floor: weight bytes + the KV bytes a step reads, over the device's measured copy bandwidth (bytes
+  read + written by a device-to-device copy, per second);
 - a prompt step of 2,048 tokens (8 fresh 256-token prompts, eager as every prompt step is), and
   (CUDA) the host time of a Triton kernel's launch against a PyTorch op's;
 - offline output tok/s (`LLM.generate`, 256 in / 128 out, `--offline-batch` requests) against
@@ -146,14 +148,20 @@ def correctness(ckpt: Path, device: str, vocab: int) -> dict:
             "bf16_logits_max_abs_err_over_max_abs": worst}
 
 
-def decode_steps(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, steps: int) -> dict:
-    """Median wall time of an engine step once `batch` requests (256-token prompts) all decode."""
+def decode_steps(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, steps: int, ahead: bool = True) -> dict:
+    """Once `batch` requests (256-token prompts) all decode: the median wall time of one engine step
+    between device syncs (`step_ms`: a step's latency, its host work and the device's in series), and
+    the steady-state time per step (`steady_step_ms`: `steps` steps back to back, synced only at both
+    ends, over `steps`: time per output token at batch 1). Decoding ahead (`decode_ahead`, CUDA
+    graphs), a step's host work runs while the device computes the step it launched, which only the
+    back-to-back figure shows (`ahead=False`: the engine one step at a time, for comparison)."""
     from kvflow.engine.llm import LLM
     from kvflow.sched.sampling import SamplingParams
 
-    llm = LLM(str(ckpt), dtype="bfloat16", device=device, enforce_eager=not graphs, max_num_seqs=max(batch, 1))
+    llm = LLM(str(ckpt), dtype="bfloat16", device=device, enforce_eager=not graphs, max_num_seqs=max(batch, 1),
+              decode_ahead=ahead)
     eng = llm.engine
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0, ignore_eos=True)
     for p in prompts([256] * batch, vocab, seed=batch):
         eng.add_request(p, params)
     while any(not r.output_token_ids for r in eng.requests.values()):  # every prompt done
@@ -167,11 +175,18 @@ def decode_steps(ckpt: Path, device: str, batch: int, graphs: bool, vocab: int, 
         eng.step()
         sync(device)
         times.append(time.perf_counter() - t0)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync(device)
+    steady = (time.perf_counter() - t0) / steps
     fwd = forward_only(eng, device, steps)
     layout = eng.kv_cache.layout
-    ctx = 256 + 3 + steps // 2
+    ctx = 256 + 3 + steps
     kv_bytes = batch * ctx * layout.bytes_per_block // layout.block_size
-    result = {"batch": batch, "graphs": graphs and eng.runner.graphs is not None, "step_ms": 1e3 * statistics.median(times),
+    result = {"batch": batch, "graphs": graphs and eng.runner.graphs is not None, "decode_ahead": eng.decode_ahead,
+              "step_ms": 1e3 * statistics.median(times), "steady_step_ms": 1e3 * steady,
               "forward_ms": fwd, "weight_bytes": eng.model.weight_bytes, "kv_bytes": kv_bytes}
     fusion = eng.model.fusion  # which decode row counts took the fused projections, and the load-time measurement
     result["fusion"] = {"rows": sorted(fusion.rows), "why": fusion.why, "measured": [m._asdict() for m in fusion.measured]}
@@ -549,7 +564,9 @@ def main() -> None:
                     d["floor_ms"] = 1e3 * (d["weight_bytes"] + d["kv_bytes"]) / bw
                     r["decode"].append(d)
                     print(f"[{shape}] decode batch {b:3d} {'graphs' if d['graphs'] else 'eager ':6s} "
-                          f"{d['step_ms']:8.3f} ms (forward {d['forward_ms']:.3f})  floor {d['floor_ms']:.3f} ms  x{d['step_ms'] / d['floor_ms']:.1f}"
+                          f"{'ahead' if d['decode_ahead'] else 'serial'}: one synced step {d['step_ms']:8.3f} ms, back to back "
+                          f"{d['steady_step_ms']:8.3f} ms/step (forward {d['forward_ms']:.3f})  floor {d['floor_ms']:.3f} ms  "
+                          f"x{d['steady_step_ms'] / d['floor_ms']:.1f}"
                           + (f"  replay {d['replay_ms']:.3f} ms, fused projections: {b in d['fusion']['rows']} "
                              f"({d['fusion']['why']})" if "replay_ms" in d else ""), flush=True)
             if args.device == "cuda":

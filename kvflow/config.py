@@ -85,6 +85,13 @@ class EngineConfig:
     2026-11-26 determinism); off takes the fastest kernel per batch shape.
     `enforce_eager`: on CUDA, run decode steps op by op instead of replaying a CUDA graph captured per
     batch-size bucket (`kvflow.model.cuda_graphs`; vLLM's flag of the same name). No effect on CPU.
+    `decode_ahead` (default on; the single-process engine): where decode steps replay CUDA graphs (not
+    `enforce_eager`, the continuous policy), greedy decodes run one step ahead: the engine launches
+    the next step, its input ids taken on the device from the step in flight, before it reads that
+    step's ids back, so its host work (scheduling, packing, outputs) overlaps the device's
+    (`kvflow.engine.engine.LLMEngine`; vLLM v1's async scheduling); off: one step at a time. On the
+    CPU there are no graphs and it does nothing (the forward is compute-bound there, and the host work
+    would compete for the same cores). Pipelines have their own (`ClusterConfig.decode_ahead`).
     `gpu_memory_utilization` (CUDA only, instead of `kv_cache_memory_gb`): the KV cache gets what is
     left of this fraction of the device's memory once the weights are loaded and a step of the token
     budget has been measured (`kvflow.engine.memory`; vLLM's flag of the same name)."""
@@ -103,6 +110,7 @@ class EngineConfig:
     disk_kv_path: str | None = None
     deterministic: bool = False
     enforce_eager: bool = False
+    decode_ahead: bool = True
     gpu_memory_utilization: float | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
 
@@ -121,8 +129,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
+        for key in ("deterministic", "enforce_eager", "decode_ahead"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key} must be a bool, got {getattr(self, key)!r}")
         for key in ("host_kv_bytes", "disk_kv_bytes"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

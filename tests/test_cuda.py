@@ -80,6 +80,39 @@ def test_cuda_graphs_give_the_eager_tokens():
     assert greedy(graphed) == greedy(engine("cuda"))
 
 
+def test_decoding_ahead_on_captured_graphs_gives_the_serial_engines_tokens():
+    """The engine launching each greedy decode step before reading the previous one's ids back (their
+    argmax gathered inside the graph): requests of many lengths, stop ids met mid-flight, an abort
+    while a step is on the device, a seeded sampled request and requests arriving while ahead give
+    the serial engine's tokens, and every block comes back (the CPU half: tests/test_decode_ahead_engine.py)."""
+    from test_decode_ahead_engine import drive, prompt, tokens
+
+    def build(ahead: bool) -> LLMEngine:
+        cfg = tiny_config()
+        model = LlamaModel.from_state_dict(cfg, tiny_state_dict(cfg), dtype=torch.float32, device="cuda", deterministic=True)
+        eng = LLMEngine(model, None, EngineConfig(device="cuda", block_size=16, num_kv_blocks=96, deterministic=True,
+                                                  decode_ahead=ahead, scheduler=SchedulerConfig(max_num_seqs=16)))
+        assert eng.runner.graphs is not None and eng.runner.graphs.capture and eng.decode_ahead == ahead
+        return eng
+
+    greedy = [SamplingParams(max_tokens=3 + (4 * i) % 17, temperature=0, ignore_eos=True) for i in range(12)]
+    first = tokens(drive(build(False), {0: [(prompt(i), greedy[i], f"r{i}") for i in range(12)]}))
+    for i in (2, 7):  # these two stop at an id they produce mid-way
+        greedy[i] = SamplingParams(max_tokens=greedy[i].max_tokens, temperature=0, stop_token_ids=[first[f"r{i}"][2]])
+    work = {0: [(prompt(i), greedy[i], f"r{i}") for i in range(10)],
+            5: [(prompt(i), greedy[i], f"r{i}") for i in (10, 11)],
+            9: [(prompt(12), SamplingParams(max_tokens=5, temperature=0.7, seed=3, ignore_eos=True), "s")]}
+    aborts = {6: ["r4"]}
+    serial, eng = drive(build(False), work, aborts), build(True)
+    ahead = drive(eng, work, aborts)
+    assert eng.runner.launches > 10
+    got = {r: [t for new, _, _ in outs for t in new] for r, outs in ahead.items()}
+    want = {r: [t for new, _, _ in outs for t in new] for r, outs in serial.items()}
+    assert {r: t for r, t in got.items() if r != "r4"} == {r: t for r, t in want.items() if r != "r4"}
+    assert got["r4"] == first["r4"][:len(got["r4"])] and not any(f for _, f, _ in ahead["r4"])
+    assert [ahead[f"r{i}"][-1][2] for i in (2, 7)] == ["stop", "stop"]
+
+
 def test_a_replayed_graph_gives_the_eager_logits():
     eng = engine("cuda")
     greedy(eng, 2)  # some KV in the cache

@@ -101,7 +101,9 @@ def register(sub) -> None:
                         "is then each stage's device budget, and the pipeline holds depth/min(2, depth) times more KV")
     p.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="token (and colocated) pipelines of at most --decode-ahead-depth stages compute the next greedy "
-                        "decode step while the controller applies the previous one (--no-decode-ahead: one step at a time)")
+                        "decode step while the controller applies the previous one; the engine mode on CUDA launches "
+                        "the next greedy decode step before reading the previous one's tokens back "
+                        "(--no-decode-ahead: one step at a time)")
     p.add_argument("--decode-ahead-depth", type=int, default=1,
                    help="the deepest pipeline that decodes ahead (default 1: deeper ones have not been measured faster)")
     p.add_argument("--internal-host", default=None,
@@ -231,7 +233,7 @@ def _engine_config(args):
                           disk_kv_bytes=args.disk_kv_bytes, disk_kv_path=args.disk_kv_path,
                           scheduler=_scheduler_config(args))
     if args.mode == "engine":
-        return dataclasses.replace(engine, num_threads=args.threads)
+        return dataclasses.replace(engine, num_threads=args.threads, decode_ahead=args.decode_ahead)
     mc, _ = load_config(args.model)
     per_block = KVLayout.for_model(mc, 1, engine.block_size, dtype=engine.torch_dtype).bytes_per_block
     return dataclasses.replace(engine, num_kv_blocks=engine.kv_blocks(per_block))

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-
-
+from kvflow.sched.output import SchedulerOutput
 from kvflow.sched.request import Request, RequestOutput
 from kvflow.model import cuda_graphs
 from kvflow.engine import memory
-from kvflow.engine.runner import ModelRunner
+from kvflow.engine.runner import Launched, ModelRunner
 from kvflow.sched.sampling import SamplingParams
 from kvflow.config import EngineConfig
 from kvflow.sched.admission import Limits, validate
@@ -42,6 +41,15 @@ class LLMEngine:
     Contract: `add_request` validates and queues (raising ValueError for input that can never run);
     each `step()` advances every scheduled request by one forward pass and returns an output for
     every request that produced a token or finished; `abort_request` frees a request's blocks.
+
+    Decoding ahead (`EngineConfig.decode_ahead`, where decode steps replay graphs): a step launches the
+    next batch (greedy decodes one token past the batch in flight, their input ids taken on the
+    device: `SchedulerConfig.decode_ahead`) before it reads the batch in flight's ids back and
+    applies them, so the host's work of a step runs while the device computes the next one. A step
+    then returns the outputs of the batch launched by the step before. The tokens are the serial
+    engine's: a request that finishes in the batch in flight has its extra token discarded, and its
+    blocks are freed when that comes back (also after an abort); any other batch (prompts, sampled
+    rows, tier copies, more requests than the graphs take) runs serially, after the batch in flight.
     """
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig, hook: LayerHook | None = None) -> None:
@@ -62,15 +70,21 @@ class LLMEngine:
         tiers = config.tier_sizes(layout.bytes_per_block)
         host, disk = tiers.pools()
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, host, disk)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        sched = config.scheduler
+        ahead = (config.decode_ahead and not config.enforce_eager and hook is None and sched.policy == "continuous"
+                 and not sched.swap_regions)
         self.limits = Limits(self.max_model_len, mcfg.vocab_size)
         store = None
         if host is not None:
             store = TierStore(self.kv_cache, host.num_slots, disk.num_slots if disk else 0, config.disk_kv_path)
         graphs = None
         if not config.enforce_eager and hook is None:
-            graphs = cuda_graphs.capture(model, self.kv_cache, config.scheduler.max_num_seqs, self.max_model_len)
+            graphs = cuda_graphs.capture(model, self.kv_cache, sched.max_num_seqs, self.max_model_len, ahead=ahead)
         self.runner = ModelRunner(model, self.kv_cache, hook, store, graphs)
+        self.decode_ahead = ahead and graphs is not None and graphs.ahead  # (one batch in flight at most)
+        sched = replace(sched, decode_ahead=self.decode_ahead, max_in_flight=1) if self.decode_ahead else sched
+        self.scheduler = Scheduler(sched, self.kv_manager, self.max_model_len)
+        self._in_flight: Launched | None = None  # decoding ahead: the batch launched whose ids are not read yet
         eos = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -116,7 +130,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
+        if rid in self.requests or rid in self.scheduler.in_flight:  # (a finished one's extra step still out)
             raise ValueError(f"request id {rid!r} is already in use")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
         req = Request(rid, self.encode_prompt(prompt), params, self.eos_token_ids, detok)
@@ -140,13 +154,34 @@ class LLMEngine:
         if tiers is not None and tiers.pulling:  # KV pulled from other instances in the background: findable now
             for ops, failed in tiers.take_pulled():
                 self.kv_manager.pulls_done(ops, failed)
+        prev, self._in_flight = self._in_flight, None
         batch = self.scheduler.schedule()
-        sampled = self.runner.run(batch)
-        if batch.is_empty and tiers is not None and tiers.pulling:
-            tiers.wait_pulls(0.01)  # nothing to run but a pull to wait for: wait on it rather than spin
-        changed = self.scheduler.update(batch, sampled)
-        outputs = [r.take_output() for r in changed]
-        for r in changed:
-            if r.is_finished:
-                self.requests.pop(r.request_id, None)
+        runner = self.runner
+        if self.decode_ahead:
+            if prev is None and runner.launchable(batch, None):  # start a pipeline: this batch, then its successor
+                prev, batch = runner.launch(batch, None), self.scheduler.schedule()
+            if prev is not None and runner.launchable(batch, prev):
+                self._in_flight = runner.launch(batch, prev)  # (on the device behind `prev`, before its ids are read)
+        outputs, fed = [], {}
+        if prev is not None:
+            fed = runner.collect(prev)
+            outputs = self._apply(prev.out, fed)
+        if self._in_flight is None:  # the serial path: `batch` runs now (its decode-ahead rows take `fed`)
+            sampled = runner.run(batch, fed)
+            if batch.is_empty and prev is None and tiers is not None and tiers.pulling:
+                tiers.wait_pulls(0.01)  # nothing to run but a pull to wait for: wait on it rather than spin
+            outputs += self._apply(batch, sampled)
+        return outputs
+
+    def _apply(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        """Apply a batch that came back; the outputs of its requests that were not told already (decoding
+        ahead, a request that finished, or was aborted, before this batch came back)."""
+        told = out.finished_before()
+        outputs = []
+        for r in self.scheduler.update(out, sampled):
+            if id(r) in told:
+                continue
+            outputs.append(r.take_output())
+            if r.is_finished and self.requests.get(r.request_id) is r:
+                del self.requests[r.request_id]
         return outputs

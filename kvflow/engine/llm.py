@@ -33,8 +33,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
         eng_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "scheduler"}
+        sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)} - eng_fields  # (decode_ahead: the engine's)
         unknown = set(kwargs) - sched_fields - eng_fields
         if unknown:
             raise ValueError(f"unknown LLM argument(s): {sorted(unknown)}")

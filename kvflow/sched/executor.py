@@ -218,11 +218,8 @@ class PipelineExecutor:
         out = p.in_flight.pop(wire_id, None)
         if out is None:
             return None
-        rows = [i for i, (req, n, start, _, _, _) in enumerate(out.seqs)  # (`completes_prompt`, unfinished)
-                if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and req.status is not FINISHED]
-        # decoding ahead: requests that finished before this batch came back (their last token came in the
-        # batch before) were told then, and are not told again
-        told = {id(s[0]) for s in out.seqs if s[0].status is FINISHED} if p.sched.config.decode_ahead else ()
+        rows = out.sampling_rows()
+        told = out.finished_before() if p.sched.config.decode_ahead else ()  # (told when they finished)
         sampled = {}
         if rows:
             toks = self.driver.sample(p, out, rows, result)

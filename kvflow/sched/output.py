@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvflow.kv.tiers import TierPlan
-from kvflow.sched.request import Request
+from kvflow.sched.request import FINISHED, Request
 
 # A step's input token that its executor does not know yet: the one the worker itself sampled for
 # the request in its previous step (a decode-ahead seq, `SchedulerConfig.decode_ahead`).
@@ -81,3 +81,18 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+    # What an executor (the engine, the pipeline executor) does with a batch that came back, asked
+    # before it is applied (`Scheduler.update`):
+
+    def sampling_rows(self) -> list[int]:
+        """The rows that get a next token from this batch: their request's KV then covers all its
+        tokens and it has not finished (one aborted in flight, or, decoding ahead, one that finished
+        in the batch before this one gets none: its extra token is discarded)."""
+        return [i for i, (req, n, start, _, _, _) in enumerate(self.seqs)  # (a ScheduledSeq's fields, unpacked: cheap)
+                if start + n == len(req.prompt_token_ids) + len(req.output_token_ids) and req.status is not FINISHED]
+
+    def finished_before(self) -> set[int]:
+        """The `id()`s of this batch's requests that had finished before it came back: decoding ahead,
+        they were told when they finished (or aborted), and are not told again."""
+        return {id(s[0]) for s in self.seqs if s[0].status is FINISHED}

@@ -114,14 +114,14 @@ def stream_engine(engine: LLMEngine, sender) -> dict[str, tuple[int, ...]]:
     bounds = [0, engine.model.cfg.num_layers]
     tables: dict[str, tuple[int, ...]] = {}
 
-    def run_and_stream(out):
+    def run_and_stream(out, *fed):
         reqs = []
         for s in out.seqs:
             blocks = tuple(s.request.block_ids)
             tables[s.request.request_id] = blocks
             reqs.append(HandoffRequest(s.request.request_id, s.start, s.end, s.end, blocks, blocks))
         sender.begin(reqs, plan_handoff(bounds, bounds, len(reqs)) if reqs else [])
-        return run(out)
+        return run(out, *fed)
 
     runner.hook = sender.on_layer
     runner.run = run_and_stream
