@@ -5,6 +5,8 @@ eagerly) are tested in tests/test_triton_attention.py and tests/test_cuda_graphs
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import tiny_config, tiny_state_dict
@@ -148,6 +150,10 @@ def test_the_kv_cache_takes_what_the_gpu_memory_leaves():
     and a step's measured peak (one GiB over what is held now, here), and serves the same tokens."""
     from kvflow.engine.memory import RESERVE_BYTES
 
+    # A first engine loads what any engine in this process loads once and keeps (kernel modules, cuBLAS
+    # workspaces): counted in the reading below, not in the budget it is compared with.
+    want = greedy(engine("cuda"))
+    gc.collect()
     torch.cuda.empty_cache()  # (as the engine's measurement does: memory this process cached but holds no tensor in is free)
     free, total = torch.cuda.mem_get_info()
     util = (total - free + (1 << 30)) / total
@@ -156,7 +162,7 @@ def test_the_kv_cache_takes_what_the_gpu_memory_leaves():
     budget = layout.num_blocks * layout.bytes_per_block
     assert 0 < budget <= (1 << 30) - RESERVE_BYTES
     assert budget > (1 << 30) - RESERVE_BYTES - (64 << 20)  # a tiny model's step takes little
-    assert greedy(eng) == greedy(engine("cuda"))
+    assert greedy(eng) == want
 
 
 @pytest.mark.parametrize("eager", [True, False])
