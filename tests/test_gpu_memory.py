@@ -95,6 +95,9 @@ def test_a_replacement_must_fit_the_live_pipelines_pool():
     with pytest.raises(ValueError, match=r"the pipeline's pool of 10497 blocks \(20.50 GiB of this stage's KV\) does "
                                          r"not fit on its GPU: gpu_memory_utilization 0.9 leaves 20.50 GiB now"):
         check_pool_fits(mem, 0.9, 10497, reserve=GIB // 2)
+    busier = stage("GPU-a", 5, 1.0, block_mib=2)  # nothing left of the fraction at all: the same message
+    with pytest.raises(ValueError, match=r"pool of 1 blocks .* leaves 0.00 GiB now, and a replacement cannot change"):
+        check_pool_fits(busier, 0.9, 1, reserve=GIB // 2)
 
 
 def test_what_a_stage_measured_crosses_the_wire():

@@ -73,6 +73,7 @@ class Controller:
         self.epoch = 0
         self.pipelines: list[Pipeline] = []  # (made once the pools are sized: `_build`)
         self.store: ReplicaStore | None = None  # replicas in shared memory; host caches of stages with no stage to replicate to
+        self.measured: dict[str, StageMemory] = {}  # what each stage measured (pools sized from GPU memory)
         self.specs = {p.name: (p, [StageHandle(p.stage_name(i), i, layers) for i, layers in enumerate(even_split(mc.num_layers, p.depth))])
                       for p in cfg.pipelines()}
         self.workers = Workers(cfg, [s for _, stages in self.specs.values() for s in stages],
@@ -125,6 +126,7 @@ class Controller:
     def _size(self, measured: dict[str, StageMemory]) -> None:
         """gpu_memory_utilization: the pools from what every stage measured with its layers loaded."""
         pipeline_of = {s.name: name for name, (_, stages) in self.specs.items() for s in stages}
+        self.measured = measured
         blocks = pipeline_pools({n: (pipeline_of[n], m) for n, m in measured.items()}, self.cfg.engine.gpu_memory_utilization)
         log.info("KV pools from GPU memory: %s blocks per stage's device", blocks)
         self._build(blocks)

@@ -96,9 +96,6 @@ class StageMemory:
     activations: int  # its step's peak above what it holds
     block_bytes: int  # one KV block of its layers
 
-    def budget_bytes(self, utilization: float, reserve: int = RESERVE_BYTES) -> int:
-        return kv_budget_bytes(DeviceMemory(self.total, self.free, self.activations), utilization, reserve)
-
 
 def measure_stage(model: LlamaModel, block_size: int, tokens: int, dtype: torch.dtype) -> StageMemory:
     """`measure` over a stage's layers, with what the controller needs to size the pools: the GPU's
@@ -155,9 +152,9 @@ def pipeline_pools(stages: Mapping[str, tuple[str, StageMemory]], utilization: f
 def check_pool_fits(mem: StageMemory, utilization: float, blocks: int, reserve: int = RESERVE_BYTES) -> None:
     """A replacement stage joins a live pipeline, whose pool cannot change: its `blocks` on this
     device must fit what `utilization` leaves now (other stages' caches and other processes in use)."""
-    room = mem.budget_bytes(utilization, reserve)
+    room = int(utilization * mem.total) - (mem.total - mem.free) - mem.activations - reserve  # (`kv_budget_bytes`'s)
     if blocks * mem.block_bytes > room:
         raise ValueError(f"the pipeline's pool of {blocks} blocks ({blocks * mem.block_bytes / GIB:.2f} GiB of this "
                          f"stage's KV) does not fit on its GPU: gpu_memory_utilization {utilization} leaves "
-                         f"{room / GIB:.2f} GiB now, and a replacement cannot change a live pipeline's pool; free "
+                         f"{max(room, 0) / GIB:.2f} GiB now, and a replacement cannot change a live pipeline's pool; free "
                          f"memory on the GPU (or restart the server to size the pools again)")
