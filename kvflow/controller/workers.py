@@ -117,7 +117,10 @@ class Workers:
                 self.send(msg.name, Setup(to_dict(spec), to_dict(self.cfg.engine), epoch))
                 hello.discard(msg.name)
             elif isinstance(msg, Hello) and msg.memory and size is not None and msg.name in ready and msg.name not in measured:
-                measured[msg.name] = StageMemory(**msg.memory)
+                try:
+                    measured[msg.name] = StageMemory(**msg.memory)
+                except TypeError as e:  # (a worker of another kvflow version)
+                    raise StartError(f"worker {msg.name} reported a measurement this controller cannot read: {e}") from None
                 if len(measured) == len(names):  # every stage loaded and measured: the pools, then each its Setup
                     size(measured)
                     for name in sorted(measured):
