@@ -94,7 +94,9 @@ class EngineConfig:
     would compete for the same cores). Pipelines have their own (`ClusterConfig.decode_ahead`).
     `gpu_memory_utilization` (CUDA only, instead of `kv_cache_memory_gb`): the KV cache gets what is
     left of this fraction of the device's memory once the weights are loaded and a step of the token
-    budget has been measured (`kvflow.engine.memory`; vLLM's flag of the same name)."""
+    budget has been measured (`kvflow.engine.memory`; vLLM's flag of the same name). In a cluster
+    (`ClusterConfig`, instead of `num_kv_blocks`) every stage measures over its layers and each
+    pipeline's pool is the fewest blocks any of its stages has room for (`engine.memory.pipeline_pools`)."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -231,6 +233,9 @@ class ClusterConfig:
     the controller applies the previous step (`SchedulerConfig.decode_ahead`); elsewhere it does
     nothing. Deeper pipelines decode ahead only when asked: on the 2-CPU stand-in a depth-2 one ran
     slower ahead than serial (docs/results.md, 2026-11-28), and no GPU has measured it yet.
+    The pools: `engine.num_kv_blocks` blocks per stage's device for every pipeline, or, with
+    `engine.gpu_memory_utilization`, what the stages measure at start-up (the controller's
+    `pool_blocks` per pipeline, passed to `swap_layout` and `scheduler_for`).
     """
 
     engine: EngineConfig = EngineConfig(num_kv_blocks=2048)
@@ -261,11 +266,11 @@ class ClusterConfig:
             return None
         return "ring" if self.replication == "ring" and p.depth >= 2 else "store"
 
-    def swap_layout(self, p: "PipelineSpec") -> SwapLayout:
-        """(device regions, blocks per region, blocks of the pipeline's pool) of pipeline `p`: with
-        swapping min(2, depth) regions sharing the device budget and depth regions' worth of blocks
-        in host memory, else (0, 0, num_kv_blocks)."""
-        n = self.engine.num_kv_blocks
+    def swap_layout(self, p: "PipelineSpec", blocks: int | None = None) -> SwapLayout:
+        """(device regions, blocks per region, blocks of the pipeline's pool) of pipeline `p` with
+        `blocks` blocks on each stage's device (None: `engine.num_kv_blocks`): with swapping min(2,
+        depth) regions sharing them and depth regions' worth of blocks in host memory, else (0, 0, blocks)."""
+        n = self.engine.num_kv_blocks if blocks is None else blocks
         if not self.swapping or p.role == "prompt":  # (a prompt pipeline's KV leaves after one pass)
             return SwapLayout(0, 0, n)
         return SwapLayout.of_device(n, p.depth)
@@ -287,8 +292,9 @@ class ClusterConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{key} must be a positive integer, got {v!r}")
-        if self.engine.num_kv_blocks is None:
-            raise ValueError("pipeline modes need an explicit engine.num_kv_blocks (the controller accounts blocks)")
+        if self.engine.num_kv_blocks is None and self.engine.gpu_memory_utilization is None:
+            raise ValueError("pipeline modes need an explicit engine.num_kv_blocks (the controller accounts blocks), "
+                             "or engine.gpu_memory_utilization (the stages measure them)")
         if self.heartbeat_timeout_s <= 0 or self.start_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
         if self.policy not in POLICIES:
@@ -304,9 +310,10 @@ class ClusterConfig:
         """Every worker's name, pipeline by pipeline, stage by stage (what launchers and placements use)."""
         return [p.stage_name(i) for p in self.pipelines() for i in range(p.depth)]
 
-    def scheduler_for(self, p: PipelineSpec) -> SchedulerConfig:
-        """A pipeline's scheduler: `depth` batches in flight of at most `microbatch_size` requests."""
-        return pipeline_scheduler(self.engine.scheduler, self.policy, p.depth, p.microbatch_size, self.swap_layout(p),
+    def scheduler_for(self, p: PipelineSpec, blocks: int | None = None) -> SchedulerConfig:
+        """A pipeline's scheduler: `depth` batches in flight of at most `microbatch_size` requests
+        (`blocks`: as `swap_layout`'s)."""
+        return pipeline_scheduler(self.engine.scheduler, self.policy, p.depth, p.microbatch_size, self.swap_layout(p, blocks),
                                   self.decode_ahead and p.role != "prompt" and p.depth <= self.decode_ahead_depth)
 
 
@@ -331,7 +338,7 @@ class WorkerSpec:
     disk_kv_slots: int = 0  # each holding this stage's layers of a block (its pipeline's pools decide)
     swap_regions: int = 0  # microbatch swapping: device regions of `swap_region_blocks` blocks each,
     swap_region_blocks: int = 0  # and the KV of the pool's `pool_blocks` blocks in host memory
-    pool_blocks: int = 0  # blocks of the pipeline's pool (0: engine.num_kv_blocks)
+    pool_blocks: int = 0  # blocks of the pipeline's pool (0: engine.num_kv_blocks, or not sized yet: measure)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

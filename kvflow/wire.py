@@ -3,7 +3,7 @@
 Belongs to neither side: both import it. Messages are small dataclasses packed with msgpack; a tensor travels
 as a raw frame beside the header, never pickled. Every message is authenticated: the frames are
 `[header, mac, (tensor)]`, `mac` a keyed BLAKE2b over header and tensor bytes with the cluster's secret (handed
-to each worker at launch), so a stranger who can reach a port cannot inject steps. `decode` never raises
+to each worker at launch; `kvflow.wire_auth`), so a stranger who can reach a port cannot inject steps. `decode` never raises
 anything but `WireError` for bytes it does not accept (bad MAC, not msgpack, unknown type, wrong field types,
 a tensor frame of the wrong size): the loop that receives drops the message and counts it.
 
@@ -16,24 +16,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import hmac
 import itertools
 import operator
 import os
 import typing
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import torch
 
+from kvflow.wire_auth import mac as _mac
+
 TENSOR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 _DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
 SECRET_ENV = "KVFLOW_CLUSTER_SECRET"
-MAC_BYTES = 16
 
 
 class WireError(ValueError):
@@ -115,9 +114,14 @@ class StepResult:
 
 
 @dataclass
-class Hello:  # worker -> controller at start: who it is and where its step socket listens
+class Hello:
+    """Worker -> controller at start: who it is and where its step socket listens. Sized from GPU
+    memory, a stage says Hello again once it has loaded its layers, with what it measured
+    (`engine.memory.StageMemory` as a dict), and waits for a Setup with its pipeline's pool."""
+
     name: str
     step_addr: str
+    memory: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -230,43 +234,6 @@ _NESTED = {"seqs": SeqStep, "kv_out": KVOut}
 
 
 # ---------------------------------------------------------------------------------------- codec
-LEAF_BYTES = 1 << 20  # a tensor frame longer than this is MACed as leaves hashed in parallel
-
-
-def _mac(secret: bytes, header: bytes, payload) -> bytes:
-    """Keyed BLAKE2b over the header and the tensor frame. A frame of more than `LEAF_BYTES` (a prompt
-    chunk's hidden states: megabytes) is MACed as its leaves' keyed digests, each bound to its index and
-    the frame's length, computed on a thread pool (hashlib lets go of the GIL while it hashes)."""
-    view = memoryview(payload).cast("B") if payload is not None else None
-    leaves = view is not None and len(view) > LEAF_BYTES
-    h = hashlib.blake2b(key=secret, digest_size=MAC_BYTES, person=b"kvflow-leaves" if leaves else b"")
-    h.update(len(header).to_bytes(8, "little"))
-    h.update(header)
-    if leaves:
-        h.update(len(view).to_bytes(8, "little"))
-        parts = [view[i:i + LEAF_BYTES] for i in range(0, len(view), LEAF_BYTES)]
-        for digest in _hash_pool().map(_leaf, [secret] * len(parts), range(len(parts)), parts):
-            h.update(digest)
-    elif view is not None:
-        h.update(view)
-    return h.digest()
-
-
-def _leaf(secret: bytes, index: int, data: memoryview) -> bytes:
-    return hashlib.blake2b(data, key=secret, digest_size=32, node_offset=index, node_depth=0).digest()
-
-
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    """This process's MAC threads (made again in a forked child, where the parent's threads do not run)."""
-    global _POOL
-    if _POOL is None or _POOL[0] != os.getpid():
-        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="wire-mac"))
-    return _POOL[1]
-
-
 @functools.cache
 def _layout(cls: type) -> tuple[tuple[str, type | None], ...]:
     """(name, nested class or None) per field of a message class: a list of nested messages (a step's

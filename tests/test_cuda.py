@@ -258,3 +258,104 @@ def test_kv_pulled_between_gpu_engines_gives_the_cpu_engines_tokens(tiny_ckpt_di
         eng = pull_engine(tiny_ckpt_dir, host_blocks=8, device="cuda")
         assert generate(eng, PROMPT, GREEDY, kv_source=srv.url) == want
         assert eng.kv_manager.pulled == [0, 5] and eng.kv_manager.tier_stats()["host"].hits == 5 * 16
+
+
+def test_a_pipelines_pool_is_sized_from_what_its_stages_measured_on_the_gpu(tiny_ckpt_dir):
+    """gpu_memory_utilization in a pipeline mode: the two stages of a colocated pipeline (on this one
+    GPU) load their layers, measure and report; the pool is what their reports leave
+    (`pipeline_pools`), every stage holds it, everything on the GPU stays under the fraction, and the
+    tokens are the CPU engine's."""
+    pytest.importorskip("zmq")
+    import asyncio
+
+    from test_controller import LENGTHS, PROMPTS, _cfg, _collect, reference
+
+    from kvflow.controller.controller import Controller
+    from kvflow.engine.memory import pipeline_pools
+
+    # 4 GiB over what is held now: two workers' contexts, steps, reserves and KV
+    cfg = _sized_cfg(_cfg(tiny_ckpt_dir, mode="colocated", depth=2, replication="none"))
+    util, total = cfg.engine.gpu_memory_utilization, torch.cuda.mem_get_info()[1]
+
+    async def main():
+        ctrl = Controller(cfg)
+        await ctrl.start()
+        try:
+            pool = ctrl.pipelines[0].kv_manager.num_blocks
+            results = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))])
+            held = total - torch.cuda.mem_get_info()[0]  # both workers' weights, KV, graphs and steps, and this process
+            return ctrl.measured, pool, results, held, ctrl.pipelines[0].kv_manager.num_free_blocks
+        finally:
+            await ctrl.shutdown()
+
+    measured, pool, results, held, free_blocks = asyncio.run(main())
+    assert sorted(measured) == ["colocated-0", "colocated-1"]
+    assert len({m.device for m in measured.values()}) == 1  # one GPU: they shared it
+    assert all(m.block_bytes == 2 * 4 * 2 * 16 * 4 and m.activations > 0 for m in measured.values())  # K+V, 1 layer, fp32
+    assert pool == pipeline_pools({n: ("colocated", m) for n, m in measured.items()}, util)["colocated"] > 0
+    assert held <= util * total, f"{held / 2**30:.2f} GiB held on the GPU, over {util} of it"
+    assert [toks for toks, _ in results] == reference(PROMPTS, LENGTHS)
+    assert free_blocks == pool, "KV blocks leaked"
+
+
+def _sized_cfg(cfg):
+    """`cfg` on this GPU with its pools sized from memory: 4 GiB over what is held now (this process's
+    context counts as in use, as another process's would)."""
+    from dataclasses import replace
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    util = (total - free + (4 << 30)) / total
+    return replace(cfg, engine=replace(cfg.engine, device="cuda", num_kv_blocks=None, gpu_memory_utilization=util))
+
+
+def test_a_replacement_stage_takes_the_live_pool_when_it_fits(tiny_ckpt_dir):
+    """A killed stage of a pipeline sized from GPU memory: its replacement measures, the pipeline's pool
+    fits what the dead one left, and the streams end with the tokens of a run without the failure."""
+    pytest.importorskip("zmq")
+    from test_recovery import _cfg, reference, run_with_failure
+
+    cfg = _sized_cfg(_cfg(tiny_ckpt_dir, mode="colocated", depth=2, replication="none"))
+    expected = reference()
+    streamed, finals, (failures, recoveries, healthy) = run_with_failure(cfg, "colocated-1", "kill", 20)
+    assert failures == 1 and recoveries == 1 and healthy
+    assert streamed == expected and [f.token_ids for f in finals] == expected
+
+
+def test_a_replacement_that_cannot_fit_the_live_pool_says_so(tiny_ckpt_dir, caplog):
+    """With the GPU's fraction taken by another holder (this process) after the start, a killed stage's
+    replacement has no room for the pipeline's pool, which cannot change: each attempt fails with that
+    error, and the controller gives up."""
+    pytest.importorskip("zmq")
+    import asyncio
+    import logging
+
+    from test_recovery import _cfg
+
+    from kvflow.controller.controller import Controller
+
+    cfg = _sized_cfg(_cfg(tiny_ckpt_dir, mode="colocated", depth=2, replication="none", max_restarts=2))
+    caplog.set_level(logging.ERROR, logger="kvflow.controller.recovery")
+
+    async def main():
+        ctrl = Controller(cfg)
+        await ctrl.start()
+        try:
+            free, total = torch.cuda.mem_get_info()
+            hog = torch.empty(int(cfg.engine.gpu_memory_utilization * total) - (total - free) + (256 << 20), dtype=torch.uint8,
+                              device="cuda")  # everything the fraction has left, and a little more
+            ctrl.stages["colocated-1"].process.kill()
+            for _ in range(3000):  # (an event: the controller's failure, polled; the bound only stops a hang)
+                if ctrl.failure is not None:
+                    break
+                await asyncio.sleep(0.1)
+            del hog
+            return ctrl.failure
+        finally:
+            await ctrl.shutdown()
+
+    failure = asyncio.run(main())
+    assert failure is not None and "its replacement failed 2 times" in failure
+    errors = [r.getMessage() for r in caplog.records if "replacing colocated-1 failed" in r.getMessage()]
+    assert len(errors) == 2 and all("does not fit on its GPU" in e and "cannot change a live pipeline's pool" in e
+                                    for e in errors), errors

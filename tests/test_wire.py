@@ -54,7 +54,7 @@ def test_a_stranger_without_the_secret_cannot_forge_or_alter_messages():
 def test_a_large_tensor_frame_is_authenticated_leaf_by_leaf():
     """A frame longer than LEAF_BYTES is MACed as leaves hashed in parallel: it round-trips, and a changed
     byte in any leaf, two leaves swapped, or the frame cut short are all rejected."""
-    from kvflow.wire import LEAF_BYTES
+    from kvflow.wire_auth import LEAF_BYTES
 
     x = torch.randn(3 * LEAF_BYTES // 4 + 1000, dtype=torch.float32)  # 3 leaves and a bit
     frames = encode(StepResult(1, 2, ["a"]), SECRET, x)

@@ -67,8 +67,10 @@ def register(sub) -> None:
     kv.add_argument("--kv-cache-gb", type=number(float, 0, low_open=True), default=1.0,
                     help="memory for the KV cache (pipeline modes: per stage), GB")
     kv.add_argument("--gpu-memory-utilization", type=number(float, 0, 1, low_open=True), default=None, metavar="FRACTION",
-                    help="engine mode on CUDA: size the KV cache to what is left of this fraction of the GPU's memory "
-                         "after the weights and one full step (as vLLM; default: none, --kv-cache-gb applies)")
+                    help="on CUDA, instead of --kv-cache-gb: size the KV cache to what is left of this fraction of the "
+                         "GPU's memory after the weights and one full step (as vLLM). Engine mode: its cache; pipeline "
+                         "modes: every stage measures over its layers, stages sharing a GPU share the fraction, and each "
+                         "pipeline's pool is the fewest blocks any of its stages has room for (default: none)")
     kv.add_argument("--block-size", type=number(int, 1), default=None,
                     help="tokens per KV block (default: 128 on CPU, where bigger blocks read KV faster; 16 on CUDA)")
     kv.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -200,8 +202,6 @@ def _check_mode(args) -> None:
         raise ValueError("--launcher ray needs --mode colocated or disaggregated")
     if args.launcher == "ray" and args.external_workers:
         raise ValueError("--launcher ray and --external-workers exclude each other")
-    if args.gpu_memory_utilization is not None and args.mode != "engine":
-        raise ValueError("--gpu-memory-utilization sizes the engine's KV cache; the pipeline modes take --kv-cache-gb per stage")
     if args.gpu_memory_utilization is not None and not args.device.startswith("cuda"):
         raise ValueError("--gpu-memory-utilization needs --device cuda (on CPU, give --kv-cache-gb)")
     if args.plan is not None and not args.plan.is_file():
@@ -218,7 +218,7 @@ def _scheduler_config(args):
 def _engine_config(args):
     """The EngineConfig of `kvflow serve` in every mode: blocks of --block-size tokens (default
     `default_block_size`); the pipeline modes account KV in blocks, so --kv-cache-gb becomes an
-    explicit number of blocks there."""
+    explicit number of blocks there (with --gpu-memory-utilization the stages measure them at start-up)."""
     import dataclasses
 
     from kvflow.config import EngineConfig, default_block_size
@@ -234,6 +234,8 @@ def _engine_config(args):
                           scheduler=_scheduler_config(args))
     if args.mode == "engine":
         return dataclasses.replace(engine, num_threads=args.threads, decode_ahead=args.decode_ahead)
+    if engine.gpu_memory_utilization is not None:  # the stages measure the blocks at start-up
+        return engine
     mc, _ = load_config(args.model)
     per_block = KVLayout.for_model(mc, 1, engine.block_size, dtype=engine.torch_dtype).bytes_per_block
     return dataclasses.replace(engine, num_kv_blocks=engine.kv_blocks(per_block))

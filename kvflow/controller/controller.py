@@ -36,6 +36,7 @@ from kvflow.controller.pipeline import Pipeline, StageHandle, StepRecord, even_s
 from kvflow.controller.recovery import Recovery
 from kvflow.controller.replica_store import ReplicaStore
 from kvflow.controller.workers import StartError, Workers
+from kvflow.engine.memory import StageMemory, pipeline_pools
 from kvflow.kv.cache import KVLayout
 from kvflow.kv.manager import KVCacheManager
 from kvflow.model.loader import load_config
@@ -66,35 +67,21 @@ class Controller:
         self.model_name = model_name or mc.name
         self.max_model_len = min(ecfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
-        regions = [cfg.swap_layout(p) for p in cfg.pipelines()]
-        per_region = [r.region_blocks for r in regions if r.regions]
-        self.limits = Limits(self.max_model_len, mc.vocab_size, min(per_region) if per_region else None)
         eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.eos_token_ids = tuple(sorted(eos))
         self.secret = new_secret()
         self.epoch = 0
-        self.pipelines: list[Pipeline] = []
-        block_bytes = KVLayout.for_model(mc, 1, ecfg.block_size, dtype=ecfg.torch_dtype).bytes_per_block
-        for spec, swap in zip(cfg.pipelines(), regions):
-            stages = [StageHandle(spec.stage_name(i), i, layers) for i, layers in enumerate(even_split(mc.num_layers, spec.depth))]
-            # lower tiers for the pipelines that prefill (a token pool's blocks are filled by the prompt
-            # side's stream, outside its own steps, so its evictions could not be copied out in order)
-            host, disk = ecfg.tier_sizes(block_bytes, spec.depth).pools() if spec.role != "token" else (None, None)
-            kv = KVCacheManager(swap.pool_blocks, ecfg.block_size, ecfg.enable_prefix_caching, host, disk)
-            sched = Scheduler(cfg.scheduler_for(spec), kv, self.max_model_len, spec.role)
-            self.pipelines.append(Pipeline(spec, stages, kv, sched))
+        self.pipelines: list[Pipeline] = []  # (made once the pools are sized: `_build`)
         self.store: ReplicaStore | None = None  # replicas in shared memory; host caches of stages with no stage to replicate to
-        for p in self.pipelines:
-            if (mode := cfg.replicates(p.spec)) is not None:
-                self.store = self.store or ReplicaStore(cfg.host, self.secret)
-                for s in p.stages:
-                    self.store.add(p.name, s.stage, KVLayout.for_model(mc, p.kv_manager.num_blocks, ecfg.block_size, s.layers,
-                                                                       dtype=ecfg.torch_dtype), port=mode == "store")
-        self.token = self.pipelines[-1] if cfg.mode == "disaggregated" else None
-        prompt = self.pipelines[:-1] if self.token is not None else self.pipelines
-        self.executor = PipelineExecutor(prompt, [self.token] if self.token is not None else [], self)
-        self.workers = Workers(cfg, self.pipelines, launcher if launcher is not None else SubprocessLauncher(local_gpus(ecfg.device)),
-                               self.secret, self.store, mc.hidden_size * ecfg.torch_dtype.itemsize)
+        self.measured: dict[str, StageMemory] = {}  # what each stage measured (pools sized from GPU memory)
+        self.specs = {p.name: (p, [StageHandle(p.stage_name(i), i, layers) for i, layers in enumerate(even_split(mc.num_layers, p.depth))])
+                      for p in cfg.pipelines()}
+        self.workers = Workers(cfg, [s for _, stages in self.specs.values() for s in stages],
+                               launcher if launcher is not None else SubprocessLauncher(local_gpus(ecfg.device)),
+                               self.secret, mc.hidden_size * ecfg.torch_dtype.itemsize)
+        self._mc = mc
+        if ecfg.gpu_memory_utilization is None:
+            self._build({name: ecfg.num_kv_blocks for name in self.specs})
         self.recovery = Recovery(self)
         self.stages, self.address = self.workers.stages, self.workers.address
         # state owned by the loop thread once started
@@ -109,6 +96,41 @@ class Controller:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _build(self, blocks: dict[str, int]) -> None:
+        """Each pipeline's block pool, scheduler and state, the replica store and the executor, for
+        `blocks` blocks on each stage's device per pipeline (given, or measured by the stages:
+        `engine.memory.pipeline_pools`); the pool holds more with swapping (`ClusterConfig.swap_layout`)."""
+        cfg, ecfg, mc = self.cfg, self.cfg.engine, self._mc
+        regions = [cfg.swap_layout(spec, blocks[name]) for name, (spec, _) in self.specs.items()]
+        per_region = [r.region_blocks for r in regions if r.regions]
+        self.limits = Limits(self.max_model_len, mc.vocab_size, min(per_region) if per_region else None)
+        block_bytes = KVLayout.for_model(mc, 1, ecfg.block_size, dtype=ecfg.torch_dtype).bytes_per_block
+        for (name, (spec, stages)), swap in zip(self.specs.items(), regions):
+            # lower tiers for the pipelines that prefill (a token pool's blocks are filled by the prompt
+            # side's stream, outside its own steps, so its evictions could not be copied out in order)
+            host, disk = ecfg.tier_sizes(block_bytes, spec.depth).pools() if spec.role != "token" else (None, None)
+            kv = KVCacheManager(swap.pool_blocks, ecfg.block_size, ecfg.enable_prefix_caching, host, disk)
+            sched = Scheduler(cfg.scheduler_for(spec, blocks[name]), kv, self.max_model_len, spec.role)
+            self.pipelines.append(Pipeline(spec, stages, kv, sched))
+        for p in self.pipelines:
+            if (mode := cfg.replicates(p.spec)) is not None:
+                self.store = self.store or ReplicaStore(cfg.host, self.secret)
+                for s in p.stages:
+                    self.store.add(p.name, s.stage, KVLayout.for_model(mc, p.kv_manager.num_blocks, ecfg.block_size, s.layers,
+                                                                       dtype=ecfg.torch_dtype), port=mode == "store")
+        self.token = self.pipelines[-1] if cfg.mode == "disaggregated" else None
+        prompt = self.pipelines[:-1] if self.token is not None else self.pipelines
+        self.executor = PipelineExecutor(prompt, [self.token] if self.token is not None else [], self)
+        self.workers.attach(self.pipelines, self.store)
+
+    def _size(self, measured: dict[str, StageMemory]) -> None:
+        """gpu_memory_utilization: the pools from what every stage measured with its layers loaded."""
+        pipeline_of = {s.name: name for name, (_, stages) in self.specs.items() for s in stages}
+        self.measured = measured
+        blocks = pipeline_pools({n: (pipeline_of[n], m) for n, m in measured.items()}, self.cfg.engine.gpu_memory_utilization)
+        log.info("KV pools from GPU memory: %s blocks per stage's device", blocks)
+        self._build(blocks)
+
     # ------------------------------------------------------------------ Backend: life cycle
     async def start(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.start_blocking)
@@ -117,8 +139,8 @@ class Controller:
         for s in self.stages.values():
             self.workers.launch(s)
         try:
-            self.workers.handshake(set(self.stages), self.epoch, None)
-        except StartError as e:
+            self.workers.handshake(set(self.stages), self.epoch, None, self._size if not self.pipelines else None)
+        except (StartError, ValueError) as e:  # (ValueError: no room on a GPU, `pipeline_pools`)
             self.workers.kill_all()
             self.shutdown_blocking()  # sockets and the replica store closed: nothing left to hold up an exit
             raise RuntimeError(str(e)) from None

@@ -16,6 +16,7 @@ import zmq
 from kvflow.config import ClusterConfig, WorkerSpec, to_dict
 from kvflow.controller.launcher import Launcher
 from kvflow.controller.pipeline import Pipeline, StageHandle
+from kvflow.engine.memory import StageMemory
 from kvflow.streaming.hidden_ring import create_ring
 from kvflow.streaming.transports.shm_segment import release
 from kvflow.wire import Hello, Ready, Route, Setup, Shutdown, WireError, WorkerError, decode, encode
@@ -37,12 +38,12 @@ class Workers:
     that every worker sends to, one PUSH socket per stage; and the hidden-state rings between
     adjacent stages it started (`streaming.hidden_ring`: `token_bytes` is one token's hidden state)."""
 
-    def __init__(self, cfg: ClusterConfig, pipelines: list[Pipeline], launcher: Launcher, secret: bytes,
-                 store: "ReplicaStore | None" = None, token_bytes: int = 0) -> None:
-        self.cfg, self.pipelines, self.launcher, self.secret, self.store = cfg, pipelines, launcher, secret, store
-        self.token_bytes = token_bytes
+    def __init__(self, cfg: ClusterConfig, stages: list[StageHandle], launcher: Launcher, secret: bytes, token_bytes: int = 0) -> None:
+        self.cfg, self.launcher, self.secret, self.token_bytes = cfg, launcher, secret, token_bytes
+        self.pipelines: list[Pipeline] = []  # (`attach`, once their pools are sized)
+        self.store: "ReplicaStore | None" = None
         self.rings: dict[str, shared_memory.SharedMemory] = {}  # receiving stage -> its ring
-        self.stages = {s.name: s for p in pipelines for s in p.stages}
+        self.stages = {s.name: s for s in stages}
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         port = self.inbox.bind_to_random_port(f"tcp://{cfg.host}")
@@ -50,6 +51,10 @@ class Workers:
         self.to_stage: dict[str, zmq.Socket] = {}
         self.dropped_messages = 0  # inbox messages that were not authentic or did not decode
         self.kernel_variants: dict[str, str] = {}  # each stage's `Ready.kernel_variant`
+
+    def attach(self, pipelines: list[Pipeline], store: "ReplicaStore | None") -> None:
+        """The pipelines of the stages, made once their pools are sized, and the store of their replicas."""
+        self.pipelines, self.store = pipelines, store
 
     def pipeline_of(self, s: StageHandle) -> Pipeline:
         return next(p for p in self.pipelines if s in p.stages)
@@ -83,11 +88,18 @@ class Workers:
         if s.process is not None:
             log.info("started worker %s (pid %s)", s.name, s.process.pid)
 
-    def handshake(self, names: set[str], epoch: int, other: Callable[[object, torch.Tensor | None], None] | None) -> None:
+    def handshake(self, names: set[str], epoch: int, other: Callable[[object, torch.Tensor | None], None] | None,
+                  size: Callable[[dict[str, StageMemory]], None] | None = None) -> None:
         """Hello -> Setup (spec + engine config) -> Ready, for the stages `names`. Any other message
-        that arrives meanwhile (a recovery runs while the rest of the cluster works) goes to `other`."""
+        that arrives meanwhile (a recovery runs while the rest of the cluster works) goes to `other`.
+        With `size` (the pools sized from GPU memory, at start-up) there is one round more: the first
+        Setup has no pool (`WorkerSpec.pool_blocks` 0), each stage loads its layers, measures and says
+        Hello again with what it measured (`Hello.memory`); once every stage has, `size` makes the
+        pipelines (`attach`) and each stage gets its Setup again, with its pool. A replacement's Setup
+        has its pipeline's pool: the stage checks that it fits."""
         deadline = time.monotonic() + self.cfg.start_timeout_s
         hello, ready = set(names), set(names)
+        measured: dict[str, StageMemory] = {}
         while ready:
             for name in ready:
                 proc = self.stages[name].process
@@ -101,8 +113,18 @@ class Workers:
             msg, tensor = got
             if isinstance(msg, Hello) and msg.name in hello:
                 self._connect(self.stages[msg.name], msg.step_addr)
-                self.send(msg.name, Setup(to_dict(self._spec(self.stages[msg.name])), to_dict(self.cfg.engine), epoch))
+                spec = self._spec(self.stages[msg.name]) if size is None else self._unsized_spec(self.stages[msg.name])
+                self.send(msg.name, Setup(to_dict(spec), to_dict(self.cfg.engine), epoch))
                 hello.discard(msg.name)
+            elif isinstance(msg, Hello) and msg.memory and size is not None and msg.name in ready and msg.name not in measured:
+                try:
+                    measured[msg.name] = StageMemory(**msg.memory)
+                except TypeError as e:  # (a worker of another kvflow version)
+                    raise StartError(f"worker {msg.name} reported a measurement this controller cannot read: {e}") from None
+                if len(measured) == len(names):  # every stage loaded and measured: the pools, then each its Setup
+                    size(measured)
+                    for name in sorted(measured):
+                        self.send(name, Setup(to_dict(self._spec(self.stages[name])), to_dict(self.cfg.engine), epoch))
             elif isinstance(msg, Ready) and msg.name in ready and msg.name not in hello:
                 self._same_kernel_variant(msg.name, msg.kernel_variant)
                 s = self.stages[msg.name]
@@ -136,7 +158,7 @@ class Workers:
 
     def _spec(self, s: StageHandle) -> WorkerSpec:
         p = self.pipeline_of(s)
-        mode, (regions, per, _) = self.cfg.replicates(p.spec), self.cfg.swap_layout(p.spec)
+        mode, regions, per = self.cfg.replicates(p.spec), p.sched.config.swap_regions, p.sched.config.swap_region_blocks
         rl = p.stages[(s.stage - 1) % p.depth].layers if mode == "ring" else (-1, -1)
         shm = self.store.segment(p.name, (s.stage - 1) % p.depth) if mode == "ring" and s.process is not None else ""
         return WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], p.role, self.cfg.threads_per_worker,
@@ -144,6 +166,11 @@ class Workers:
                           replicated=mode is not None, host_kv_slots=p.kv_manager.host.num_slots if p.kv_manager.host else 0,
                           disk_kv_slots=p.kv_manager.disk.num_slots if p.kv_manager.disk else 0, swap_regions=regions,
                           swap_region_blocks=per, pool_blocks=p.kv_manager.num_blocks, hidden_shm=self._ring(p, s))
+
+    def _unsized_spec(self, s: StageHandle) -> WorkerSpec:
+        """What a stage is before its pool is sized: its layers, to load and measure over."""
+        role = next(p.role for p in self.cfg.pipelines() if s.name in map(p.stage_name, range(p.depth)))
+        return WorkerSpec(s.name, s.stage, s.layers[0], s.layers[1], role, self.cfg.threads_per_worker, self.cfg.kv_send_mode)
 
     def _ring(self, p: Pipeline, s: StageHandle) -> str:
         """The ring `s` takes its input hidden states in ("": none): made once for a stage after the

@@ -4,7 +4,8 @@ Start-up handshake (nothing but the controller's address, the worker's name, its
 the cluster secret come from the command line): the worker binds its step socket and says `Hello`;
 the controller answers `Setup` (its `WorkerSpec` and the `EngineConfig` subtree); the worker loads
 only its layers' tensors, builds its cache, starts its KV receiver (token role) and says `Ready`;
-the controller answers `Route` (where outputs and KV go).
+the controller answers `Route` (where outputs and KV go). Sized from GPU memory, the first `Setup`
+has no pool: the worker measures with its layers loaded and says `Hello` again with it (`_sized`).
 
 Then steps arrive on one ZeroMQ PULL socket (from the controller for stage 0, from the previous
 stage otherwise) as deltas: the worker mirrors each request's block table. They leave for the next
@@ -30,15 +31,14 @@ import os
 import queue
 import threading
 import time
-from dataclasses import replace
 
 import torch
 import zmq
 
-from kvflow.config import WorkerSpec, engine_from_dict
-from kvflow.kv.cache import KVCache, KVLayout
+from kvflow.config import WorkerSpec, engine_from_dict, to_dict
+from kvflow.engine.memory import check_pool_fits
+from kvflow.kv.cache import KVCache
 from kvflow.kv.tiers import TierPlan
-from kvflow.model import cuda_graphs
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
@@ -46,11 +46,11 @@ from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender
 from kvflow.streaming.hidden_ring import HiddenRing, open_ring
 from kvflow.streaming.errors import peer_gone
 from kvflow.streaming.primitives import InStream, OutStream
-from kvflow.streaming.swapper import SwapSeq, Swapper
-from kvflow.streaming.tier_store import TierStore
+from kvflow.streaming.swapper import SwapSeq
 from kvflow.streaming.topology import Transfer
 from kvflow.worker.parent import Parent
-from kvflow.worker.replication import Replicator, held_replica, restore
+from kvflow.worker import stage
+from kvflow.worker.replication import Replicator, restore
 from kvflow.worker.steps import AHEAD, LastSampled, Prepared
 from kvflow.wire import (
     SECRET_ENV, Fence, Heartbeat, Hello, KVArrived, Ready, Replicated, Restore, Route, Setup, Shutdown, Step, StepResult,
@@ -115,29 +115,24 @@ class Worker:
         self.model = LlamaModel.from_state_dict(ck.config, ck.state_dict, layers, dtype=ecfg.torch_dtype, device=ecfg.device,
                                                 deterministic=ecfg.deterministic)
         self.device = torch.device(ecfg.device)
-        nblocks = spec.pool_blocks or ecfg.num_kv_blocks  # the block ids the pipeline's scheduler accounts
-        layout = KVLayout.for_model(ck.config, nblocks, ecfg.block_size, layers, dtype=ecfg.torch_dtype)
-        self.swapper: Swapper | None = None
-        if spec.swap_regions:  # microbatch swapping: the pool in host memory, regions of it on the device
-            self.cache = KVCache(layout, "cpu", pin_memory=self.device.type == "cuda")
-            self.compute_cache = KVCache(replace(layout, num_blocks=spec.swap_regions * spec.swap_region_blocks), ecfg.device)
-            self.swapper = Swapper(self.cache, self.compute_cache, spec.swap_regions)
-        else:
-            self.cache = self.compute_cache = KVCache(layout, ecfg.device)
-        self.graphs = None  # decode steps replayed from CUDA graphs (the stage's own layers)
-        if not ecfg.enforce_eager:
-            max_len = min(ecfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-            self.graphs = cuda_graphs.capture(self.model, self.compute_cache, ecfg.scheduler.max_num_seqs, max_len,
-                                              float_logits=False)
-        if spec.replica_layer_start >= 0:  # a host-memory replica of the previous stage's KV
-            rl = KVLayout.for_model(ck.config, nblocks, ecfg.block_size,
-                                    (spec.replica_layer_start, spec.replica_layer_end), dtype=ecfg.torch_dtype)
-            self.replica = held_replica(rl, spec.replica_shm, self.name)
-        self.hidden_in = open_ring(spec.hidden_shm, self.device, self.name)
-        self.tiers = None  # the prefix cache's host and disk slots of this stage's layers
-        if spec.host_kv_slots:
-            path = os.path.join(ecfg.disk_kv_path, spec.name) if ecfg.disk_kv_path else None
-            self.tiers = TierStore(self.cache, spec.host_kv_slots, spec.disk_kv_slots, path)
+        if ecfg.gpu_memory_utilization is not None:
+            spec = self._sized(spec, ecfg, ck.config)
+        (self.cache, self.compute_cache, self.swapper, self.graphs, self.replica, self.hidden_in,
+         self.tiers) = stage.build(spec, ecfg, ck.config, self.model, self.name)
+
+    def _sized(self, spec: WorkerSpec, ecfg, mc) -> WorkerSpec:
+        """The pools sized from GPU memory: measure what this stage's layers leave (`stage.measure`).
+        At start-up (no pool yet) say Hello again with it and take the spec of the Setup that answers,
+        with the pool the controller took over every stage; a replacement's pool (a live pipeline's,
+        which cannot change) must fit what the GPU has left."""
+        mem = stage.measure(self.model, ecfg, mc)
+        if spec.pool_blocks:
+            check_pool_fits(mem, ecfg.gpu_memory_utilization, spec.swap_regions * spec.swap_region_blocks or spec.pool_blocks)
+            return spec
+        self._to_controller(Hello(self.name, self.step_addr, to_dict(mem)))
+        setup = self._expect(Setup)
+        self.spec, self.epoch = WorkerSpec(**setup.spec), setup.epoch
+        return self.spec
 
     def run(self) -> None:
         self.step_in = self.ctx.socket(zmq.PULL)
@@ -145,7 +140,8 @@ class Worker:
         self.ctrl = self.ctx.socket(zmq.PUSH)
         self.ctrl.setsockopt(zmq.LINGER, 1000)
         self.ctrl.connect(self.controller_addr)
-        self._to_controller(Hello(self.name, f"tcp://{self.host}:{port}"))
+        self.step_addr = f"tcp://{self.host}:{port}"
+        self._to_controller(Hello(self.name, self.step_addr))
         setup = self._expect(Setup)
         try:
             self._setup(setup)
