@@ -499,7 +499,11 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
             before = len(log) if log is not None else 0
             t0 = time.perf_counter()
             got = await asyncio.gather(*[one(p, f"r{i}") for i, p in enumerate(ps)])
-            result = {"tok_s": sum(got) / (time.perf_counter() - t0), "all_first_tokens_s": max(first) - t0}
+            wall = time.perf_counter() - t0
+            result = {"tok_s": sum(got) / wall, "all_first_tokens_s": max(first) - t0}
+            if log is not None:  # how busy a stage of the pipelines was: their steps' compute over the stages and the wall time
+                stages = sum(p.depth for p in backend.pipelines)
+                result["stage_busy_fraction"] = sum(r[1] for r in list(log)[before:]) / stages / wall
             workers = getattr(backend, "workers", None)
             if workers is not None and hasattr(workers, "rings"):  # hidden states through shared memory or on the messages
                 result["hidden_rings_mapped"] = sum(s.hidden_shm for s in backend.stages.values())
