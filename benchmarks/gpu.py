@@ -31,6 +31,7 @@ script, not a measurement to report).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -389,18 +390,20 @@ def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: b
     return out
 
 
-BACKENDS = ("engine", "colocated-2", "colocated-2-frames", "colocated-2-ahead", "colocated-2-no-replication",
-            "disaggregated-1-1", "disaggregated-1-1-no-replication")
+BACKENDS = ("engine", "engine-serial", "colocated-2", "colocated-2-ahead", "colocated-2-no-replication",
+            "disaggregated-1-1", "disaggregated-1-1-no-replication", "engine-again")
 
 
 def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Path | None = None,
              timeout_s: float = 240.0) -> dict:
     """Output tok/s of `n` requests of 256 + `new` tokens sent at once to each serving backend (the
-    server's `Backend`, without HTTP): the engine, colocated depth 2 (two microbatches of n/2 in flight,
-    as a pipeline of depth 2 is run; "-ahead": decoding ahead, `decode_ahead_depth=2`; "-frames": its
-    hidden states on the step messages, `KVFLOW_HIDDEN_RINGS=0`), disaggregated
-    (1, 1) (one token microbatch of n); the pipelines with their default KV replication (every step,
-    for recovery) and without it; bf16.
+    server's `Backend`, without HTTP): the engine (decoding ahead where it has graphs; "-serial": one
+    step at a time; "-again": once more, last, as the first process of a run on a GPU was slow twice
+    for no known reason), colocated depth 2 (two microbatches of n/2 in flight, as a pipeline of depth
+    2 is run; "-ahead": decoding ahead, `decode_ahead_depth=2`; "-frames", not in `BACKENDS`: its
+    hidden states on the step messages, `KVFLOW_HIDDEN_RINGS=0`), disaggregated (1, 1) (one token
+    microbatch of n); the pipelines with their default KV replication (every step, for recovery) and
+    without it; bf16.
 
     Each backend runs in a fresh process, as a server does: on the H200, the engine measured in this
     benchmark's own process (after the earlier parts) gave a quarter of what the same code gave in a
@@ -460,7 +463,8 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
 
     engine = EngineConfig(model=ckpt, dtype="bfloat16", device=device, block_size=16, num_kv_blocks=4096,
                           scheduler=SchedulerConfig(max_num_seqs=n))
-    serial = name.endswith("-serial")  # (this tree's `ClusterConfig.decode_ahead` off, named apart to compare it)
+    name = name.removesuffix("-again")  # (the engine once more, last: the first process of a run was slow twice on GPUs)
+    serial = name.endswith("-serial")  # (`ClusterConfig.decode_ahead`, the engine's `EngineConfig.decode_ahead`, off)
     name = name.removesuffix("-serial")
     if name.endswith("-frames"):  # hidden states on the step messages, not through the shared-memory rings
         os.environ["KVFLOW_HIDDEN_RINGS"] = "0"
@@ -469,7 +473,7 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
     name = name.removesuffix("-ahead")
     replication = "none" if name.endswith("-no-replication") else "ring"
     if name == "engine":
-        backend = EngineBackend.from_config(engine)
+        backend = EngineBackend.from_config(dataclasses.replace(engine, decode_ahead=not serial))
     elif name.startswith("colocated-2"):
         backend = Controller(ClusterConfig(engine=engine, mode="colocated", depth=2, microbatch_size=-(-n // 2),
                                            replication=replication, **({"decode_ahead": False} if serial else deep)))
