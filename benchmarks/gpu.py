@@ -395,7 +395,7 @@ BACKENDS = ("engine", "engine-serial", "colocated-2", "colocated-2-ahead", "colo
 
 
 def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Path | None = None,
-             timeout_s: float = 240.0) -> dict:
+             timeout_s: float = 240.0, profile: Path | None = None) -> dict:
     """Output tok/s of `n` requests of 256 + `new` tokens sent at once to each serving backend (the
     server's `Backend`, without HTTP): the engine (decoding ahead where it has graphs; "-serial": one
     step at a time; "-again": once more, last, as the first process of a run on a GPU was slow twice
@@ -418,7 +418,7 @@ def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Pa
     trees = ([("baseline_", baseline.resolve())] if baseline is not None else []) + [("", ROOT)]
     for name in BACKENDS:
         for prefix, tree in trees:
-            got = _serve_in(tree, [str(ckpt), device, str(n), str(new), str(vocab), name], timeout_s)
+            got = _serve_in(tree, [str(ckpt), device, str(n), str(new), str(vocab), name], timeout_s, profile)
             if "tok_s" in got:
                 out.update({f"{prefix}{name}_{k}": v for k, v in got.items()})
             else:
@@ -429,21 +429,57 @@ def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Pa
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _serve_in(tree: Path, args: list[str], timeout_s: float) -> dict:
+def _serve_in(tree: Path, args: list[str], timeout_s: float, profile: Path | None = None) -> dict:
     """`_serve` in a fresh interpreter whose `kvflow` is `tree`'s (its root the working directory and
-    first on the path, so the pipelines' worker processes import the same one): its JSON line."""
+    first on the path, so the pipelines' worker processes import the same one): its JSON line. With
+    `profile` (a directory) and py-spy on the path, the process and its workers are sampled (CPU
+    time only, not idle waits) and `profile`/serve-NAME.txt gets each process's busiest frames."""
+    import shutil
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    cmd = [sys.executable, __file__, "--serve-one", *args]
+    spy = shutil.which("py-spy") if profile is not None else None
+    raw = profile / f"serve-{args[-1]}.raw" if spy else None
+    if raw is not None:
+        cmd = [spy, "record", "--subprocesses", "--nonblocking", "--rate", "250", "--format", "raw", "--output", str(raw), "--", *cmd]
     try:
-        run = subprocess.run([sys.executable, __file__, "--serve-one", *args], cwd=tree, env=env, capture_output=True,
-                             text=True, timeout=timeout_s)
+        run = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"no answer within {timeout_s:.0f} s"}
+    if raw is not None and raw.is_file():
+        raw.with_suffix(".txt").write_text(busiest_frames(raw.read_text()))
+        raw.unlink()
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     if run.returncode or not lines:
         return {"error": f"exit {run.returncode}: {(run.stderr or run.stdout).strip()[-300:]}"}
     return json.loads(lines[-1])
+
+
+def busiest_frames(raw: str, top: int = 40) -> str:
+    """py-spy's raw output (one "frame;frame;... count" line per stack, a process's frames after its
+    "process PID:..." frame) as each process's samples and its `top` frames by the samples they were
+    on the stack of (inclusive), busiest process first. Stacks in an import are left out (start-up)."""
+    from collections import Counter
+
+    per: dict[str, Counter] = {}
+    totals: Counter = Counter()
+    for line in raw.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit() or "<frozen importlib" in stack:
+            continue
+        frames = stack.split(";")
+        at = max((i for i, f in enumerate(frames) if f.startswith("process ")), default=-1)
+        proc = frames[at] if at >= 0 else "process ?"
+        totals[proc] += int(n)
+        seen = per.setdefault(proc, Counter())
+        for f in set(frames[at + 1:]):
+            seen[f] += int(n)
+    out = []
+    for proc, total in totals.most_common():
+        out.append(f"== {proc[:160]}: {total} samples")
+        out += [f"{c:7d} {100 * c / total:5.1f}%  {f[:150]}" for f, c in per[proc].most_common(top)]
+    return "\n".join(out) + "\n"
 
 
 def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> dict:
@@ -544,6 +580,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also time transformers with a static cache and torch.compile")
     ap.add_argument("--profile", action="store_true", help="also write profile-<shape>.txt: 5 decode steps at batch 1 and the "
                     "largest batch, eager and graphed, under torch.profiler")
+    ap.add_argument("--profile-serving", action="store_true", help="sample each serving backend's processes with py-spy "
+                    "(where it is on the path) and write serve-<backend>.txt: each process's busiest frames")
     ap.add_argument("--out", type=Path, default=Path("results/gpu"), help="directory for gpu.json and gpu.png")
     ap.add_argument("--baseline", type=Path, help="another kvflow checkout's root: each serving backend also runs on it, "
                     "alternating with this tree's (e.g. `git worktree add /tmp/base <commit>`)")
@@ -597,7 +635,8 @@ def main() -> None:
             r["offline"] = offline(ckpt, args.device, args.offline_batch, args.new_tokens, vocab, args.compile)
             print(f"[{shape}] offline {r['offline']}", flush=True)
             if shape != "1b":  # (the issue's serving figure is the 135M shape's)
-                r["backends"] = backends(ckpt, args.device, args.offline_batch, args.new_tokens, vocab, args.baseline)
+                r["backends"] = backends(ckpt, args.device, args.offline_batch, args.new_tokens, vocab, args.baseline,
+                                         profile=args.out if args.profile_serving else None)
                 print(f"[{shape}] backends {r['backends']}", flush=True)
             r["seconds"] = time.perf_counter() - t0
             report["shapes"][shape] = r

@@ -8,14 +8,16 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .gpu-wheels \
 #     pyzmq fastapi starlette pydantic pydantic-core uvicorn gguf annotated-types typing-inspection \
-#     typing_extensions opentelemetry-api httptools uvloop
+#     typing_extensions opentelemetry-api httptools uvloop py-spy
 # Then, on the device:  OUT=$OUT bash scripts/gpu_check.sh [tests|bench|all]
 # "all" runs the tests, then the benchmark alone (its timings taken beside the tests would share the
 # GPU and the host with them; and lent machines differ, so compare figures within one run).
 # Limits: TEST_LIMIT (default 180 s), BENCH_LIMIT (default 400 s); gpu.json is rewritten after every
 # model shape, so a run cut off at its limit keeps what it measured. BENCH_ARGS adds benchmark options,
 # e.g. BENCH_ARGS="--baseline .gpu-base" serves each backend with an older tree's kvflow too, alternating
-# (mkdir .gpu-base && git archive <commit> | tar -x -C .gpu-base; ignored, carry it like .gpu-wheels).
+# (mkdir .gpu-base && git archive <commit> | tar -x -C .gpu-base; ignored, carry it like .gpu-wheels);
+# BENCH_ARGS="--profile-serving" samples each serving backend's processes with py-spy (from the wheels)
+# and writes serve-<backend>.txt, each process's busiest frames (its timings then carry py-spy's cost).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -26,7 +28,7 @@ export PYTHONUNBUFFERED=1
 if [ -d .gpu-wheels ] && ! "$PY" -c "import zmq" 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kvflow-site .gpu-wheels/*.whl \
     || echo "installing .gpu-wheels failed" >&2
-  export PYTHONPATH="/tmp/kvflow-site${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="/tmp/kvflow-site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/kvflow-site/bin:$PATH"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi; df -h /dev/shm; nproc  # (/dev/shm holds the pipelines' KV replicas: a small one sends them over TCP)
