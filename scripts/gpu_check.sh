@@ -6,7 +6,7 @@
 # Before the run, on a machine with network, put those wheels in an ignored folder of the checkout
 # and carry it (the device entry's `carry` argument):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .gpu-wheels \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 --platform any -d .gpu-wheels \
 #     pyzmq fastapi starlette pydantic pydantic-core uvicorn gguf annotated-types typing-inspection \
 #     typing_extensions opentelemetry-api httptools uvloop py-spy
 # Then, on the device:  OUT=$OUT bash scripts/gpu_check.sh [tests|bench|all]
