@@ -138,8 +138,8 @@ class Replicator:
         self._jobs.task_done()
 
     def drain(self) -> None:
-        """Wait until every copy begun has been written and reported (before a fence, a restore or
-        a new route: what the replica holds is then what the controller was told)."""
+        """Wait until every copy begun has been written and reported (a worker does at a `Fence`, and
+        `close` does for a new route: nothing of an older step lands after the recovery's restores)."""
         if self._jobs is not None:
             self._jobs.join()
 
