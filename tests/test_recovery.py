@@ -169,6 +169,16 @@ def test_a_killed_worker_resumes_from_its_replica(tiny_ckpt_dir, tiny4_ckpt_dir,
         assert all(counters["held_in_shm"]), counters
 
 
+@pytest.mark.parametrize("kw, victim", [(dict(mode="colocated", depth=2), "colocated-1"),
+                                        (dict(mode="disaggregated", prompt_depth=1, token_depth=1), "token-0")],
+                         ids=["colocated-2", "disagg-1-1:token:store"])
+def test_replicas_landed_by_a_thread_resume_alike(tiny_ckpt_dir, tiny4_ckpt_dir, kw, victim, monkeypatch):
+    """The CUDA way of writing replicas in place (the step only packs; a thread of the worker writes
+    the segment and reports, and a fence waits for it), on the CPU: the same recovery, the same tokens."""
+    monkeypatch.setenv("KVFLOW_TEST_REPLICATION_THREAD", "1")
+    test_a_killed_worker_resumes_from_its_replica(tiny_ckpt_dir, tiny4_ckpt_dir, kw, victim)
+
+
 def test_a_store_replica_sent_to_its_kv_port_resumes_the_same(tiny_ckpt_dir, monkeypatch):
     """A worker the store's shared memory is not offered to (one the controller cannot kill, e.g.
     started by hand) sends each step's increment to the store's KV port instead, and resumes alike."""

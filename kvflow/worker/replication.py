@@ -24,6 +24,7 @@ Either way the copy starts after the step's output left, so it overlaps the cont
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -63,7 +64,8 @@ def held_replica(layout: KVLayout, segment: str, name: str) -> KVCache:
 class Replicator:
     """Replication of one worker's `cache` for one route (a new route: a new Replicator). `report`
     takes the `Replicated` messages (and, from the background thread, a `WorkerError` when a copy
-    fails). `background` (default: on CUDA) lands in-place copies on a thread of its own."""
+    fails). `background` (default: on CUDA, or where KVFLOW_TEST_REPLICATION_THREAD=1 asks for it:
+    the CPU tests of the CUDA way, worker processes included) lands in-place copies on a thread."""
 
     STAGINGS = 2  # in-place copies in flight: a step's gather waits while both are unlanded
 
@@ -76,7 +78,9 @@ class Replicator:
         self.written = 0  # bytes written in place
         self._jobs: queue.Queue | None = None
         self._thread: threading.Thread | None = None
-        if self.replica is not None and (cache.device.type == "cuda" if background is None else background):
+        if background is None:
+            background = cache.device.type == "cuda" or os.environ.get("KVFLOW_TEST_REPLICATION_THREAD") == "1"
+        if self.replica is not None and background:
             self._jobs = queue.Queue()
             self._thread = threading.Thread(target=self._land_loop, name=f"{name}-replicate", daemon=True)
             self._thread.start()
