@@ -58,6 +58,7 @@ def test_the_store_segment_is_written_in_place_and_reported(store):
     assert rep.replica is not None and rep.sender is None
     for msg in steps():
         rep.step(msg, TABLES)
+    rep.drain()  # (landed already unless KVFLOW_TEST_REPLICATION_THREAD put them on the thread)
     replica = store.caches[("token", 0)]
     for rid, n in (("a", 10), ("b", 6)):
         assert torch.equal(replica_rows(replica, rid, n), replica_rows(cache, rid, n))
@@ -158,6 +159,7 @@ def test_a_ring_holder_maps_the_segment_its_previous_stage_writes_in_place(store
                      reports.append)
     for msg in steps():
         rep.step(msg, TABLES)
+    rep.drain()
     for rid, n in (("a", 10), ("b", 6)):
         assert torch.equal(replica_rows(held, rid, n), replica_rows(cache, rid, n))
     assert [r.stage for r in reports] == [0, 0] and store.nbytes == 0
