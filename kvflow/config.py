@@ -96,7 +96,9 @@ class EngineConfig:
     left of this fraction of the device's memory once the weights are loaded and a step of the token
     budget has been measured (`kvflow.engine.memory`; vLLM's flag of the same name). In a cluster
     (`ClusterConfig`, instead of `num_kv_blocks`) every stage measures over its layers and each
-    pipeline's pool is the fewest blocks any of its stages has room for (`engine.memory.pipeline_pools`)."""
+    pipeline's pool is the fewest blocks any of its stages has room for (`engine.memory.pipeline_pools`),
+    cut where the replicas of the replicated pipelines would not fit in /dev/shm
+    (`controller.replica_store.fit_replicas`)."""
 
     model: str | None = None
     dtype: str = "float32"

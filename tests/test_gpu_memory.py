@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow.config import EngineConfig
+from kvflow.controller.replica_store import SHM_SHARE, fit_replicas
 from kvflow.engine.memory import DeviceMemory, StageMemory, check_pool_fits, kv_budget_bytes, pipeline_pools
 
 GIB = 2**30
@@ -52,6 +53,23 @@ def test_a_pipelines_pool_is_the_fewest_blocks_any_of_its_stages_has_room_for():
     # each pipeline its own minimum
     stages["token-0"] = ("token", stage("GPU-c", 70, 1.0, block_mib=2))
     assert pipeline_pools(stages, 0.9, reserve=GIB // 2) == {"colocated": 41472, "token": 60 * 512 + 256}
+
+
+def test_pools_are_cut_to_what_their_replicas_can_hold_in_dev_shm():
+    """A replica mirrors its stage block for block: pools sized from an 80 GiB GPU cannot all be
+    mirrored in a host's /dev/shm, so the replicated ones are cut by one factor to SHM_SHARE of its
+    room; a pipeline without replicas keeps its pool, and so does everyone when the room suffices."""
+    pools = {"prompt": 60_000, "token": 40_000}
+    replicas = {"token": 2 * 2**20}  # two stages of 1 MiB blocks each: 2 MiB of replicas per block
+    assert fit_replicas(pools, replicas, 100 * GIB) == pools  # 78 GiB of replicas fit in 90 GiB
+    cut = fit_replicas(pools, replicas, 40 * GIB)
+    assert cut["prompt"] == 60_000 and cut["token"] == int(40_000 * SHM_SHARE * 40 * GIB / (80_000 * 2**20))
+    assert cut["token"] * replicas["token"] <= SHM_SHARE * 40 * GIB < (cut["token"] + 1) * replicas["token"]
+    both = fit_replicas(pools, {"prompt": 2**20, "token": 2**20}, 50 * GIB)  # one factor for both
+    assert both["prompt"] / pools["prompt"] == pytest.approx(both["token"] / pools["token"], rel=1e-3)
+    assert (both["prompt"] + both["token"]) * 2**20 <= SHM_SHARE * 50 * GIB
+    assert fit_replicas(pools, replicas, 0) == {"prompt": 60_000, "token": 1}  # (at least one block)
+    assert fit_replicas(pools, replicas, None) == pools  # no /dev/shm: nothing to cut against
 
 
 def test_stages_on_one_gpu_share_its_room_and_the_latest_reading_counts():

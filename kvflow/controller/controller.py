@@ -34,7 +34,7 @@ from kvflow.config import ClusterConfig
 from kvflow.controller.launcher import Launcher, SubprocessLauncher, local_gpus
 from kvflow.controller.pipeline import Pipeline, StageHandle, StepRecord, even_split
 from kvflow.controller.recovery import Recovery
-from kvflow.controller.replica_store import ReplicaStore
+from kvflow.controller.replica_store import ReplicaStore, fit_replicas
 from kvflow.controller.workers import StartError, Workers
 from kvflow.engine.memory import StageMemory, pipeline_pools
 from kvflow.kv.cache import KVLayout
@@ -49,6 +49,7 @@ from kvflow.sched.admission import Limits, validate
 from kvflow.sched.scheduler import Scheduler, SchedulerOutput
 from kvflow.serving.backend import BackendStats, BackendUnavailable, Deliveries, drain
 from kvflow.streaming.connector import plan_handoff
+from kvflow.streaming.transports.shm_segment import free_bytes
 from kvflow.wire import Heartbeat, KVArrived, KVOut, Replicated, SeqStep, Step, StepResult, WorkerError, new_secret
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,14 @@ class Controller:
         self.measured = measured
         blocks = pipeline_pools({n: (pipeline_of[n], m) for n, m in measured.items()}, self.cfg.engine.gpu_memory_utilization)
         log.info("KV pools from GPU memory: %s blocks per stage's device", blocks)
-        self._build(blocks)
+        replicas = {name: sum(measured[s.name].block_bytes for s in stages)  # (every stage of a replicated pipeline has a replica)
+                    for name, (spec, stages) in self.specs.items() if self.cfg.replicates(spec)}
+        fitted = fit_replicas(blocks, replicas, free_bytes())
+        if fitted != blocks:
+            log.warning("KV pools cut to %s blocks (from %s) so that their replicas fit in /dev/shm (%.1f GiB free); "
+                        "--replication none, or a larger /dev/shm, keeps what the GPUs have room for",
+                        fitted, blocks, (free_bytes() or 0) / 2**30)
+        self._build(fitted)
 
     # ------------------------------------------------------------------ Backend: life cycle
     async def start(self) -> None:

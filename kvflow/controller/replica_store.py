@@ -39,6 +39,23 @@ from kvflow.streaming.transports.tcp_receiver import TcpReceiver
 
 log = logging.getLogger(__name__)
 
+SHM_SHARE = 0.9  # of /dev/shm's free room, what pools sized from GPU memory may give their replicas
+
+
+def fit_replicas(pools: dict[str, int], replica_block_bytes: dict[str, int], room: int | None) -> dict[str, int]:
+    """Pools sized from GPU memory (`engine.memory.pipeline_pools`), cut so that the replicas of the
+    replicated pipelines (`replica_block_bytes`: pipeline -> the bytes one block of all its stages'
+    replicas takes; the store keeps each in a segment of /dev/shm, reserved in full when made) fit in
+    `SHM_SHARE` of `room` (/dev/shm's free bytes; None: no /dev/shm, nothing cut). A replica mirrors
+    its stage block for block, so a pool the host cannot mirror would leave its replicas to a
+    plain host cache, fed over TCP, that grows with the pool. Every replicated pool is cut by the
+    same factor; at least one block each."""
+    need = sum(pools[p] * b for p, b in replica_block_bytes.items())
+    if room is None or need <= SHM_SHARE * room:
+        return dict(pools)
+    scale = SHM_SHARE * room / need
+    return {p: max(1, int(n * scale)) if p in replica_block_bytes else n for p, n in pools.items()}
+
 
 class ReplicaStore:
     def __init__(self, host: str, secret: bytes) -> None:

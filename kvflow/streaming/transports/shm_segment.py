@@ -66,15 +66,24 @@ def attach(name: str) -> mmap.mmap:
         os.close(fd)
 
 
+def free_bytes() -> int | None:
+    """What /dev/shm can still hold (None: no /dev/shm here)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def create(name: str, nbytes: int) -> shared_memory.SharedMemory:
     """A new segment `name` of `nbytes`, owned by this process (registered with the resource tracker,
     so a killed owner's segment is still removed), with its memory reserved up front
     (`posix_fallocate`): OSError (ENOSPC) when /dev/shm cannot hold it, rather than a SIGBUS at
     the first write beyond its limit. The free room is checked first: tmpfs refuses only a request
     beyond its whole size at once, and fills the rest page by page before it gives up."""
-    st = os.statvfs("/dev/shm")
-    if nbytes > st.f_bavail * st.f_frsize:
-        raise OSError(errno.ENOSPC, f"/dev/shm has {st.f_bavail * st.f_frsize} bytes free, not {nbytes}")
+    room = free_bytes()
+    if room is None or nbytes > room:
+        raise OSError(errno.ENOSPC, f"/dev/shm has {room or 0} bytes free, not {nbytes}")
     seg = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
     try:
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
