@@ -7,8 +7,8 @@ of ring replicas (`add(port=False)`): the holder (the next stage) maps one as th
 and the stage it replicates writes into it in place, as into the store's (below), when the
 controller can kill both. Two ways into the store's own caches:
 - a worker on this host maps the segment (`Route.replica_shm`) and writes each step's increment in
-  place, then reports it (`Replicated`): no thread, socket or acknowledgement on either side, and
-  nothing in the controller's process but the report. The controller offers the segment only to
+  place, then reports it (`Replicated`): no socket or acknowledgement on either side (on CUDA a
+  thread of the worker lands the copy), and nothing in the controller's process but the report. The controller offers the segment only to
   workers whose processes it can kill (a hung one is killed before its replacement restores, so a
   stale writer cannot touch the replica again);
 - any other worker sends increments to a `KVReceiver` on a KV port of the controller's internal
