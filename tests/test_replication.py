@@ -120,6 +120,35 @@ def test_a_copy_that_fails_on_the_background_thread_is_reported_as_the_workers_e
         rep.close()
 
 
+def test_a_landing_thread_that_hangs_fails_the_step_instead_of_hanging_it(store, monkeypatch):
+    """The thread stuck (here in its report, as on a blocked controller socket): the copies queued
+    behind it keep both staging buffers, and the next step fails after LAND_TIMEOUT_S with an error
+    the worker reports, rather than waiting forever."""
+    import threading
+
+    monkeypatch.setattr(Replicator, "LAND_TIMEOUT_S", 0.3)
+    segment = (store.add("colocated", 0, LAYOUT, port=False), store.segment("colocated", 0))[1]
+    stuck, reports = threading.Event(), []
+
+    def report(msg):
+        reports.append(msg)
+        stuck.wait(30)
+
+    rep = Replicator(filled_cache(), 0, "colocated-0", Route("", replica_shm=segment), 0, b"", report, background=True)
+    try:
+        first, second = steps()
+        rep.step(first, TABLES)  # landed, then stuck in its report
+        rep.step(second, TABLES)  # queued, holding one buffer
+        rep.step(second, TABLES)  # queued, holding the other
+        with pytest.raises(RuntimeError, match="no replica copy landed in 0.3 s"):
+            rep.step(second, TABLES)
+        assert len(reports) == 1
+    finally:
+        stuck.set()
+        rep.close()
+    assert len(reports) == 3  # (the queued copies landed once it went on)
+
+
 @pytest.mark.parametrize("segment", ["kvflow-replica-none-such", "other-size"])
 def test_a_segment_it_cannot_map_falls_back_to_the_kv_port(store, segment):
     secret = store.secret

@@ -68,6 +68,7 @@ class Replicator:
     the CPU tests of the CUDA way, worker processes included) lands in-place copies on a thread."""
 
     STAGINGS = 2  # in-place copies in flight: a step's gather waits while both are unlanded
+    LAND_TIMEOUT_S = 60.0  # how long a step waits for one of them before it fails
 
     def __init__(self, cache: KVCache, stage: int, name: str, route: Route, epoch: int, secret: bytes,
                  report: Callable[[Replicated | WorkerError], None], background: bool | None = None) -> None:
@@ -111,7 +112,10 @@ class Replicator:
             self.sender.send_increment([Segment(*g) for g in zip(rids, starts, ends)], slots, msg.epoch)
             return
         at = torch.tensor(slots, dtype=torch.long)
-        staging = self.stagings.acquire()  # (back-pressure: both copies still landing)
+        try:
+            staging = self.stagings.acquire(timeout=self.LAND_TIMEOUT_S)  # (back-pressure: both copies still landing)
+        except TimeoutError:  # a hang, not a slow copy: fail the step, and the controller recovers
+            raise RuntimeError(f"{self.name}: no replica copy landed in {self.LAND_TIMEOUT_S:g} s") from None
         data, copied = staging.pack(self.cache, (lay.layer_start, lay.layer_end), at)  # (CUDA: to pinned memory)
         job = (staging, data, copied, at, Replicated(self.name, rids, starts, ends, self.stage, msg.epoch))
         if self._jobs is None:
