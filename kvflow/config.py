@@ -341,6 +341,7 @@ class WorkerSpec:
     swap_regions: int = 0  # microbatch swapping: device regions of `swap_region_blocks` blocks each,
     swap_region_blocks: int = 0  # and the KV of the pool's `pool_blocks` blocks in host memory
     pool_blocks: int = 0  # blocks of the pipeline's pool (0: engine.num_kv_blocks, or not sized yet: measure)
+    small_paths: list[str] = dataclasses.field(default_factory=list)  # a replacement: its predecessor's CPU linear paths ([]: measure)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -136,7 +136,8 @@ class Ready:
     """Worker -> controller once its layers are loaded: where it receives KV into its cache (token
     role, or any role restoring after a failure), and into the replica it holds of the previous stage
     (mapped from `WorkerSpec.replica_shm` or not); its model's `LlamaModel.kernel_variant`; whether it
-    mapped its hidden-state ring (`WorkerSpec.hidden_shm`)."""
+    mapped its hidden-state ring (`WorkerSpec.hidden_shm`); the CPU linear paths it chose per small
+    row count (`model.linear.chosen_small_paths`: what a replacement of it adopts)."""
 
     name: str
     kv_addr: str = ""
@@ -144,6 +145,7 @@ class Ready:
     kernel_variant: str = ""
     replica_shm: bool = False
     hidden_shm: bool = False
+    small_paths: list[str] = field(default_factory=list)
 
 
 @dataclass

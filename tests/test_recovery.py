@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.controller.controller import Controller
@@ -53,11 +54,13 @@ async def recovered(ctrl: Controller, n: int) -> None:
         await asyncio.sleep(0.01)
 
 
-def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, after_tokens: int, replicated: bool = False):
+def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, after_tokens: int, replicated: bool = False,
+                     rig=None):
     """Stream all requests; once `after_tokens` tokens have been streamed in all (and, if
     `replicated`, the victim's replica holds some KV of every request it runs), SIGKILL (or SIGSTOP
-    for longer than the heartbeat timeout) `victim_name` (None: a random worker). Returns each
-    request's streamed token list, final output and the controller's counters."""
+    for longer than the heartbeat timeout) `victim_name` (None: a random worker), after `rig(victim's
+    StageHandle)` if given. Returns each request's streamed token list, final output and the
+    controller's counters."""
 
     async def main():
         ctrl = Controller(cfg)
@@ -84,6 +87,8 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
             nonlocal stopped
             # requests with a decode-ahead batch in flight (voided by the failure), where the victim's pipeline decodes ahead
             counters.update(ahead=len(p.sched.ahead), decodes_ahead=p.sched.config.decode_ahead)
+            if rig is not None:
+                rig(s)
             os.kill(s.process.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             if how != "kill":
                 stopped = s.process
@@ -102,7 +107,7 @@ def run_with_failure(cfg: ClusterConfig, victim_name: str | None, how: str, afte
             counters.update(failures=ctrl.recovery.failures, recoveries=ctrl.recovery.recoveries, resumed=ctrl.recovery.resumed,
                             lost=ctrl.recovery.lost_tokens, recomputed=ctrl.recovery.recomputed_tokens,
                             store_port_bytes=ctrl.store.nbytes if ctrl.store is not None else None,
-                            held_in_shm=[s.replica_shm for s in p.stages])
+                            held_in_shm=[s.replica_shm for s in p.stages], small_paths=list(ctrl.stages[name].small_paths))
             return streamed, finals, (ctrl.recovery.failures, ctrl.recovery.recoveries, ctrl.healthy())
         finally:
             if stopped is not None and stopped.poll() is None:
@@ -177,6 +182,31 @@ def test_replicas_landed_by_a_thread_resume_alike(tiny_ckpt_dir, tiny4_ckpt_dir,
     the segment and reports, and a fence waits for it), on the CPU: the same recovery, the same tokens."""
     monkeypatch.setenv("KVFLOW_TEST_REPLICATION_THREAD", "1")
     test_a_killed_worker_resumes_from_its_replica(tiny_ckpt_dir, tiny4_ckpt_dir, kw, victim)
+
+
+def test_a_replacement_adopts_the_linear_paths_its_predecessor_chose(tiny_ckpt_dir):
+    """A replacement does not measure its CPU linear paths again (seconds of a recovery on a real
+    model): its Setup carries what its predecessor reported in `Ready`, and it reports that back.
+    The predecessor's report is replaced just before the kill by a choice no measurement here makes
+    (the paths alternating row by row), so only a replacement that adopted it can report it."""
+    from kvflow.model import linear
+
+    paths = [p for p in linear.small_paths(torch.float32) if p in ("plain", "prepacked")]
+    if len(paths) < 2:
+        pytest.skip("one CPU linear path here: nothing to choose")
+    alternating = [paths[r % 2] for r in range(linear.SMALL_ROWS[-1])]
+    seen = []
+
+    def rig(victim) -> None:
+        seen.append(list(victim.small_paths))  # (what the predecessor measured and reported)
+        victim.small_paths = alternating
+
+    cfg = _cfg(tiny_ckpt_dir, mode="colocated", depth=2)
+    streamed, finals, (failures, recoveries, healthy) = run_with_failure(cfg, "colocated-1", "kill", 20, rig=rig)
+    assert failures == 1 and recoveries == 1 and healthy
+    assert len(seen[0]) == linear.SMALL_ROWS[-1], "the worker reports its choice in Ready"
+    assert counters["small_paths"] == alternating
+    assert streamed == reference() and [f.token_ids for f in finals] == reference()
 
 
 def test_a_store_replica_sent_to_its_kv_port_resumes_the_same(tiny_ckpt_dir, monkeypatch):

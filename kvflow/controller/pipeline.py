@@ -44,6 +44,7 @@ class StageHandle:
     replica_addr: str = ""  # where the previous stage's replica is received ("" if none)
     replica_shm: bool = False  # that replica is the controller's shared-memory segment, mapped (`Ready`)
     hidden_shm: bool = False  # it mapped the ring its input hidden states arrive in (`Ready`)
+    small_paths: list[str] = field(default_factory=list)  # the CPU linear paths it chose (`Ready`), for its replacement
     replica_bytes_sent: int = 0
     hidden_bytes_sent: int = 0  # its output hidden states written into the next stage's ring (heartbeats)
     last_heartbeat: float = field(default_factory=time.monotonic)

@@ -129,7 +129,7 @@ class Workers:
                 self._same_kernel_variant(msg.name, msg.kernel_variant)
                 s = self.stages[msg.name]
                 s.kv_addr, s.replica_addr, s.last_heartbeat = msg.kv_addr, msg.replica_addr, time.monotonic()
-                s.replica_shm, s.hidden_shm = msg.replica_shm, msg.hidden_shm
+                s.replica_shm, s.hidden_shm, s.small_paths = msg.replica_shm, msg.hidden_shm, msg.small_paths
                 ready.discard(msg.name)
             elif isinstance(msg, WorkerError) and msg.name in ready:
                 raise StartError(f"worker {msg.name} failed: {msg.message}")
@@ -165,7 +165,8 @@ class Workers:
                           self.cfg.kv_send_mode, replica_layer_start=rl[0], replica_layer_end=rl[1], replica_shm=shm,
                           replicated=mode is not None, host_kv_slots=p.kv_manager.host.num_slots if p.kv_manager.host else 0,
                           disk_kv_slots=p.kv_manager.disk.num_slots if p.kv_manager.disk else 0, swap_regions=regions,
-                          swap_region_blocks=per, pool_blocks=p.kv_manager.num_blocks, hidden_shm=self._ring(p, s))
+                          swap_region_blocks=per, pool_blocks=p.kv_manager.num_blocks, hidden_shm=self._ring(p, s),
+                          small_paths=s.small_paths)  # (a replacement: what its predecessor chose, `Ready`)
 
     def _unsized_spec(self, s: StageHandle) -> WorkerSpec:
         """What a stage is before its pool is sized: its layers, to load and measure over."""

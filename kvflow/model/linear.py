@@ -170,6 +170,26 @@ def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
     return _SMALL[key]
 
 
+def adopt_small_paths(dtype: torch.dtype, choice: list[str]) -> None:
+    """Take `choice` (the path of rows 1, 2, ... `SMALL_ROWS[-1]` in order, as `chosen_small_paths`
+    gives it) as this process's `choose_small_paths` for `dtype`, instead of measuring: a replacement
+    stage takes what its predecessor measured on the same machine (`WorkerSpec.small_paths`), which
+    saves the measurement's seconds in a recovery and keeps the stage computing as it did."""
+    paths = small_paths(dtype)
+    if len(choice) != SMALL_ROWS[-1] or any(p not in paths or (n > FEW_ROWS and p in ("padded", "kernel"))
+                                            for n, p in enumerate(choice, 1)):
+        raise ValueError(f"small-row paths to adopt must be {SMALL_ROWS[-1]} of {paths} (padded and kernel only up to "
+                         f"{FEW_ROWS} rows), got {choice!r}")
+    _SMALL[(dtype, torch.get_num_threads(), paths)] = dict(enumerate(choice, 1))
+
+
+def chosen_small_paths(dtype: torch.dtype) -> list[str]:
+    """What this process chose (measured or adopted) for `dtype`'s small row counts, rows 1, 2, ... in
+    order; [] where it chose nothing (no CPU weights, a deterministic model, the paths forced)."""
+    got = _SMALL.get((dtype, torch.get_num_threads(), small_paths(dtype)))
+    return [got[n] for n in range(1, SMALL_ROWS[-1] + 1)] if got else []
+
+
 _PREPACK_OK: dict[torch.dtype, bool] = {}
 
 

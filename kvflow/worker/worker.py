@@ -40,6 +40,7 @@ from kvflow.engine.memory import check_pool_fits
 from kvflow.kv.cache import KVCache
 from kvflow.kv.tiers import TierPlan
 from kvflow.model.batch import ForwardBatch
+from kvflow.model.linear import adopt_small_paths, chosen_small_paths
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
 from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender
@@ -112,6 +113,8 @@ class Worker:
         if spec.layer_end > mc.num_layers:
             raise ValueError(f"layers [{spec.layer_start}, {spec.layer_end}) exceed the model's {mc.num_layers}")
         ck = load_checkpoint(ecfg.model, want=LlamaModel.tensor_filter(mc, layers))  # only this stage's tensors
+        if spec.small_paths:  # a replacement: its predecessor's measured choice, not measured again
+            adopt_small_paths(ecfg.torch_dtype, spec.small_paths)
         self.model = LlamaModel.from_state_dict(ck.config, ck.state_dict, layers, dtype=ecfg.torch_dtype, device=ecfg.device,
                                                 deterministic=ecfg.deterministic)
         self.device = torch.device(ecfg.device)
@@ -163,7 +166,8 @@ class Worker:
                                          increments=True)
             self.replica_rx.start()
         self._to_controller(Ready(self.name, kv_addr, replica_addr, self.model.kernel_variant,
-                                  self.replica is not None and self.replica.shared, self.hidden_in is not None))
+                                  self.replica is not None and self.replica.shared, self.hidden_in is not None,
+                                  chosen_small_paths(self.engine_cfg.torch_dtype)))
         self.out = None
         self._route(self._expect(Route))
         hb = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
