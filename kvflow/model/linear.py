@@ -4,6 +4,7 @@ every row count), or the fastest path per row count up to `SMALL_ROWS[-1]`, meas
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.model import cpu_kernels
+
+log = logging.getLogger(__name__)
 
 SMALL_PATHS = ("plain", "prepacked", "padded", "kernel", "fixed")
 PADDED_ROWS = 4
@@ -170,17 +173,21 @@ def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
     return _SMALL[key]
 
 
-def adopt_small_paths(dtype: torch.dtype, choice: list[str]) -> None:
+def adopt_small_paths(dtype: torch.dtype, choice: list[str]) -> bool:
     """Take `choice` (the path of rows 1, 2, ... `SMALL_ROWS[-1]` in order, as `chosen_small_paths`
     gives it) as this process's `choose_small_paths` for `dtype`, instead of measuring: a replacement
-    stage takes what its predecessor measured on the same machine (`WorkerSpec.small_paths`), which
-    saves the measurement's seconds in a recovery and keeps the stage computing as it did."""
+    stage takes what its predecessor measured (`WorkerSpec.small_paths`), which saves the
+    measurement's seconds in a recovery and keeps the stage computing as it did. False (logged,
+    nothing adopted: the model measures) for a choice this machine cannot run, e.g. a replacement
+    on another kind of node, whose paths differ."""
     paths = small_paths(dtype)
     if len(choice) != SMALL_ROWS[-1] or any(p not in paths or (n > FEW_ROWS and p in ("padded", "kernel"))
                                             for n, p in enumerate(choice, 1)):
-        raise ValueError(f"small-row paths to adopt must be {SMALL_ROWS[-1]} of {paths} (padded and kernel only up to "
-                         f"{FEW_ROWS} rows), got {choice!r}")
+        log.warning("not adopting small-row paths %s: %d of %s are needed here (padded and kernel only up to %d "
+                    "rows); measuring instead", choice, SMALL_ROWS[-1], paths, FEW_ROWS)
+        return False
     _SMALL[(dtype, torch.get_num_threads(), paths)] = dict(enumerate(choice, 1))
+    return True
 
 
 def chosen_small_paths(dtype: torch.dtype) -> list[str]:

@@ -113,7 +113,7 @@ class Worker:
         if spec.layer_end > mc.num_layers:
             raise ValueError(f"layers [{spec.layer_start}, {spec.layer_end}) exceed the model's {mc.num_layers}")
         ck = load_checkpoint(ecfg.model, want=LlamaModel.tensor_filter(mc, layers))  # only this stage's tensors
-        if spec.small_paths:  # a replacement: its predecessor's measured choice, not measured again
+        if spec.small_paths:  # a replacement: its predecessor's choice, not measured again (unless it cannot run here)
             adopt_small_paths(ecfg.torch_dtype, spec.small_paths)
         self.model = LlamaModel.from_state_dict(ck.config, ck.state_dict, layers, dtype=ecfg.torch_dtype, device=ecfg.device,
                                                 deterministic=ecfg.deterministic)
