@@ -159,6 +159,10 @@ class EngineConfig:
             if not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r} requested but CUDA is not available")
 
+    def model_len(self, max_positions: int) -> int:
+        """The longest request (prompt + output tokens): `max_model_len`, within the model's positions."""
+        return min(self.max_model_len or max_positions, max_positions)
+
     def kv_blocks(self, bytes_per_block: int) -> int:
         """The number of KV blocks: `num_kv_blocks`, or as many as fit in the memory budget."""
         return self.num_kv_blocks or max(1, int(self.kv_cache_memory_gb * 2**30 // bytes_per_block))

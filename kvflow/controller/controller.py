@@ -66,7 +66,7 @@ class Controller:
         mc, directory = load_config(ecfg.model)  # converts a GGUF once, before the workers look for it
         self.tokenizer = Tokenizer(directory)
         self.model_name = model_name or mc.name
-        self.max_model_len = min(ecfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = ecfg.model_len(mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
         eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.eos_token_ids = tuple(sorted(eos))

@@ -57,7 +57,7 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         mcfg = model.cfg
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.max_model_len = config.model_len(mcfg.max_position_embeddings)
         layout = KVLayout.for_model(mcfg, 1, config.block_size, dtype=config.torch_dtype)
         if config.gpu_memory_utilization is None:
             num_blocks = config.kv_blocks(layout.bytes_per_block)

@@ -35,14 +35,10 @@ class StageCaches(NamedTuple):
     tiers: TierStore | None  # the prefix cache's host and disk slots of this stage's layers
 
 
-def max_len(ecfg: EngineConfig, mc: ModelConfig) -> int:
-    return min(ecfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-
-
 def measure(model: LlamaModel, ecfg: EngineConfig, mc: ModelConfig) -> StageMemory:
     """The GPU's memory with this stage's layers loaded and the peak of its largest step (the token
     budget's, as the engine measures its own)."""
-    tokens = min(ecfg.scheduler.max_num_batched_tokens, max_len(ecfg, mc))
+    tokens = min(ecfg.scheduler.max_num_batched_tokens, ecfg.model_len(mc.max_position_embeddings))
     return measure_stage(model, ecfg.block_size, tokens, ecfg.torch_dtype)
 
 
@@ -60,7 +56,8 @@ def build(spec: WorkerSpec, ecfg: EngineConfig, mc: ModelConfig, model: LlamaMod
         cache = compute_cache = KVCache(layout, ecfg.device)
     graphs = None
     if not ecfg.enforce_eager:
-        graphs = cuda_graphs.capture(model, compute_cache, ecfg.scheduler.max_num_seqs, max_len(ecfg, mc), float_logits=False)
+        graphs = cuda_graphs.capture(model, compute_cache, ecfg.scheduler.max_num_seqs, ecfg.model_len(mc.max_position_embeddings),
+                                     float_logits=False)
     replica = None
     if spec.replica_layer_start >= 0:  # a host-memory replica of the previous stage's KV
         rl = KVLayout.for_model(mc, nblocks, ecfg.block_size, (spec.replica_layer_start, spec.replica_layer_end),
