@@ -70,7 +70,8 @@ def register(sub) -> None:
                     help="on CUDA, instead of --kv-cache-gb: size the KV cache to what is left of this fraction of the "
                          "GPU's memory after the weights and one full step (as vLLM). Engine mode: its cache; pipeline "
                          "modes: every stage measures over its layers, stages sharing a GPU share the fraction, and each "
-                         "pipeline's pool is the fewest blocks any of its stages has room for (default: none)")
+                         "pipeline's pool is the fewest blocks any of its stages has room for, cut where the replicas would not "
+                         "fit in /dev/shm (default: none)")
     kv.add_argument("--block-size", type=number(int, 1), default=None,
                     help="tokens per KV block (default: 128 on CPU, where bigger blocks read KV faster; 16 on CUDA)")
     kv.add_argument("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -131,6 +131,11 @@ def small_paths(dtype: torch.dtype) -> tuple[str, ...]:
     return tuple(p for p in SMALL_PATHS if (p != "kernel" or kernel) and (p != "fixed" or fixed) and p in allowed)
 
 
+def _small_key(dtype: torch.dtype, paths: tuple[str, ...]) -> tuple[torch.dtype, int, tuple[str, ...]]:
+    """What a small-row choice holds for: the weights' dtype, the torch threads and the candidate paths."""
+    return dtype, torch.get_num_threads(), paths
+
+
 def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
     """For every row count 1-`SMALL_ROWS[-1]`, the fastest of `small_paths` on this machine ("padded"
     and "kernel" only up to `FEW_ROWS`), timed at `SMALL_ROWS` over `linears` (up to 64 MB of them:
@@ -153,7 +158,7 @@ def choose_small_paths(linears: list[Linear]) -> dict[int, str]:
         if forced not in paths:
             raise ValueError(f"KVFLOW_LINEAR_SMALL_ROWS must be one of {paths} here, not {forced!r}")
         return dict.fromkeys(range(1, SMALL_ROWS[-1] + 1), forced)
-    key = (packed[0].weight.dtype, torch.get_num_threads(), paths)
+    key = _small_key(packed[0].weight.dtype, paths)
     if key not in _SMALL:
         measured = {}
         with torch.inference_mode():
@@ -186,14 +191,14 @@ def adopt_small_paths(dtype: torch.dtype, choice: list[str]) -> bool:
         log.warning("not adopting small-row paths %s: %d of %s are needed here (padded and kernel only up to %d "
                     "rows); measuring instead", choice, SMALL_ROWS[-1], paths, FEW_ROWS)
         return False
-    _SMALL[(dtype, torch.get_num_threads(), paths)] = dict(enumerate(choice, 1))
+    _SMALL[_small_key(dtype, paths)] = dict(enumerate(choice, 1))
     return True
 
 
 def chosen_small_paths(dtype: torch.dtype) -> list[str]:
     """What this process chose (measured or adopted) for `dtype`'s small row counts, rows 1, 2, ... in
     order; [] where it chose nothing (no CPU weights, a deterministic model, the paths forced)."""
-    got = _SMALL.get((dtype, torch.get_num_threads(), small_paths(dtype)))
+    got = _SMALL.get(_small_key(dtype, small_paths(dtype)))
     return [got[n] for n in range(1, SMALL_ROWS[-1] + 1)] if got else []
 
 
