@@ -390,8 +390,8 @@ def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: b
     return out
 
 
-BACKENDS = ("engine", "engine-serial", "colocated-2", "colocated-2-ahead", "colocated-2-no-replication",
-            "disaggregated-1-1", "disaggregated-1-1-no-replication", "engine-again")
+BACKENDS = ("engine", "engine-serial", "colocated-2", "colocated-2-ahead", "colocated-2-whole-ahead",
+            "colocated-2-no-replication", "disaggregated-1-1", "disaggregated-1-1-no-replication", "engine-again")
 
 
 def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Path | None = None,
@@ -400,9 +400,11 @@ def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Pa
     server's `Backend`, without HTTP): the engine (decoding ahead where it has graphs; "-serial": one
     step at a time; "-again": once more, last, as the first process of a run on a GPU was slow twice
     for no known reason), colocated depth 2 (two microbatches of n/2 in flight, as a pipeline of depth
-    2 is run; "-ahead": decoding ahead, `decode_ahead_depth=2`; "-frames", not in `BACKENDS`: its
-    hidden states on the step messages, `KVFLOW_HIDDEN_RINGS=0`), disaggregated (1, 1) (one token
-    microbatch of n); the pipelines with their default KV replication (every step, for recovery) and
+    2 is run; "-ahead": decoding ahead, `decode_ahead_depth=2`; "-whole-ahead": one microbatch of n
+    decoding ahead, so that the two stages on one GPU run n rows a step where two microbatches run
+    n/2 twice, and a decode step's kernels are latency-bound, not row-bound; "-frames", not in
+    `BACKENDS`: its hidden states on the step messages, `KVFLOW_HIDDEN_RINGS=0`), disaggregated (1, 1)
+    (one token microbatch of n); the pipelines with their default KV replication (every step, for recovery) and
     without it; bf16.
 
     Each backend runs in a fresh process, as a server does: on the H200, the engine measured in this
@@ -488,7 +490,8 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
     cache lacks, and nothing may compile while timed), then `n` at once; output tok/s, the seconds
     until every request had its first token, and, for a
     pipeline, the median token step (a batch of at most `n` tokens) of the pipeline that decodes: its
-    round trip as the controller saw it, its compute summed over the stages, in ms."""
+    round trip as the controller saw it, its compute summed over the stages, in ms, and the steps its
+    stages launched on the device behind the one before (`worker.compute`)."""
     import asyncio
 
     from kvflow.config import ClusterConfig, EngineConfig
@@ -507,11 +510,13 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
         name = name.removesuffix("-frames")
     deep = {"decode_ahead_depth": 2} if name.endswith("-ahead") else {}  # (a depth-2 pipeline decoding ahead: opt-in)
     name = name.removesuffix("-ahead")
+    microbatches = 1 if name.endswith("-whole") else 2
+    name = name.removesuffix("-whole")
     replication = "none" if name.endswith("-no-replication") else "ring"
     if name == "engine":
         backend = EngineBackend.from_config(dataclasses.replace(engine, decode_ahead=not serial))
     elif name.startswith("colocated-2"):
-        backend = Controller(ClusterConfig(engine=engine, mode="colocated", depth=2, microbatch_size=-(-n // 2),
+        backend = Controller(ClusterConfig(engine=engine, mode="colocated", depth=2, microbatch_size=-(-n // microbatches),
                                            replication=replication, **({"decode_ahead": False} if serial else deep)))
     else:
         backend = Controller(ClusterConfig(engine=engine, mode="disaggregated", prompt_depth=1, token_depth=1,
@@ -544,6 +549,10 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
             if log is not None:  # how busy a stage of the pipelines was: their steps' compute over the stages and the wall time
                 stages = sum(p.depth for p in backend.pipelines)
                 result["stage_busy_fraction"] = sum(r[1] for r in list(log)[before:]) / stages / wall
+            handles = getattr(backend, "stages", None)
+            if handles:  # steps a one-stage pipeline launched behind the one before (its heartbeats: every 0.25 s)
+                await asyncio.sleep(0.3)
+                result["launched_ahead"] = sum(getattr(s, "launched_ahead", 0) for s in handles.values())
             workers = getattr(backend, "workers", None)
             if workers is not None and hasattr(workers, "rings"):  # hidden states through shared memory or on the messages
                 result["hidden_rings_mapped"] = sum(s.hidden_shm for s in backend.stages.values())

@@ -174,6 +174,7 @@ class Heartbeat:
     replica_bytes_sent: int = 0
     hidden_bytes: int = 0  # hidden states written into the next stage's ring
     swap: dict = field(default_factory=dict)  # microbatch swapping: the worker's `Swapper.stats`
+    launched_ahead: int = 0  # steps launched on the device before the one before was read back (`worker.compute`)
 
 
 @dataclass

@@ -38,7 +38,8 @@ tail -1 "$OUT/versions.txt"
 PART=${1:-all}
 tests() {
   timeout "${TEST_LIMIT:-180}" "$PY" -m pytest -m cuda -q -rfEs --tb=short -p no:cacheprovider tests/test_cuda.py tests/test_triton_fused.py \
-    tests/test_triton_fused_linear.py tests/test_triton_attention.py tests/test_triton_invariant.py > "$OUT/cuda-tests.txt" 2>&1
+    tests/test_triton_fused_linear.py tests/test_triton_attention.py tests/test_triton_invariant.py \
+    tests/test_decode_ahead_stage.py > "$OUT/cuda-tests.txt" 2>&1
   echo "cuda tests: exit $?; $(tail -1 "$OUT/cuda-tests.txt")"
 }
 bench() {

@@ -278,6 +278,7 @@ class Controller:
                 s.last_heartbeat = time.monotonic()
                 s.busy_s, s.kv_bytes_sent, s.dropped_messages = msg.busy_s, msg.kv_bytes_sent, msg.dropped_messages
                 s.replica_bytes_sent, s.hidden_bytes_sent, s.swap = msg.replica_bytes_sent, msg.hidden_bytes, msg.swap
+                s.launched_ahead = msg.launched_ahead
             return
         elif isinstance(msg, Replicated):
             s = self.stages.get(msg.name)
@@ -350,7 +351,7 @@ class Controller:
         argmaxed = dict(zip(msg.argmax_rows, msg.argmax_ids))
         at = {i: k for k, i in enumerate(i for i in range(len(out.seqs)) if i not in argmaxed)}  # row -> its logits row
         want = [i for i in rows if i not in argmaxed]
-        sampled = dict(zip(want, sample_requests(logits[[at[i] for i in want]], [out.seqs[i].request for i in want])))
+        sampled = dict(zip(want, sample_requests(logits[[at[i] for i in want]], [out.seqs[i].request for i in want]))) if want else {}
         self.generated += len(rows)
         return [argmaxed[i] if i in argmaxed else sampled[i] for i in rows]
 

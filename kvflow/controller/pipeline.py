@@ -52,6 +52,7 @@ class StageHandle:
     kv_bytes_sent: int = 0
     dropped_messages: int = 0
     swap: dict = field(default_factory=dict)  # its swapper's counters (microbatch swapping), from heartbeats
+    launched_ahead: int = 0  # its steps launched behind the one before on the device (heartbeats)
     alive: bool = True
 
 

@@ -12,20 +12,19 @@ from kvflow.sched.sampler import argmax_only, sample_requests
 from kvflow.sched.scheduler import SchedulerOutput
 from kvflow.kv.cache import KVCache
 from kvflow.streaming.tier_store import TierStore
-from kvflow.model.cuda_graphs import DecodeGraphs
+from kvflow.model.cuda_graphs import DecodeGraphs, Launch
 from kvflow.model.batch import ForwardBatch
 from kvflow.model.llama import LayerHook, LlamaModel
 
 
 class Launched(NamedTuple):
     """A decode step on the device whose sampled ids have not been read back: its batch, each
-    request's row (what the next step's decode-ahead rows take their input from), and where its
-    ids land on the host (`event`: when they have, on CUDA)."""
+    request's row (what the next step's decode-ahead rows take their input from), and its ids on
+    their way to the host."""
 
     out: SchedulerOutput
     rows: dict[str, int]
-    ids: torch.Tensor
-    event: torch.cuda.Event | None
+    ids: Launch
 
 
 class ModelRunner:
@@ -51,12 +50,6 @@ class ModelRunner:
         self.tiers = tiers
         self.device = cache.device
         self.graphs = graphs  # decode-only steps of up to graphs.max_batch requests replay a CUDA graph
-        self._ids: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # decoding ahead: host buffers, used in turn
-        if graphs is not None and graphs.ahead:
-            cuda = self.device.type == "cuda"
-            self._ids = [(torch.zeros(graphs.max_batch, dtype=torch.long, pin_memory=cuda),
-                          torch.cuda.Event() if cuda else None) for _ in range(2)]
-        self._turn = 0
         self.launches = 0  # batches launched ahead of the one before's ids
 
     def prepare(self, out: SchedulerOutput, token_ids: list[int]) -> tuple[torch.Tensor, ForwardBatch]:
@@ -113,23 +106,14 @@ class ModelRunner:
         sources = None
         if prev is not None:
             sources = [prev.rows[s.request.request_id] if t == AHEAD else -1 for s, t in zip(seqs, tokens)]
-        self.graphs.run([(s.end, s.request.block_ids) for s in seqs], tokens=tokens, sources=sources)
+        ids = self.graphs.launch([(s.end, s.request.block_ids) for s in seqs], tokens, sources)
         self.launches += 1
-        ids, event = self._ids[self._turn]
-        self._turn ^= 1  # (the other buffer holds `prev`'s ids, not read yet)
-        n = len(seqs)
-        ids[:n].copy_(self.graphs.argmax_ids(n), non_blocking=True)
-        if event is not None:
-            event.record()
-        return Launched(out, {s.request.request_id: i for i, s in enumerate(seqs)}, ids, event)
+        return Launched(out, {s.request.request_id: i for i, s in enumerate(seqs)}, ids)
 
     def collect(self, launched: Launched) -> dict[str, int]:
         """The ids `launched` sampled for its rows that get a token (`SchedulerOutput.sampling_rows`),
         once they are on the host (asked before the batch is applied)."""
-        if launched.event is not None:
-            launched.event.synchronize()
-        seqs = launched.out.seqs
-        ids = launched.ids[:len(seqs)].tolist()
+        seqs, ids = launched.out.seqs, launched.ids.read()
         return {seqs[i].request.request_id: ids[i] for i in launched.out.sampling_rows()}
 
     @staticmethod

@@ -20,6 +20,8 @@ argmax of every row's logits into a fixed device buffer (`argmax_ids`), and a ro
 input token from that buffer (`sources`: the row of the previous step whose argmax it feeds in)
 instead of from the host. The gather is part of the graph, so a step can be launched before the
 previous step's ids have been read back: the host never waits for them to start the next one.
+`launch` runs a step and starts its ids' copy to the host (`Launch`: read them later). The engine
+and a pipeline of one stage (a worker holding every layer) decode ahead through it.
 
 Without CUDA (`capture=False`) the same buffers feed the same forward eagerly: the bookkeeping
 (packing, padding, the batch built over the buffers) is what the CPU tests check against the
@@ -32,6 +34,7 @@ import bisect
 import logging
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +46,22 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 FIELDS = 5  # per-row int64 fields of the packed metadata: token, position, slot, context length, source
 
 log = logging.getLogger(__name__)
+
+
+class Launch(NamedTuple):
+    """A step's argmax ids on their way to the host (`DecodeGraphs.launch`): `read()` waits for them."""
+
+    ids: torch.Tensor  # page-locked on CUDA: the copy lands while the host goes on
+    event: torch.cuda.Event | None  # recorded after the copy (None off CUDA: the step ran eagerly)
+    rows: int
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def read(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.ids[:self.rows].tolist()
 
 
 def capture(model: LlamaModel, cache: KVCache, max_batch: int, max_model_len: int,
@@ -92,6 +111,10 @@ class DecodeGraphs:
         self._tokens, self._ctx, self._src = tokens, ctx, src
         # decoding ahead: each step's argmax per row, which the next step's `sources` rows take in
         self._ids = torch.zeros(n, dtype=torch.long, device=self.device) if ahead else None
+        # ... and their copies on the host, two in turn (a launched step's ids are read after the next launch)
+        self._id_hosts = [(torch.zeros(n, dtype=torch.long, pin_memory=self.capture),
+                           torch.cuda.Event() if self.capture else None) for _ in range(2 if ahead else 0)]
+        self._id_turn = 0
         self._last_rows = 0  # rows of the step before (what `sources` may name)
         self._hidden = None if model.is_first else torch.zeros(n, model.cfg.hidden_size, dtype=model.layers[0].input_norm.dtype,
                                                                device=self.device)
@@ -156,6 +179,20 @@ class DecodeGraphs:
             return self._forward(b)[:n]
         self._graphs[b].replay()
         return self._out[b][:n]
+
+    def launch(self, contexts: Sequence[tuple[int, Sequence[int]]], tokens: Sequence[int],
+               sources: Sequence[int] | None = None) -> Launch:
+        """(`ahead`, a whole model) `run` a step and copy its rows' argmax towards the host without
+        waiting: what the next step's `sources` name and the host reads back (`Launch.read`) after
+        launching that one. At most two launches may be unread at a time."""
+        self.run(contexts, tokens=tokens, sources=sources)
+        ids, event = self._id_hosts[self._id_turn]
+        self._id_turn ^= 1
+        n = len(contexts)
+        ids[:n].copy_(self.argmax_ids(n), non_blocking=True)
+        if event is not None:
+            event.record()
+        return Launch(ids, event, n)
 
     def argmax_ids(self, n: int) -> torch.Tensor:
         """(`ahead`) The argmax of each of the first `n` rows of the latest step's logits, on the device

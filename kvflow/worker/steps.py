@@ -1,7 +1,12 @@
 """What a worker keeps between steps besides its KV: a prepared step (`Prepared`), and the ids the
 pipeline's last stage sampled (`LastSampled`), which its first stage feeds into a decode-ahead step in
 place of `AHEAD` (`SchedulerConfig.decode_ahead`): its own in a pipeline of one stage, else sent to it
-by the last stage (its `StepResult`s, with the positions)."""
+by the last stage (its `StepResult`s, with the positions).
+
+A pipeline of one stage whose decode graphs decode ahead also keeps the step it launched last
+(`Flight`): the next step may be launched behind it, its `AHEAD` rows fed on the device from the
+flight's argmax (`LastSampled.sources`), before the flight's ids are read back and sent, as the
+engine does; the worker's host work between steps then runs while the device computes."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvflow.model.batch import ForwardBatch
+from kvflow.model.cuda_graphs import Launch
 from kvflow.sched.output import AHEAD
 from kvflow.streaming.swapper import SwapSeq
 from kvflow.wire import Step, StepResult
@@ -25,6 +31,19 @@ class Prepared:
     graphed: list[tuple[int, tuple[int, ...]]] | None = None  # (context, blocks) per row: a decode graph runs it
 
 
+@dataclass
+class Flight:
+    """A decode step launched on the device whose ids are not read back yet: the step, its requests'
+    block tables, the launch, each request's row, and when it started (its compute time runs to the
+    read)."""
+
+    msg: Step
+    tables: dict[str, tuple[int, ...]]
+    launch: Launch
+    rows: dict[str, int]
+    t0: float
+
+
 class LastSampled:
     """Request id -> (position, id) of the token the pipeline's last stage sampled (argmax) for it last,
     and (a first stage of several) the steps held until the ids they take in are in."""
@@ -33,6 +52,7 @@ class LastSampled:
 
     def __init__(self) -> None:
         self.ids: dict[str, tuple[int, int]] = {}
+        self.flight: Flight | None = None  # (one stage, decode graphs decoding ahead) the step on the device
         self.held: deque[tuple] = deque()  # (step, ...) in arrival order
         self.held_since = 0.0
 
@@ -62,11 +82,13 @@ class LastSampled:
         self.held.clear()
         return n
 
-    def record(self, msg: Step, rows: list[int], ids: list[int]) -> None:
-        """The ids sampled for `msg`'s `rows` (each the token after its seq's context)."""
+    def record(self, msg: Step, rows: list[int], ids: list[int], known=None) -> None:
+        """The ids sampled for `msg`'s `rows` (each the token after its seq's context); with `known`,
+        only of those requests (a flight read back after a later step freed some)."""
         seqs, last = msg.seqs, self.ids
         for i, t in zip(rows, ids):
-            last[seqs[i].rid] = (seqs[i].context_len, t)
+            if known is None or seqs[i].rid in known:
+                last[seqs[i].rid] = (seqs[i].context_len, t)
 
     def forget(self, rids) -> None:
         """Requests freed (before a step: a later step of the id starts it anew)."""
@@ -93,8 +115,32 @@ class LastSampled:
     def ready(self, msg: Step) -> bool:
         """Whether every `AHEAD` of `msg` can be filled: a first stage of several stages may have the
         step before the last stage's ids for it (they travel apart)."""
-        return AHEAD not in msg.token_ids or all(self.ids.get(s.rid, (-1,))[0] == s.context_len - 1
+        return AHEAD not in msg.token_ids or all(self._launched(s) is not None or self.ids.get(s.rid, (-1,))[0] == s.context_len - 1
                                                  for _, s in self._aheads(msg))
+
+    def _launched(self, s) -> int | None:
+        """The row of the flight whose argmax `s` (an `AHEAD` seq) takes in, if it is in the flight."""
+        f = self.flight
+        row = f.rows.get(s.rid) if f is not None else None
+        return row if row is not None and f.msg.seqs[row].context_len == s.context_len - 1 else None
+
+    def sources(self, msg: Step) -> list[int] | None:
+        """For a step of one token per request (a decode graph's): per row, the row of the flight whose
+        argmax its `AHEAD` takes on the device, or -1 (its own token, or an `AHEAD` filled here from an
+        id already read back); None if an `AHEAD` can be fed from neither."""
+        out, ids = [], msg.token_ids
+        for i, s in enumerate(msg.seqs):
+            src = -1
+            if ids[i] == AHEAD:
+                row = self._launched(s)
+                if row is not None:
+                    src = row
+                elif self.ids.get(s.rid, (-1,))[0] == s.context_len - 1:
+                    ids[i] = self.ids[s.rid][1]
+                else:
+                    return None
+            out.append(src)
+        return out
 
     def fill(self, msg: Step) -> None:
         """Replace each `AHEAD` in `msg.token_ids` by the id sampled for its position (a step is run
@@ -106,5 +152,6 @@ class LastSampled:
             msg.token_ids[i] = t
 
     def clear(self) -> None:
+        self.flight = None
         self.ids.clear()
         self.held.clear()

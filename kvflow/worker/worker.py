@@ -8,8 +8,9 @@ the controller answers `Route` (where outputs and KV go). Sized from GPU memory,
 has no pool: the worker measures with its layers loaded and says `Hello` again with it (`_sized`).
 
 Then steps arrive on one ZeroMQ PULL socket (from the controller for stage 0, from the previous
-stage otherwise) as deltas: the worker mirrors each request's block table. They leave for the next
-stage, or, from the last stage, as last-token logits for the controller. KV moves only through the
+stage otherwise) as deltas: the worker mirrors each request's block table and computes them
+(`kvflow.worker.compute`). They leave for the next stage, or, from the last stage, as greedy rows'
+ids and the other rows' logits for the controller. KV moves only through the
 KV connector (`kvflow.streaming.connector`): a prompt worker sends each layer's KV as soon as the
 layer has written it (background thread), a token worker receives it into its cache and reports
 `KVArrived`. A heartbeat thread reports liveness. Messages that are not authentic or do not decode
@@ -38,21 +39,17 @@ import zmq
 from kvflow.config import WorkerSpec, engine_from_dict, to_dict
 from kvflow.engine.memory import check_pool_fits
 from kvflow.kv.cache import KVCache
-from kvflow.kv.tiers import TierPlan
-from kvflow.model.batch import ForwardBatch
 from kvflow.model.linear import adopt_small_paths, chosen_small_paths
 from kvflow.model.llama import LlamaModel
 from kvflow.model.loader import load_checkpoint, load_config
-from kvflow.streaming.connector import HandoffRequest, KVReceiver, KVSender
+from kvflow.streaming.connector import KVReceiver, KVSender
 from kvflow.streaming.hidden_ring import HiddenRing, open_ring
-from kvflow.streaming.errors import peer_gone
 from kvflow.streaming.primitives import InStream, OutStream
-from kvflow.streaming.swapper import SwapSeq
-from kvflow.streaming.topology import Transfer
 from kvflow.worker.parent import Parent
 from kvflow.worker import stage
 from kvflow.worker.replication import Replicator, restore
-from kvflow.worker.steps import AHEAD, LastSampled, Prepared
+from kvflow.worker.compute import StageCompute
+from kvflow.worker.steps import LastSampled
 from kvflow.wire import (
     SECRET_ENV, Fence, Heartbeat, Hello, KVArrived, Ready, Replicated, Restore, Route, Setup, Shutdown, Step, StepResult,
     WireError, WorkerError, decode, encode,
@@ -61,7 +58,7 @@ from kvflow.wire import (
 log = logging.getLogger(__name__)
 
 
-class Worker:
+class Worker(StageCompute):
     def __init__(self, controller_addr: str, name: str, host: str, secret: bytes, controller_pid: int | None = None) -> None:
         """`controller_pid`: the local controller process this worker must not outlive (a worker forked by
         the launcher's fork server); None: the process that started this one (its parent)."""
@@ -70,6 +67,7 @@ class Worker:
         self.ctx = zmq.Context()
         self.busy_s = 0.0
         self.steps = 0
+        self.launched_ahead = 0  # steps launched on the device before the step before was read back
         self.dropped = 0
         self.epoch = 0
         self.stop = threading.Event()
@@ -249,6 +247,12 @@ class Worker:
             self._inbox.put((msg, tensor, prep))
 
     def _next(self):
+        if self.last.flight is not None:  # read the flight back once it is done, unless a step comes first
+            while not self.step_in.poll(0):
+                if self.last.flight.launch.ready():
+                    self._land()
+                    break
+                time.sleep(0)
         if self.swapper is None:
             msg, tensor = self._recv(self.step_in, 1000)
             return msg, tensor, None
@@ -274,6 +278,8 @@ class Worker:
                     log.warning("controller process exited; worker %s stops", self.name)
                     return
                 continue
+            if self.last.flight is not None and not isinstance(msg, Step):
+                self._land()  # (before a fence, a new route, a restore or the end)
             if isinstance(msg, Step):
                 if msg.epoch < self.epoch:
                     self.dropped += 1  # from before a recovery: stale
@@ -313,106 +319,6 @@ class Worker:
             else:
                 self.dropped += 1
 
-    def _run(self, msg: Step, tensor, prep) -> None:
-        try:
-            if isinstance(prep, Exception):
-                raise prep
-            self._step(msg, tensor, prep if prep is not None else self._prepare(msg))
-        except Exception as e:  # report; the controller recovers or fails the batch's requests
-            log.exception("step failed")
-            self._to_controller(WorkerError(self.name, f"{type(e).__name__}: {e}", msg.epoch, peer_gone=peer_gone(e)))
-        finally:
-            if self.swapper is not None:
-                self.swapper.done((msg.epoch, msg.batch))
-
-    # ------------------------------------------------------------------ compute
-    def _prepare(self, msg: Step) -> "Prepared":
-        """In step order: the copies between KV tiers (a rejected disk block travels on to the
-        controller), the mirrored block tables updated from the step's deltas, the batch's attention
-        metadata (over the device region's blocks when swapping) and what to swap in and back."""
-        if msg.tier_ops:
-            msg.tier_failed = sorted(set(msg.tier_failed) | set(self.tiers.apply(TierPlan.from_wire(msg.tier_ops))))
-        for rid in msg.free:  # (a token worker's KV receiver forgets a request by itself once its KV is in)
-            self.tables.pop(rid, None)
-        self.last.forget(msg.free)
-        seqs, tables, swap = [], {}, []
-        for s in msg.seqs:
-            if s.full_table:
-                self.tables[s.rid] = list(s.new_blocks)
-            else:
-                self.tables.setdefault(s.rid, []).extend(s.new_blocks)
-            tables[s.rid] = table = tuple(self.tables[s.rid])
-            if msg.swap_region >= 0:
-                swap.append(SwapSeq(s.rid, table, tuple(s.device_blocks), s.start, s.context_len))
-            seqs.append((s.num_new, s.context_len, s.device_blocks if swap else table))
-        if (self.graphs is not None and 0 < len(seqs) <= self.graphs.max_batch and all(n == 1 for n, _, _ in seqs)
-                and not (self.sender is not None and msg.kv_plan)):  # (streaming KV out needs its layer hook)
-            return Prepared(None, tables, swap, [(ctx, blocks) for _, ctx, blocks in seqs])
-        batch = ForwardBatch.of(seqs, self.cache.layout.block_size, self.device) if seqs else None
-        return Prepared(batch, tables, swap)
-
-    def _step(self, msg: Step, hidden: torch.Tensor | None, prep: "Prepared") -> None:
-        t0 = time.perf_counter()
-        if not msg.seqs:  # tier copies only
-            self._forward(msg, None, t0)
-            return
-        batch = prep.batch
-        if prep.swap:
-            self.swapper.wait((msg.epoch, msg.batch))  # its KV is in the device region
-        if self.model.is_first:
-            if AHEAD in msg.token_ids:
-                self.last.fill(msg)
-            hidden = None if prep.graphed else self.model.embed(torch.tensor(msg.token_ids, dtype=torch.long, device=self.device))
-        else:
-            if msg.hidden:  # (in the ring, not a frame)
-                if self.hidden_in is None:
-                    raise ValueError(f"{self.name}: a step names a hidden-state ring this stage has not mapped")
-                hidden = self.hidden_in.get(msg.hidden)
-            hidden = hidden.to(self.device, self.engine_cfg.torch_dtype)
-        hook = None
-        if self.sender is not None and msg.kv_plan:
-            reqs = [HandoffRequest(k.rid, k.token_start, k.token_end, k.total, prep.tables[k.rid], tuple(k.dest_blocks),
-                                   k.dest_start) for k in msg.kv_out]
-            self.sender.begin(reqs, [Transfer(*t) for t in msg.kv_plan], msg.epoch)
-            hook = self.sender.on_layer if self.sender.active else None
-        if prep.graphed:
-            out = self.graphs.run(prep.graphed, tokens=msg.token_ids if hidden is None else None, hidden=hidden)
-        else:
-            out = self.model.run_layers(hidden, batch, self.compute_cache, hook)
-            if self.model.is_last:
-                out = self.model.logits(out, batch, as_float=False)  # (the model's dtype: half the bytes in bf16)
-        if prep.swap:
-            self.swapper.write_back(prep.swap)  # only what this step appended
-        self._forward(msg, out, t0)
-        if self.replicator is not None:  # after the output left: while the controller takes it in
-            self.replicator.step(msg, prep.tables)
-        self.busy_s += time.perf_counter() - t0
-        self.steps += 1
-
-    def _forward(self, msg: Step, out: torch.Tensor | None, t0: float) -> None:
-        """The step's output (None for a step of tier copies only): its hidden states to the next stage,
-        or (last stage) its logits to the controller."""
-        if self.model.is_last:
-            rows, ids = (msg.argmax_rows if out is not None else []), []
-            if rows:  # greedy rows: their argmax here, so that only the ids leave the device
-                ids, skip = out[rows].argmax(-1).tolist(), set(rows)
-                out = out[[i for i in range(out.shape[0]) if i not in skip]]
-            if self.model.is_first:  # (one stage: the ids a decode-ahead step of this worker takes in)
-                self.last.record(msg, rows, ids)
-            dt = time.perf_counter() - t0
-            seqs = msg.seqs
-            res = StepResult(msg.epoch, msg.batch, [s.rid for s in seqs], msg.busy_s + dt, msg.tier_failed, rows, ids,
-                             [seqs[i].context_len for i in rows] if self.ids_out is not None and rows else [])
-            frames = encode(res, self.secret, out if out is not None else torch.empty(0))
-            self.out.send_multipart(frames)
-            if res.positions:  # decoding ahead: the ids to stage 0 as well, which waits for them
-                self.ids_out.send_multipart(frames)
-        else:
-            msg.token_ids = []
-            msg.hidden = self.hidden_out.put(out) or [] if self.hidden_out is not None and out is not None else []
-            msg.busy_s += time.perf_counter() - t0  # the pipeline's compute so far, for the controller's step log
-            self.out.send_multipart(encode(msg, self.secret, None if msg.hidden else out))
-
     # ------------------------------------------------------------------ token role: KV arrivals
     def _kv_complete(self, rids: list[str], spans: list[tuple[int, int]]) -> None:
         self._to_controller(KVArrived(self.name, rids))
@@ -436,7 +342,8 @@ class Worker:
             replicated = self.replicator.nbytes if self.replicator is not None else 0
             swap = dict(self.swapper.stats) if self.swapper is not None else {}
             hidden = self.hidden_out.nbytes if self.hidden_out is not None else 0
-            self._to_controller(Heartbeat(self.name, self.busy_s, self.steps, sent, got, self.dropped, replicated, hidden, swap))
+            self._to_controller(Heartbeat(self.name, self.busy_s, self.steps, sent, got, self.dropped, replicated, hidden, swap,
+                                          self.launched_ahead))
 
 
 def run_worker(controller_addr: str, name: str, host: str, secret: bytes | None = None,
