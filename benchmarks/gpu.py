@@ -1,6 +1,6 @@
 """GPU benchmark: kvflow on one CUDA device against `transformers` and against the memory floor.
 
-    python benchmarks/gpu.py [--shapes 135m 1b] [--batches 1 16 64] [--out results/gpu]
+    python benchmarks/gpu.py [--shapes 135m 1b] [--batches 1,16,32,64] [--out results/gpu]
 
 Models are random-weight Llama checkpoints that `transformers` writes here (no hub, no network): the
 SmolLM2-135M shape and a Llama-3.2-1B-like shape, bf16, vocab 49,152. For each shape, in one process:
@@ -13,7 +13,9 @@ SmolLM2-135M shape and a Llama-3.2-1B-like shape, bf16, vocab 49,152. For each s
   graphs (the engine decoding ahead) and eager, as one synced step and as steps back to back (the
   steady-state time per token, which decoding ahead brings down to the graph replay), beside the
   floor: weight bytes + the KV bytes a step reads, over the device's measured copy bandwidth (bytes
-  read + written by a device-to-device copy, per second);
+  read + written by a device-to-device copy, per second); from the graph replays, what the device
+  allows a pipeline on one GPU that splits the largest batch into two microbatches (their stages
+  take turns on the device: replay(n) / (2 x replay(n/2)) of the engine's rate);
 - a prompt step of 2,048 tokens (8 fresh 256-token prompts, eager as every prompt step is), and
   (CUDA) the host time of a Triton kernel's launch against a PyTorch op's;
 - offline output tok/s (`LLM.generate`, 256 in / 128 out, `--offline-batch` requests) against
@@ -582,7 +584,7 @@ def main() -> None:
     ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="where to run (cpu: a check of the script only)")
     ap.add_argument("--shapes", nargs="+", default=["135m", "1b"], choices=sorted(SHAPES), help="model shapes to measure")
-    ap.add_argument("--batches", type=int_list, default=(1, 16, 64), help="decode batch sizes, comma-separated")
+    ap.add_argument("--batches", type=int_list, default=(1, 16, 32, 64), help="decode batch sizes, comma-separated")
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
     ap.add_argument("--offline-batch", type=int, default=64, help="requests in the offline run (256 in each)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request in the offline run")
@@ -624,6 +626,12 @@ def main() -> None:
                           f"x{d['steady_step_ms'] / d['floor_ms']:.1f}"
                           + (f"  replay {d['replay_ms']:.3f} ms, fused projections: {b in d['fusion']['rows']} "
                              f"({d['fusion']['why']})" if "replay_ms" in d else ""), flush=True)
+            replay = {d["batch"]: d["replay_ms"] for d in r["decode"] if "replay_ms" in d}
+            n = max(args.batches)
+            if n in replay and n // 2 in replay:  # (one GPU: the two microbatches' steps take turns on it)
+                r["two_microbatch_ceiling"] = replay[n] / (2 * replay[n // 2])
+                print(f"[{shape}] a pipeline of two microbatches of {n // 2} on one GPU: at most "
+                      f"x{r['two_microbatch_ceiling']:.2f} of one batch of {n}'s rate (graph replays)", flush=True)
             if args.device == "cuda":
                 try:
                     r["attention"] = attention_kernels(shape, args.batches)

@@ -39,13 +39,16 @@ async def _collect(ctrl, prompt, n, rid):
     return toks, last
 
 
-def serve(cfg: ClusterConfig, prompts, lengths, ahead: list | None = None):
-    """`ahead`, if given, gets the number of decode-ahead seqs each pipeline scheduled."""
+def serve(cfg: ClusterConfig, prompts, lengths, ahead: list | None = None, after=None):
+    """`ahead`, if given, gets the number of decode-ahead seqs each pipeline scheduled; `after(ctrl)`, if
+    given, is awaited once every request finished, before the stats are read and the controller stops."""
     async def main():
         ctrl = Controller(cfg)
         await ctrl.start()
         try:
             results = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, lengths))])
+            if after is not None:
+                await after(ctrl)
             stats = ctrl.stats()
             free = [p.kv_manager.num_free_blocks for p in ctrl.pipelines]
             if ahead is not None:
@@ -227,6 +230,14 @@ def test_hidden_states_between_stages_pass_through_the_ring_or_the_messages_alik
     check_hidden_states(tiny_ckpt_dir, ring)
 
 
+async def next_heartbeat(stage) -> None:
+    """Until `stage` (a controller's `StageHandle`) sent a heartbeat after now: what it reports (its
+    counters) then covers every step before."""
+    done, deadline = time.monotonic(), time.monotonic() + 60
+    while stage.last_heartbeat <= done + 0.05 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 def check_hidden_states(tiny_ckpt_dir, ring: bool, device: str = "cpu") -> None:
     """Colocated depth 2 on `device` gives the engine's tokens, with its stage 1 mapping a ring (or
     not), and stage 0 putting every hidden state it computed into it (or none)."""
@@ -239,21 +250,13 @@ def check_hidden_states(tiny_ckpt_dir, ring: bool, device: str = "cpu") -> None:
     cfg = _cfg(tiny_ckpt_dir, mode="colocated", depth=2)
     cfg = replace(cfg, engine=replace(cfg.engine, device=device))
 
-    async def main():
-        ctrl = Controller(cfg)
-        await ctrl.start()
-        try:
-            res = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))])
-            mapped = [s.hidden_shm for s in ctrl.pipelines[0].stages]
-            # stage 0 reports its ring bytes with its heartbeats: wait for one sent after the last step
-            done, deadline = time.monotonic(), time.monotonic() + 60
-            while ctrl.pipelines[0].stages[0].last_heartbeat <= done + 0.05 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            return res, mapped, ctrl.stats()
-        finally:
-            await ctrl.shutdown()
+    mapped = []
 
-    res, mapped, stats = asyncio.run(main())
+    async def after(ctrl):
+        mapped.extend(s.hidden_shm for s in ctrl.pipelines[0].stages)
+        await next_heartbeat(ctrl.pipelines[0].stages[0])  # (stage 0 reports its ring bytes with its heartbeats)
+
+    res, stats, _ = serve(cfg, PROMPTS, LENGTHS, after=after)
     assert [t for t, _ in res] == reference(PROMPTS, LENGTHS)
     assert mapped == [False, ring]
     assert stats.hidden_ring_bytes_total == expected

@@ -6,15 +6,11 @@ through the same code as the captured graphs on CUDA."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 import torch
 import zmq
 from conftest import tiny_cache, tiny_config, tiny_model
 
-from kvflow.controller.controller import Controller
 from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.sched.output import AHEAD
 from kvflow.wire import SeqStep, Step, StepResult, decode
@@ -152,30 +148,21 @@ def test_one_stage_pipelines_decoding_ahead_on_the_device_give_the_engines_token
     On CUDA the graphs are captured; the tokens are the CPU engine's (float32)."""
     from dataclasses import replace
 
-    from test_controller import LENGTHS, PROMPTS as CPROMPTS, _cfg, _collect, reference
+    from test_controller import LENGTHS, PROMPTS as CPROMPTS, _cfg, next_heartbeat, reference, serve
 
     lengths = [3 * n for n in LENGTHS]
     expected = reference(CPROMPTS, lengths)
     monkeypatch.setenv("KVFLOW_TEST_DECODE_BUFFERS", "1")  # (the CPU's eager graph buffers; on CUDA, captured ones)
     cfg = _cfg(tiny_ckpt_dir, **kw)
     cfg = replace(cfg, engine=replace(cfg.engine, device=device))
+    launched = []
 
-    async def main():
-        ctrl = Controller(cfg)
-        await ctrl.start()
-        try:
-            got = await asyncio.gather(*[_collect(ctrl, p, n, f"r{i}") for i, (p, n) in enumerate(zip(CPROMPTS, lengths))])
-            stage = ctrl.pipelines[-1].stages[0]  # (the token pipeline's, or the colocated one's)
-            deadline = time.monotonic() + 20  # (its next heartbeat: every 0.25 s)
-            while stage.launched_ahead == 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            p = ctrl.pipelines[-1]
-            assert p.step_log and all(0 < r.busy_s <= r.round_trip_s for r in p.step_log)
-            return got, stage.launched_ahead, [p.kv_manager.num_free_blocks for p in ctrl.pipelines]
-        finally:
-            await ctrl.shutdown()
+    async def after(ctrl):
+        stage = ctrl.pipelines[-1].stages[0]  # (the token pipeline's, or the colocated one's)
+        await next_heartbeat(stage)
+        launched.append(stage.launched_ahead)
 
-    results, launched, free = asyncio.run(main())
+    results, _, free = serve(cfg, CPROMPTS, lengths, after=after)
     assert [toks for toks, _ in results] == expected
-    assert launched > 0
+    assert launched[0] > 0
     assert free == [128] * len(free)
