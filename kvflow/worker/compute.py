@@ -178,7 +178,7 @@ class StageCompute:
         res = StepResult(msg.epoch, msg.batch, [s.rid for s in seqs], msg.busy_s + time.perf_counter() - t0, msg.tier_failed,
                          rows, ids, [seqs[i].context_len for i in rows] if self.ids_out is not None and rows else [])
         frames = encode(res, self.secret, out if out is not None else torch.empty(0))
-        self.out.send_multipart(frames)
-        if res.positions:  # decoding ahead: the ids to stage 0 as well, which waits for them
+        if res.positions:  # decoding ahead: the ids to stage 0 as well, first: its next step waits for them
             self.ids_out.send_multipart(frames)
+        self.out.send_multipart(frames)
 
