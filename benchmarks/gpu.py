@@ -492,8 +492,9 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
     cache lacks, and nothing may compile while timed), then `n` at once; output tok/s, the seconds
     until every request had its first token, and, for a
     pipeline, the median token step (a batch of at most `n` tokens) of the pipeline that decodes: its
-    round trip as the controller saw it, its compute summed over the stages, in ms, and the steps its
-    stages launched on the device behind the one before (`worker.compute`)."""
+    round trip as the controller saw it, its compute summed over the stages, in ms, the steps its
+    stages launched on the device behind the one before (`worker.compute`), and the controller's
+    loop thread's CPU per step and over the wall time (near 1: the controller bounds the pipeline)."""
     import asyncio
 
     from kvflow.config import ClusterConfig, EngineConfig
@@ -544,6 +545,7 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
             await asyncio.gather(*[one(p, f"warm{i}", timed=False) for i, p in enumerate(others)])
             log = backend.pipelines[-1].step_log if name != "engine" else None
             before = len(log) if log is not None else 0
+            cpu_before = getattr(backend, "loop_cpu_s", 0.0)
             t0 = time.perf_counter()
             got = await asyncio.gather(*[one(p, f"r{i}") for i, p in enumerate(ps)])
             wall = time.perf_counter() - t0
@@ -564,6 +566,10 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
             token_steps = [r for r in list(log)[before:] if r[0] <= n] if log is not None else []  # (tokens, busy[, trip])
             if token_steps:
                 result["token_step_compute_ms"] = 1e3 * statistics.median(r[1] for r in token_steps)
+                # the controller's loop thread: its CPU per step (every step of the run) and over the wall time
+                steps = len(log) - before
+                result["controller_cpu_ms_per_step"] = 1e3 * (backend.loop_cpu_s - cpu_before) / max(1, steps)
+                result["controller_busy_fraction"] = (backend.loop_cpu_s - cpu_before) / wall
                 if len(token_steps[0]) > 2:  # (a baseline tree's log may not time round trips)
                     result["token_step_round_trip_ms"] = 1e3 * statistics.median(r[2] for r in token_steps)
             return result

@@ -94,6 +94,7 @@ class Controller:
         self.generated = 0
         self.prompt_tokens = 0
         self.stale_results = 0  # results from before a recovery, dropped
+        self.loop_cpu_s = 0.0  # CPU seconds of the loop's thread (is the controller what bounds the pipelines?)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -237,6 +238,7 @@ class Controller:
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         while not self._stop.is_set():
+            started = time.thread_time()
             try:
                 self._turn()
             except Exception as e:  # a bug, not a worker's failure: fail every request loudly, keep serving errors
@@ -247,6 +249,7 @@ class Controller:
                     log.exception("cleaning up after a controller error failed too")
             finally:
                 self.deliveries.flush()  # the turn's outputs, one hand-over per event loop
+                self.loop_cpu_s += time.thread_time() - started
 
     def _turn(self) -> None:
         """One turn of the loop: drain the inbox, take submissions, check the workers, schedule."""
