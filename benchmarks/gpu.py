@@ -392,8 +392,8 @@ def offline(ckpt: Path, device: str, n: int, new: int, vocab: int, compile_hf: b
     return out
 
 
-BACKENDS = ("engine", "engine-serial", "colocated-2", "colocated-2-ahead", "colocated-2-whole-ahead",
-            "colocated-2-no-replication", "disaggregated-1-1", "disaggregated-1-1-no-replication", "engine-again")
+BACKENDS = ("engine", "engine-serial", "colocated-2", "colocated-2-whole-ahead", "colocated-2-no-replication",
+            "disaggregated-1-1", "disaggregated-1-1-no-replication", "engine-again")
 
 
 def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Path | None = None,
@@ -402,10 +402,11 @@ def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Pa
     server's `Backend`, without HTTP): the engine (decoding ahead where it has graphs; "-serial": one
     step at a time; "-again": once more, last, as the first process of a run on a GPU was slow twice
     for no known reason), colocated depth 2 (two microbatches of n/2 in flight, as a pipeline of depth
-    2 is run; "-ahead": decoding ahead, `decode_ahead_depth=2`; "-whole-ahead": one microbatch of n
-    decoding ahead, so that the two stages on one GPU run n rows a step where two microbatches run
-    n/2 twice, and a decode step's kernels are latency-bound, not row-bound; "-frames", not in
-    `BACKENDS`: its hidden states on the step messages, `KVFLOW_HIDDEN_RINGS=0`), disaggregated (1, 1)
+    2 is run; "-whole-ahead": one microbatch of n decoding ahead, `decode_ahead_depth=2`, so that the
+    two stages on one GPU run n rows a step where two microbatches run n/2 twice, and a decode step's
+    kernels are latency-bound, not row-bound; not in `BACKENDS`: "-ahead", two microbatches decoding
+    ahead (as fast as serial on an H200, 2026-11-28), and "-frames", its hidden states on the step
+    messages, `KVFLOW_HIDDEN_RINGS=0`), disaggregated (1, 1)
     (one token microbatch of n); the pipelines with their default KV replication (every step, for recovery) and
     without it; bf16.
 
