@@ -1,9 +1,9 @@
 """What a pipeline stage builds from its `Setup` once its layers are loaded (`Worker._setup`): its
 KV cache (on its device, or with microbatch swapping in host memory with regions of it on the
-device), the CUDA graphs of its decode steps (none for a prompt stage), the replica it holds of the previous stage's KV, the
-ring its input hidden states arrive in and its prefix cache's lower tiers. Sized from GPU memory,
-a stage first measures what its layers leave (`measure`; the controller sizes the pools from every
-stage's measurement, `engine.memory.pipeline_pools`)."""
+device), the CUDA graphs of its decode steps (none for a prompt stage), the replica it holds of the
+previous stage's KV, the ring its input hidden states arrive in and its prefix cache's lower tiers.
+Sized from GPU memory, a stage first measures what its layers leave (`measure`; the controller sizes
+the pools from every stage's measurement, `engine.memory.pipeline_pools`)."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def build(spec: WorkerSpec, ecfg: EngineConfig, mc: ModelConfig, model: LlamaMod
     if not ecfg.enforce_eager and spec.role != "prompt":  # (a prompt stage runs no decode step)
         # a stage holding every layer decodes ahead on the device as the engine does (`worker.compute`)
         ahead = ecfg.decode_ahead and model.is_first and model.is_last and swapper is None
-        graphs = cuda_graphs.capture(model, compute_cache, ecfg.scheduler.max_num_seqs, ecfg.model_len(mc.max_position_embeddings),
-                                     float_logits=False, ahead=ahead)
+        graphs = cuda_graphs.capture(model, compute_cache, ecfg.scheduler.max_num_seqs,
+                                     ecfg.model_len(mc.max_position_embeddings), float_logits=False, ahead=ahead)
     replica = None
     if spec.replica_layer_start >= 0:  # a host-memory replica of the previous stage's KV
         rl = KVLayout.for_model(mc, nblocks, ecfg.block_size, (spec.replica_layer_start, spec.replica_layer_end),

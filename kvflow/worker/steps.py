@@ -115,8 +115,8 @@ class LastSampled:
     def ready(self, msg: Step) -> bool:
         """Whether every `AHEAD` of `msg` can be filled: a first stage of several stages may have the
         step before the last stage's ids for it (they travel apart)."""
-        return AHEAD not in msg.token_ids or all(self._launched(s) is not None or self.ids.get(s.rid, (-1,))[0] == s.context_len - 1
-                                                 for _, s in self._aheads(msg))
+        return AHEAD not in msg.token_ids or all(
+            self._launched(s) is not None or self.ids.get(s.rid, (-1,))[0] == s.context_len - 1 for _, s in self._aheads(msg))
 
     def _launched(self, s) -> int | None:
         """The row of the flight whose argmax `s` (an `AHEAD` seq) takes in, if it is in the flight."""

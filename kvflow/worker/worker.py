@@ -10,11 +10,11 @@ has no pool: the worker measures with its layers loaded and says `Hello` again w
 Then steps arrive on one ZeroMQ PULL socket (from the controller for stage 0, from the previous
 stage otherwise) as deltas: the worker mirrors each request's block table and computes them
 (`kvflow.worker.compute`). They leave for the next stage, or, from the last stage, as greedy rows'
-ids and the other rows' logits for the controller. KV moves only through the
-KV connector (`kvflow.streaming.connector`): a prompt worker sends each layer's KV as soon as the
-layer has written it (background thread), a token worker receives it into its cache and reports
-`KVArrived`. A heartbeat thread reports liveness. Messages that are not authentic or do not decode
-are dropped and counted, never raised in a loop.
+ids and the other rows' logits for the controller. KV moves only through the KV connector
+(`kvflow.streaming.connector`): a prompt worker sends each layer's KV as soon as the layer has
+written it (background thread), a token worker receives it into its cache and reports `KVArrived`.
+A heartbeat thread reports liveness. Messages that are not authentic or do not decode are dropped
+and counted, never raised in a loop.
 
 Replication (`kvflow.worker.replication`): every step, each stage of a replicating pipeline also copies
 the KV the step appended to its replica. In a ring (depth >= 2, `ClusterConfig.replication="ring"`)
