@@ -32,6 +32,7 @@ from dataclasses import replace
 import paced_worker
 import pytest
 from sim_helpers import PacedPerf
+from test_controller import next_heartbeat
 
 from kvflow.config import ClusterConfig, EngineConfig
 from kvflow.controller.controller import Controller
@@ -68,7 +69,9 @@ class PacedLauncher:
         return ForkedWorker(proc)
 
 
-def run_controller(cfg: ClusterConfig, prompts, lengths, launcher: PacedLauncher):
+def run_controller(cfg: ClusterConfig, prompts, lengths, launcher: PacedLauncher, heartbeat: bool = False):
+    """The real run's batches per pipeline; with `heartbeat`, its last stage's heartbeat after the last
+    request finished is in before the controller stops (its counters cover the run)."""
     async def collect(ctrl, i):
         params = SamplingParams(max_tokens=lengths[i], temperature=0, ignore_eos=True)
         async for out in ctrl.generate(prompts[i], params, str(i)):
@@ -85,6 +88,8 @@ def run_controller(cfg: ClusterConfig, prompts, lengths, launcher: PacedLauncher
         await ctrl.start()
         try:
             outs = await asyncio.gather(*tasks)
+            if heartbeat:
+                await next_heartbeat(ctrl.pipelines[-1].stages[-1])
         finally:
             await ctrl.shutdown()
         assert [len(o.token_ids) for o in outs] == lengths
@@ -158,6 +163,10 @@ LAYOUTS = {
     # one-stage decoding pipelines decode ahead (`ClusterConfig.decode_ahead`, on by default), or not
     "colocated-1": dict(mode="colocated", depth=1),
     "disagg-1-1-serial": dict(mode="disaggregated", prompt_depth=1, token_depth=1, decode_ahead=False),
+    # the token worker's decode buffers built to decode ahead (CUDA's graphs, run eagerly here): a step is
+    # launched behind the one before, which is read back and sent after (`worker.compute`)
+    "disagg-1-1-device-ahead": dict(mode="disaggregated", prompt_depth=1, token_depth=1,
+                                    env={"KVFLOW_TEST_DECODE_BUFFERS": "1"}),
     "disagg-1-1-preempt": dict(mode="disaggregated", prompt_depth=1, token_depth=1, blocks=20,
                                lengths=[12, 14, 13, 14], prompts=LONG,
                                sched=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=8)),
@@ -180,8 +189,10 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, tiny4_ckpt_dir, name):
+def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, tiny4_ckpt_dir, name, monkeypatch):
     kw = dict(LAYOUTS[name])
+    for key, value in kw.pop("env", {}).items():  # (the workers' environment: the launcher passes this process's)
+        monkeypatch.setenv(key, value)
     ckpt = tiny4_ckpt_dir if max(kw.get("depth", 1), kw.get("token_depth", 1)) > 2 else tiny_ckpt_dir
     sched, blocks = kw.pop("sched", SchedulerConfig()), kw.pop("blocks", 128)
     prompts, lengths = kw.pop("prompts", PROMPTS), kw.pop("lengths", LENGTHS)
@@ -225,8 +236,10 @@ def test_simulator_and_controller_make_the_same_decisions(tiny_ckpt_dir, tiny4_c
         assert any(0 < k < len(prompts[int(rid)]) for batch in first for rid, k in batch), "prompts meant to be chunked"
     if "prefix" in name:
         assert any(0 < k < len(prompts[int(rid)]) for batch in first for rid, k in batch), "meant to hit the prefix cache"
-    real, ctrl = run_controller(cfg, prompts, lengths, launcher)
+    real, ctrl = run_controller(cfg, prompts, lengths, launcher, heartbeat="device-ahead" in name)
     assert real == simulated
+    if "device-ahead" in name:
+        assert ctrl.pipelines[-1].stages[0].launched_ahead > 0, "the token worker was meant to launch steps behind others"
     if "preempt" in name:
         assert ctrl.preemptions > 0, "the budget was meant to force preemption"
     ahead = ctrl.pipelines[-1].sched.ahead_seqs
