@@ -58,9 +58,13 @@ class Launch(NamedTuple):
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
-    def read(self) -> list[int]:
+    def wait(self) -> None:
+        """Until the ids are on the host (the GIL released meanwhile)."""
         if self.event is not None:
             self.event.synchronize()
+
+    def read(self) -> list[int]:
+        self.wait()
         return self.ids[:self.rows].tolist()
 
 

@@ -14,9 +14,12 @@ encoding and sending the last) then runs while the device computes, as in the en
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 
 import torch
+import zmq
 
 from kvflow.kv.tiers import TierPlan
 from kvflow.model.batch import ForwardBatch
@@ -25,9 +28,56 @@ from kvflow.streaming.errors import peer_gone
 from kvflow.streaming.swapper import SwapSeq
 from kvflow.streaming.topology import Transfer
 from kvflow.wire import Step, StepResult, WorkerError, encode
+from kvflow.model.cuda_graphs import Launch
 from kvflow.worker.steps import AHEAD, Flight, Prepared
 
 log = logging.getLogger(__name__)
+
+
+class Landed:
+    """Wakes a worker's loop when a flight's ids are on the host, so that the loop waits for the next
+    step and for the device in one poll, the GIL released: a thread waits for each launch (its CUDA
+    event) and rings an inproc socket (`sock`) the loop polls beside its step socket. A ring names its
+    launch (`watch`'s ticket): a flight read back sooner, because a step came first, rings late.
+    (A loop spinning on the event and the socket instead would hold the GIL, which the worker's
+    replication and KV threads need.)"""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self._addr = f"inproc://landed-{id(self)}"
+        self.sock = ctx.socket(zmq.PAIR)
+        self.sock.bind(self._addr)
+        self._ctx, self._tickets = ctx, 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._wait, name="landed", daemon=True)
+        self._thread.start()
+
+    def watch(self, launch: Launch) -> int:
+        self._tickets += 1
+        self._queue.put((self._tickets, launch))
+        return self._tickets
+
+    def rung(self) -> int:
+        """The latest ticket rung so far (0: none since the last call)."""
+        last = 0
+        while self.sock.poll(0):
+            last = max(last, int.from_bytes(self.sock.recv(), "little"))
+        return last
+
+    def _wait(self) -> None:
+        ring = self._ctx.socket(zmq.PAIR)  # (this thread's only)
+        ring.connect(self._addr)
+        try:
+            while (item := self._queue.get()) is not None:
+                ticket, launch = item
+                launch.wait()
+                ring.send(ticket.to_bytes(8, "little"))
+        finally:
+            ring.close(0)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5.0)
+        self.sock.close(0)
 
 
 class StageCompute:
@@ -36,6 +86,7 @@ class StageCompute:
     replicator and swapper, the hidden-state rings and the output sockets."""
 
     _landed_at = 0.0  # when the last flight was read back (busy time is counted once where flights overlap)
+    landed: Landed | None = None  # (graphs decoding ahead) rings when a flight's ids are on the host
 
     def _run(self, msg: Step, tensor, prep) -> None:
         try:
@@ -129,7 +180,8 @@ class StageCompute:
             return False
         prev = self.last.flight
         launch = g.launch(prep.graphed, msg.token_ids, sources if prev is not None else None)
-        self.last.flight = Flight(msg, prep.tables, launch, {s.rid: i for i, s in enumerate(msg.seqs)}, t0)
+        self.last.flight = Flight(msg, prep.tables, launch, {s.rid: i for i, s in enumerate(msg.seqs)}, t0,
+                                  self.landed.watch(launch) if self.landed is not None else 0)
         self.launched_ahead += prev is not None
         if prev is not None:
             self._land(prev)

@@ -42,6 +42,7 @@ class Flight:
     launch: Launch
     rows: dict[str, int]
     t0: float
+    ticket: int = 0  # what `worker.compute.Landed` rings when its ids are on the host
 
 
 class LastSampled:

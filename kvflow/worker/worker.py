@@ -31,7 +31,6 @@ import logging
 import os
 import queue
 import threading
-import time
 
 import torch
 import zmq
@@ -48,7 +47,7 @@ from kvflow.streaming.primitives import InStream, OutStream
 from kvflow.worker.parent import Parent
 from kvflow.worker import stage
 from kvflow.worker.replication import Replicator, restore
-from kvflow.worker.compute import StageCompute
+from kvflow.worker.compute import Landed, StageCompute
 from kvflow.worker.steps import LastSampled
 from kvflow.wire import (
     SECRET_ENV, Fence, Heartbeat, Hello, KVArrived, Ready, Replicated, Restore, Route, Setup, Shutdown, Step, StepResult,
@@ -120,6 +119,11 @@ class Worker(StageCompute):
             spec = self._sized(spec, ecfg, ck.config)
         (self.cache, self.compute_cache, self.swapper, self.graphs, self.replica, self.hidden_in,
          self.tiers) = stage.build(spec, ecfg, ck.config, self.model, self.name)
+        if self.graphs is not None and self.graphs.ahead:  # (its steps may be launched behind others: `_next`)
+            self.landed = Landed(self.ctx)
+            self._poller = zmq.Poller()
+            self._poller.register(self.step_in, zmq.POLLIN)
+            self._poller.register(self.landed.sock, zmq.POLLIN)
 
     def _sized(self, spec: WorkerSpec, ecfg, mc) -> WorkerSpec:
         """The pools sized from GPU memory: measure what this stage's layers leave (`stage.measure`).
@@ -177,7 +181,8 @@ class Worker(StageCompute):
             hb.join(2.0)
             if getattr(self, "_intake_thread", None) is not None:
                 self._intake_thread.join(2.0)  # it polls the step socket: done before the context goes
-            for t in (self.sender, self.replicator, self.receiver, self.replica_rx, self.swapper, self.hidden_in, self.hidden_out):
+            for t in (self.sender, self.replicator, self.receiver, self.replica_rx, self.swapper, self.hidden_in, self.hidden_out,
+                      self.landed):
                 if t is not None:
                     t.close()
             self.ctx.destroy(linger=0)
@@ -247,12 +252,13 @@ class Worker(StageCompute):
             self._inbox.put((msg, tensor, prep))
 
     def _next(self):
-        if self.last.flight is not None:  # read the flight back once it is done, unless a step comes first
-            while not self.step_in.poll(0):
-                if self.last.flight.launch.ready():
+        f = self.last.flight
+        if f is not None:  # a step that comes first may be launched behind it; else it is read back once done
+            ready = dict(self._poller.poll(1000))
+            if self.step_in not in ready:
+                if self.landed.sock in ready and self.landed.rung() >= f.ticket:
                     self._land()
-                    break
-                time.sleep(0)
+                return None, None, None
         if self.swapper is None:
             msg, tensor = self._recv(self.step_in, 1000)
             return msg, tensor, None
