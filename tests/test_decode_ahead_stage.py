@@ -6,6 +6,8 @@ through the same code as the captured graphs on CUDA."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import zmq
@@ -120,6 +122,27 @@ def test_steps_launched_behind_the_one_before_give_the_serial_stages_tokens():
     # which runs one at a time and reads its ids back before the next
     assert stage.launched_ahead == 4
     assert "b" not in stage.last.ids  # read back after a later step freed it: not kept
+
+
+def test_landed_rings_each_launch_once_its_ids_are_in_and_names_it():
+    """The worker's loop polls `Landed.sock` beside its step socket while a step is in flight; each ring
+    names its launch, so a ring for a flight read back sooner is told apart from the current one's."""
+    from kvflow.model.cuda_graphs import Launch
+    from kvflow.worker.compute import Landed
+
+    ctx = zmq.Context()
+    landed = Landed(ctx)
+    try:
+        ids = torch.arange(4)
+        tickets = [landed.watch(Launch(ids, None, 4)) for _ in range(3)]
+        assert tickets == [1, 2, 3]
+        rung, deadline = 0, time.monotonic() + 10
+        while rung < 3 and time.monotonic() < deadline and landed.sock.poll(1000):
+            rung = max(rung, landed.rung())
+        assert rung == 3 and landed.rung() == 0  # (drained: nothing rings twice)
+    finally:
+        landed.close()
+        ctx.term()
 
 
 def test_an_ahead_row_with_no_source_is_refused():
