@@ -406,9 +406,8 @@ def backends(ckpt: Path, device: str, n: int, new: int, vocab: int, baseline: Pa
     two stages on one GPU run n rows a step where two microbatches run n/2 twice, and a decode step's
     kernels are latency-bound, not row-bound; not in `BACKENDS`: "-ahead", two microbatches decoding
     ahead (as fast as serial on an H200, 2026-11-28), and "-frames", its hidden states on the step
-    messages, `KVFLOW_HIDDEN_RINGS=0`), disaggregated (1, 1)
-    (one token microbatch of n); the pipelines with their default KV replication (every step, for recovery) and
-    without it; bf16.
+    messages, `KVFLOW_HIDDEN_RINGS=0`), disaggregated (1, 1) (one token microbatch of n); the
+    pipelines with their default KV replication (every step, for recovery) and without it; bf16.
 
     Each backend runs in a fresh process, as a server does: on the H200, the engine measured in this
     benchmark's own process (after the earlier parts) gave a quarter of what the same code gave in a
