@@ -212,8 +212,11 @@ class ClusterConfig:
     colocated: one pipeline of `depth` stages doing prompts and tokens, up to `depth` batches in
     flight of up to `microbatch_size` requests each. disaggregated: a prompt pipeline (`prompt_depth`
     stages, batches of `prompt_microbatch_size`) streaming each layer's KV into a token pipeline
-    (`token_depth` stages, batches of `microbatch_size`). `policy` is the scheduling policy of
-    every pipeline: "continuous" (chunked prefill, preemption) or "microbatch" (DéjàVu's baseline).
+    (`token_depth` stages, batches of `microbatch_size`). `microbatch_size` None (the default): the
+    running requests (`engine.scheduler.max_num_seqs`) spread over the decoding pipeline's batches in
+    flight, ceil(max_num_seqs / its depth) each, so that every running request is in a batch
+    (`token_microbatch`). `policy` is the scheduling policy of every pipeline: "continuous" (chunked
+    prefill, preemption) or "microbatch" (DéjàVu's baseline).
     `kv_send_mode`: how prompt workers send KV ("overlap": packed per layer, sent by a background
     thread; "buffered"/"naive": sent on the compute thread — DéjàVu's Fig. 7 comparison).
     `host` is the interface the internal (ZeroMQ) sockets bind, independent of the HTTP server's.
@@ -249,7 +252,7 @@ class ClusterConfig:
     depth: int = 1
     prompt_depth: int = 1
     token_depth: int = 1
-    microbatch_size: int = 8
+    microbatch_size: int | None = None
     prompt_microbatch_size: int = 4
     policy: str = "continuous"
     kv_send_mode: str = "overlap"
@@ -296,6 +299,8 @@ class ClusterConfig:
         for key in ("depth", "prompt_depth", "token_depth", "microbatch_size", "prompt_microbatch_size", "threads_per_worker",
                     "decode_ahead_depth"):
             v = getattr(self, key)
+            if key == "microbatch_size" and v is None:
+                continue
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{key} must be a positive integer, got {v!r}")
         if self.engine.num_kv_blocks is None and self.engine.gpu_memory_utilization is None:
@@ -308,8 +313,17 @@ class ClusterConfig:
         if self.kv_send_mode not in KV_SEND_MODES:
             raise ValueError(f"kv_send_mode must be one of {KV_SEND_MODES}, got {self.kv_send_mode!r}")
 
+    @property
+    def token_microbatch(self) -> int:
+        """The colocated or token pipeline's microbatch: `microbatch_size`, or by default the running
+        requests over its batches in flight (a microbatch of 8 left 48 of 64 running requests waiting
+        in a depth-2 pipeline; on a GPU a decode step's time hardly grows with its rows)."""
+        if self.microbatch_size is not None:
+            return self.microbatch_size
+        return -(-self.engine.scheduler.max_num_seqs // (self.depth if self.mode == "colocated" else self.token_depth))
+
     def pipelines(self) -> list[PipelineSpec]:
-        return pipeline_specs(self.mode, self.depth, self.prompt_depth, self.token_depth, self.microbatch_size,
+        return pipeline_specs(self.mode, self.depth, self.prompt_depth, self.token_depth, self.token_microbatch,
                               self.prompt_microbatch_size)
 
     def stage_names(self) -> list[str]:

@@ -97,7 +97,8 @@ def register(sub) -> None:
     p.add_argument("--token-depth", type=number(int, 1), default=None, help="disaggregated: token pipeline depth (default 1)")
     p.add_argument("--prompt-microbatch", type=number(int, 1), default=None,
                    help="disaggregated: prompt microbatch size (default 4)")
-    p.add_argument("--token-microbatch", type=number(int, 1), default=None, help="token microbatch size (default 8)")
+    p.add_argument("--token-microbatch", type=number(int, 1), default=None,
+                   help="colocated and token microbatch size (default: --max-num-seqs over the pipeline's depth)")
     p.add_argument("--swapping", action="store_true",
                    help="colocated and token pipelines: keep the KV of batches not computing on a stage in host "
                         "memory, swapped in while the previous one computes (DejaVu microbatch swapping); --kv-cache-gb "
@@ -265,7 +266,7 @@ def _controller(args):
         kw["prompt_depth"] = args.prompt_depth or 1
         kw["token_depth"] = args.token_depth or 1
         kw["prompt_microbatch_size"] = args.prompt_microbatch or 4
-    kw["microbatch_size"] = args.token_microbatch or 8
+    kw["microbatch_size"] = args.token_microbatch  # (None: --max-num-seqs over the pipeline's batches in flight)
     cluster = ClusterConfig(**kw)
     if ray_cfg is not None:
         from kvflow.controller.ray_launcher import RayLauncher

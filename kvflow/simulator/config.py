@@ -222,10 +222,10 @@ class SimConfig:
         """The simulated twin of a `kvflow.config.ClusterConfig`: same layout, policy, scheduler
         settings, block pool per pipeline and recovery policy."""
         if cluster.mode == "colocated":
-            layout = Layout(PipelineGroup(cluster.depth, cluster.microbatch_size))
+            layout = Layout(PipelineGroup(cluster.depth, cluster.token_microbatch))
         else:
             layout = Layout(PipelineGroup(cluster.prompt_depth, cluster.prompt_microbatch_size),
-                            PipelineGroup(cluster.token_depth, cluster.microbatch_size))
+                            PipelineGroup(cluster.token_depth, cluster.token_microbatch))
         eng = cluster.engine
         kw.setdefault("swapping", cluster.swapping)
         kw.setdefault("decode_ahead", cluster.decode_ahead)
