@@ -98,6 +98,10 @@ class ServeProcess:
         """`sig`, then its exit code (SIGKILL if it has not exited within `timeout`)."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+        return self._reap(timeout)
+
+    def _reap(self, timeout: float) -> int:
+        """Its exit code once it exited, SIGKILLed if that takes longer than `timeout`."""
         try:
             return self.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -111,3 +115,12 @@ class ServeProcess:
         if self.proc.poll() is None:  # a test that failed half-way: let it shut down (release what it holds)
             self.stop(timeout=20)
         self.wait()
+
+
+def stop_all(procs: list[ServeProcess], timeout: float = 60.0) -> list[int]:
+    """`ServeProcess.stop` of several: SIGTERM to every one still running first, then their exit codes, so
+    their shutdowns (about a second each, most of it the interpreter's exit) overlap."""
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGTERM)
+    return [p._reap(timeout) for p in procs]

@@ -18,7 +18,7 @@ from kvflow.router.app import build_router_app
 from kvflow.router.backend import RouterBackend
 from kvflow.router.config import RouterConfig
 from conftest import save_tiny_checkpoint, tiny_config
-from servers import SMALL_KV, ServeProcess, free_port
+from servers import SMALL_KV, ServeProcess, free_port, stop_all
 
 MODEL = "tiny"
 BLOCK = 16  # the instances' KV block size, and the router's prefix-hash block
@@ -62,8 +62,7 @@ def start_instances(ckpt: Path, n: int) -> list[ServeProcess]:
         for p in procs:
             p.wait_ready()
     except BaseException:
-        for p in procs:
-            p.stop(timeout=20)
+        stop_all(procs, timeout=20)
         raise
     return procs
 

@@ -16,20 +16,45 @@ import httpx
 import pytest
 
 from kvflow.router.config import RouterConfig
-from router_helpers import BLOCK, MODEL, RouterThread, complete, metric, start_instances, tiny_long_ckpt  # noqa: F401
+from router_helpers import (BLOCK, MODEL, RouterThread, complete, metric, start_instances, stop_all,  # noqa: F401
+                            tiny_long_ckpt)
 
 MAX_TOKENS = 900
 PROMPTS = [random.Random(i).choices(range(5, 96), k=20) for i in range(4)]
 
 
-@pytest.fixture
-def pair(tiny_long_ckpt):
-    procs = start_instances(tiny_long_ckpt, 2)
+@pytest.fixture(scope="module")
+def instances(tiny_long_ckpt):
+    """The module's instances, three started at once. Its tests run in the order that needs no more: the hung
+    instance comes back (SIGCONT), then the P/D test and the SIGKILL test each kill one; `alive` starts more if a
+    test finds fewer running than it needs (run alone, or after a test that failed half-way)."""
+    procs = start_instances(tiny_long_ckpt, 3)
     yield procs
-    for p in procs:
+    stop_all(procs)
+
+
+@pytest.fixture
+def alive(instances, tiny_long_ckpt):
+    """`alive(n)`: n of the module's instances that are running (started now if fewer are)."""
+    def take(n: int) -> list:
+        running = [p for p in instances if p.proc.poll() is None]
+        if len(running) < n:
+            more = start_instances(tiny_long_ckpt, n - len(running))
+            instances.extend(more)
+            running += more
+        return running[:n]
+
+    yield take
+    for p in instances:  # a hung instance whose test failed before it let it go on
         if p.proc.poll() is None:
             p.proc.send_signal(signal.SIGCONT)
-        p.stop()
+
+
+@pytest.fixture(scope="module")
+def refs(instances) -> list[dict]:
+    """One instance's answers to `PROMPTS`, each request whole (every instance answers the same: batch-invariant):
+    what every stream must get, whatever instance it ends on."""
+    return [complete(instances[0].url, p, MAX_TOKENS) for p in PROMPTS]
 
 
 def _stream(url: str, prompt: list[int], out: dict, nth: threading.Event) -> None:
@@ -81,21 +106,8 @@ def _check(router: RouterThread, outs: list[dict], refs: list[dict], victim: str
     assert 5 <= resent  # at least the first stream's 5 tokens went with it
 
 
-def test_sigkill_mid_stream_loses_nothing(pair, tiny_long_ckpt):
-    by_url = {p.url: p for p in pair}
-    refs = [complete(pair[1].url, p, MAX_TOKENS) for p in PROMPTS]  # one instance, each request whole: the reference
-    cfg = RouterConfig(instances=tuple(by_url), policy="least_load", block_tokens=BLOCK, health_interval_s=0.2)
-    with RouterThread(cfg, tiny_long_ckpt) as router:
-        outs, victim = _run_and_fail(router, lambda url: by_url[url].stop(signal.SIGKILL))
-        _check(router, outs, refs, victim)
-        (survivor,) = set(by_url) - {victim}
-        again = complete(router.url, PROMPTS[0], 8)  # the pool goes on with the survivor
-        assert again["token_ids"] == refs[0]["token_ids"][:8] and router.instances()[survivor]["healthy"]
-
-
-def test_hung_instance_is_taken_out_and_its_streams_move(pair, tiny_long_ckpt):
-    by_url = {p.url: p for p in pair}
-    refs = [complete(pair[0].url, p, MAX_TOKENS) for p in PROMPTS]
+def test_hung_instance_is_taken_out_and_its_streams_move(alive, refs, tiny_long_ckpt):
+    by_url = {p.url: p for p in alive(2)}
     cfg = RouterConfig(instances=tuple(by_url), policy="round_robin", block_tokens=BLOCK, health_interval_s=0.2,
                        health_timeout_s=0.5, failure_threshold=2)
     with RouterThread(cfg, tiny_long_ckpt) as router:
@@ -110,25 +122,32 @@ def test_hung_instance_is_taken_out_and_its_streams_move(pair, tiny_long_ckpt):
         assert router.instances()[victim]["healthy"]
 
 
-def test_a_decode_instance_killed_mid_stream_in_pd_pools_loses_nothing(tiny_long_ckpt):
+def test_a_decode_instance_killed_mid_stream_in_pd_pools_loses_nothing(alive, refs, tiny_long_ckpt):
     """P/D pools (one prefill, two decode instances): a decode instance SIGKILLed while streams decode there; they
     move to the other decode instance, which pulls what the prefill instance still holds of the prompt and computes
     the rest: every stream the tokens of one instance, none lost or twice."""
-    trio = start_instances(tiny_long_ckpt, 3)
-    try:
-        by_url = {p.url: p for p in trio}
-        refs = [complete(trio[0].url, p, MAX_TOKENS) for p in PROMPTS]
-        cfg = RouterConfig(prefill=(trio[0].url,), decode=(trio[1].url, trio[2].url), policy="least_load",
-                           block_tokens=BLOCK, health_interval_s=0.2)
-        with RouterThread(cfg, tiny_long_ckpt) as router:
-            def kill_a_decoder(_):
-                victim = next(u for u, i in router.instances().items() if i["in_flight"] and i["role"] == "decode")
-                by_url[victim].stop(signal.SIGKILL)
-                kill_a_decoder.victim = victim
+    trio = alive(3)
+    by_url = {p.url: p for p in trio}
+    cfg = RouterConfig(prefill=(trio[0].url,), decode=(trio[1].url, trio[2].url), policy="least_load",
+                       block_tokens=BLOCK, health_interval_s=0.2)
+    with RouterThread(cfg, tiny_long_ckpt) as router:
+        def kill_a_decoder(_):
+            victim = next(u for u, i in router.instances().items() if i["in_flight"] and i["role"] == "decode")
+            by_url[victim].stop(signal.SIGKILL)
+            kill_a_decoder.victim = victim
 
-            outs, _ = _run_and_fail(router, kill_a_decoder)
-            _check(router, outs, refs, kill_a_decoder.victim)
-            assert metric(router.url, "kvflow_router_handoffs_total")[()] == len(PROMPTS)
-    finally:
-        for p in trio:
-            p.stop()
+        outs, _ = _run_and_fail(router, kill_a_decoder)
+        _check(router, outs, refs, kill_a_decoder.victim)
+        assert metric(router.url, "kvflow_router_handoffs_total")[()] == len(PROMPTS)
+
+
+def test_sigkill_mid_stream_loses_nothing(alive, refs, tiny_long_ckpt):
+    pair = alive(2)
+    by_url = {p.url: p for p in pair}
+    cfg = RouterConfig(instances=tuple(by_url), policy="least_load", block_tokens=BLOCK, health_interval_s=0.2)
+    with RouterThread(cfg, tiny_long_ckpt) as router:
+        outs, victim = _run_and_fail(router, lambda url: by_url[url].stop(signal.SIGKILL))
+        _check(router, outs, refs, victim)
+        (survivor,) = set(by_url) - {victim}
+        again = complete(router.url, PROMPTS[0], 8)  # the pool goes on with the survivor
+        assert again["token_ids"] == refs[0]["token_ids"][:8] and router.instances()[survivor]["healthy"]

@@ -17,7 +17,7 @@ from kvflow.router.config import RouterConfig
 from kvflow.router.roles import BalanceConfig
 from kvflow.router.policies import RouteRequest
 from router_helpers import (BLOCK, MODEL, RouterThread, complete, free_port, metric, serve_instance, start_instances,
-                            tiny_long_ckpt, until, wait_healthy)  # noqa: F401  (a fixture)
+                            stop_all, tiny_long_ckpt, until, wait_healthy)  # noqa: F401  (a fixture)
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 
@@ -31,8 +31,7 @@ def tokens(seed: int, n: int) -> list[int]:
 def instances(tiny_long_ckpt):
     procs = start_instances(tiny_long_ckpt, 3)
     yield procs
-    for p in procs:
-        p.stop()
+    stop_all(procs)
 
 
 def config(instances, policy: str, **kw) -> RouterConfig:
