@@ -37,21 +37,24 @@ def llm():
     return LLM(dtype="float32", kv_cache_memory_gb=KV_GB)  # the reference mode (the default is bf16 where the CPU has it)
 
 
-def _hf(dtype):
+@pytest.fixture(scope="module")
+def gguf_read_once():
+    """transformers reads the GGUF file at every load from it (the model's config, then its tensors; the
+    tokenizer's), seconds each, and builds gguf's tensor name map once per module (~400 times): both pure
+    functions of their arguments, memoized for this module's loads."""
     import gguf
-    from transformers import AutoModelForCausalLM
 
-    path = default_model_path()
-    # transformers reads the GGUF file twice (its config, then its tensors) and builds gguf's tensor name map
-    # once per module (~400 times): both pure functions of their arguments, memoized for this load
     with (patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)),
           patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))):
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+        yield
 
 
 @pytest.fixture(scope="module")
-def hf():
-    return _hf(torch.float32)
+def hf(gguf_read_once):
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
 def test_logits_match_at_prefill_and_32_decode_steps(llm, hf):
@@ -98,7 +101,7 @@ def test_greedy_64_tokens_identical_for_5_chat_prompts(llm, hf):
         assert len(o.token_ids) == 64 or (o.finish_reason == "stop" and o.token_ids[-1] in llm.engine.eos_token_ids)
 
 
-def test_raw_prompt_special_tokens_parsed_like_transformers(llm):
+def test_raw_prompt_special_tokens_parsed_like_transformers(llm, gguf_read_once):
     from transformers import AutoTokenizer
 
     path = default_model_path()
