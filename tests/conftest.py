@@ -142,6 +142,34 @@ def save_tiny_checkpoint(directory: Path, cfg: ModelConfig, seed: int = 0) -> Pa
     return directory
 
 
+RAY_OBJECT_STORE = 80 * 2**20
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One Ray cluster on this machine (`ray.cluster_utils.Cluster`) for every test that needs one, this process
+    its driver: the head (no CPUs: nothing is placed there) and two nodes, `node_a` and `node_b`, each offering
+    one CPU and its own custom resource. Yields the cluster and {resource name: node id}. Its tests run last, one
+    after another (`pytest_collection_modifyitems`), so the cluster starts once and nothing else runs beside it."""
+    ray = pytest.importorskip("ray", reason="the Ray tests need ray (pip install 'kvflow[ray]')")
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
+                                                          object_store_memory=RAY_OBJECT_STORE))
+    nodes = {r: c.add_node(num_cpus=1, resources={r: 1}, object_store_memory=RAY_OBJECT_STORE) for r in ("node_a", "node_b")}
+    c.wait_for_nodes()
+    ray.init(address=c.address)
+    try:
+        yield c, {r: n.node_id for r, n in nodes.items()}
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))  # (stable: otherwise in order)
+
+
 @pytest.fixture
 def cfg() -> ModelConfig:
     return tiny_config()

@@ -1,6 +1,6 @@
-"""The Ray launcher on a real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: a
-head without CPUs and two worker nodes, `node_a` and `node_b`, each offering one CPU and its own
-custom resource): the stages run as actors on different Ray nodes, give the engine's tokens, stream
+"""The Ray launcher on a real multi-node Ray cluster on this machine (conftest's `ray_cluster`, a
+`ray.cluster_utils.Cluster`: a head without CPUs and two worker nodes, `node_a` and `node_b`, each
+offering one CPU and its own custom resource): the stages run as actors on different Ray nodes, give the engine's tokens, stream
 KV over kvflow's own transports between them, and a killed actor is detected and replaced."""
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray launcher tests need ray (pip install 'kvflow[ray]')")
 
-from ray.cluster_utils import Cluster  # noqa: E402
-
 from kvflow.config import ClusterConfig, EngineConfig  # noqa: E402
 from kvflow.controller.controller import Controller  # noqa: E402
 from kvflow.controller.ray_launcher import Placement, RayConfig, RayLauncher, RayWorkerHandle, StagePlacement  # noqa: E402
@@ -28,24 +26,6 @@ from servers import ServeProcess  # noqa: E402
 
 PROMPTS = [[5, 6, 7], list(range(10, 41)), [40] * 9, [3, 1, 4, 1, 5, 9, 2, 6], list(range(50, 70)), [11, 12]]
 LENGTHS = [12, 3, 9, 1, 6, 10]
-OBJECT_STORE = 80 * 2**20
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """One Ray cluster for the module: the head (no CPUs: nothing is placed there) and two nodes."""
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
-                                                          object_store_memory=OBJECT_STORE))
-    nodes = {r: c.add_node(num_cpus=1, resources={r: 1}, object_store_memory=OBJECT_STORE) for r in ("node_a", "node_b")}
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    try:
-        yield c, {r: n.node_id for r, n in nodes.items()}
-    finally:
-        ray.shutdown()
-        c.shutdown()
-
-
 def reference(prompts, lengths):
     eng = tiny_engine(num_kv_blocks=256, block_size=4)
     reqs = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for p, n in zip(prompts, lengths)]
@@ -80,8 +60,8 @@ def _greedy(n):
      lambda ids: Placement({"prompt-0": StagePlacement(resources={"node_a": 0.01})}, strategy="STRICT_SPREAD"),
      {"prompt-0": "node_a", "token-0": "node_b"}),
 ], ids=["colocated-2:by-node-id", "disagg-1-1:by-resource"])
-def test_stages_run_as_actors_on_their_nodes_and_give_the_engine_tokens(cluster, tiny_ckpt_dir, kw, plan, expect):
-    _, node_ids = cluster
+def test_stages_run_as_actors_on_their_nodes_and_give_the_engine_tokens(ray_cluster, tiny_ckpt_dir, kw, plan, expect):
+    _, node_ids = ray_cluster
     cfg = _cfg(tiny_ckpt_dir, **kw)
     launcher = RayLauncher(cfg, RayConfig(placement=plan(node_ids)))
 
@@ -124,7 +104,7 @@ LENGTHS_FT = [40, 25, 60, 35]
     (dict(mode="disaggregated", prompt_depth=1, token_depth=1), "token-0", "ray.kill"),
     (dict(mode="colocated", depth=2, heartbeat_timeout_s=2.0), "colocated-0", "sigstop"),
 ], ids=["colocated-2:sigkill-the-actor-process", "disagg-1-1:ray.kill-the-token-actor", "colocated-2:hung-actor-fenced"])
-def test_a_killed_actor_is_detected_and_replaced_by_the_launcher(cluster, tiny_ckpt_dir, caplog, kw, victim, how):
+def test_a_killed_actor_is_detected_and_replaced_by_the_launcher(ray_cluster, tiny_ckpt_dir, caplog, kw, victim, how):
     """The handle's poll() reports the actor's death (the heartbeat timeout is far beyond the test's
     own deadlines, so it cannot be what detects it); a hung actor (SIGSTOP) is found by its missing
     heartbeats and fenced with `ray.kill`. With replication on (the default ring; depth 1: the
@@ -193,13 +173,13 @@ def _until_available(cpu: float, node_a: float, node_b: float, timeout: float = 
         time.sleep(0.1)
 
 
-def test_kvflow_serve_launcher_ray_with_a_plan_file(cluster, tiny_ckpt_dir, tmp_path):
+def test_kvflow_serve_launcher_ray_with_a_plan_file(ray_cluster, tiny_ckpt_dir, tmp_path):
     """The CLI end to end: `kvflow serve --launcher ray --ray-address ... --plan FILE` joins the
     cluster as a driver of its own, reserves the planned bundles (each stage's CPU and its node's
     resource), serves the engine's tokens, and gives everything back when it stops."""
     import httpx
 
-    c, _ = cluster
+    c, _ = ray_cluster
     prompt, n = [3, 30, 31, 4], 6
     eng = tiny_engine(num_kv_blocks=128, block_size=4)
     ref = eng.add_request(prompt, _greedy(n))

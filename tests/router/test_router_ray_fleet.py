@@ -1,5 +1,5 @@
 """The router's own instances on a Ray cluster (`kvflow.router.ray_fleet`): a real `kvflow serve` started by a Ray actor
-on a node of a `ray.cluster_utils.Cluster` on this machine, serving through the router; its process SIGKILLed, it is
+on a node of a `ray.cluster_utils.Cluster` on this machine (conftest's `ray_cluster`), serving through the router; its process SIGKILLed, it is
 started again at the same URL; its actor killed, a new actor starts it at a new URL, which the pool follows; the
 router's shutdown stops it."""
 
@@ -14,30 +14,12 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray fleet needs ray (pip install 'kvflow[ray]')")
 
-from ray.cluster_utils import Cluster  # noqa: E402
-
 from kvflow.router.config import RouterConfig  # noqa: E402
 from kvflow.router.fleet import FleetConfig  # noqa: E402
 from kvflow.router.ray_fleet import RayFleet  # noqa: E402
 from router_helpers import BLOCK, RouterThread, complete, instance_args, tiny_long_ckpt, until  # noqa: E402,F401
 
-OBJECT_STORE = 80 * 2**20
 PROMPT = random.Random(5).choices(range(5, 96), k=20)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
-                                                          object_store_memory=OBJECT_STORE))
-    for _ in range(2):
-        c.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    try:
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def _up(url: str) -> bool:
@@ -47,8 +29,8 @@ def _up(url: str) -> bool:
         return False
 
 
-def test_a_ray_fleet_serves_restarts_and_moves_its_instance(cluster, tiny_long_ckpt):
-    fleet = RayFleet(FleetConfig(1, instance_args(tiny_long_ckpt)), cluster.address)
+def test_a_ray_fleet_serves_restarts_and_moves_its_instance(ray_cluster, tiny_long_ckpt):
+    fleet = RayFleet(FleetConfig(1, instance_args(tiny_long_ckpt)), ray_cluster[0].address)
     first, = fleet.start()
     try:
         router = RouterThread(RouterConfig(instances=(first,), block_tokens=BLOCK, health_interval_s=0.2), tiny_long_ckpt,
