@@ -8,7 +8,6 @@ import shutil
 import signal
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import openai
@@ -141,15 +140,32 @@ def test_health_is_degraded_and_requests_queue_while_a_lost_worker_is_replaced(t
         assert ctrl.recovery.recoveries == 1
 
 
-@contextmanager
-def _serve_one_worker(model, *extra: str):
-    """`kvflow serve` of `model` in colocated depth 1, once ready, and its worker's pid (from the line the
-    controller logs when it starts the worker)."""
-    with ServeProcess("serve", "--model", str(model), "--mode", "colocated", "--depth", "1", "--threads", "1",
-                      "--served-model-name", "tiny", "--log-level", "info", *SMALL_KV, *extra) as srv:
-        worker = int(srv.wait_for(r"started worker colocated-0 \(pid (\d+)\)").group(1))
-        srv.wait_ready()
-        yield srv, worker
+def _serve_one_worker(model, *extra: str) -> ServeProcess:
+    """`kvflow serve` of `model` in colocated depth 1, started (`_worker` waits until it is ready)."""
+    return ServeProcess("serve", "--model", str(model), "--mode", "colocated", "--depth", "1", "--threads", "1",
+                        "--served-model-name", "tiny", "--log-level", "info", *SMALL_KV, *extra)
+
+
+def _worker(srv: ServeProcess) -> int:
+    """Its worker's pid (from the line the controller logs when it starts the worker), once it is ready."""
+    worker = int(srv.wait_for(r"started worker colocated-0 \(pid (\d+)\)").group(1))
+    srv.wait_ready()
+    return worker
+
+
+@pytest.fixture(scope="module")
+def one_worker_serves(tiny_ckpt_dir, tmp_path_factory):
+    """The `kvflow serve` processes of the two tests below, started at once when the first of them runs (each
+    starts in the time the other's test takes): "lost" serves a copy of the checkpoint (its test deletes it) with
+    --max-restarts 1, "killed" the checkpoint. Each test ends its own; leaving the module stops any still running."""
+    model = tmp_path_factory.mktemp("lost") / "model"
+    shutil.copytree(tiny_ckpt_dir, model)
+    procs = {"lost": _serve_one_worker(model, "--max-restarts", "1"), "killed": _serve_one_worker(tiny_ckpt_dir)}
+    try:
+        yield model, procs
+    finally:
+        for p in procs.values():
+            p.__exit__()
 
 
 def _running(pid: int) -> bool:
@@ -160,12 +176,12 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_serve_exits_1_when_a_lost_worker_cannot_be_replaced(tiny_ckpt_dir, tmp_path):
+def test_serve_exits_1_when_a_lost_worker_cannot_be_replaced(one_worker_serves):
     """The policy for a supervisor: recovery that fails `max_restarts` times ends the server with
     exit code 1 (here the replacements cannot load the model: its files are gone)."""
-    model = tmp_path / "model"
-    shutil.copytree(tiny_ckpt_dir, model)
-    with _serve_one_worker(model, "--max-restarts", "1") as (srv, worker):
+    model, procs = one_worker_serves
+    with procs["lost"] as srv:
+        worker = _worker(srv)
         shutil.rmtree(model)
         os.kill(worker, signal.SIGKILL)
         assert srv.wait(180) == 1
@@ -173,10 +189,11 @@ def test_serve_exits_1_when_a_lost_worker_cannot_be_replaced(tiny_ckpt_dir, tmp_
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
-def test_workers_do_not_outlive_a_killed_server(tiny_ckpt_dir):
+def test_workers_do_not_outlive_a_killed_server(one_worker_serves):
     """SIGKILL leaves `kvflow serve` no chance to stop its workers: each notices on its own that the
     controller process is gone and exits (a worker forked by the fork server is not its child)."""
-    with _serve_one_worker(tiny_ckpt_dir) as (srv, worker):
+    with one_worker_serves[1]["killed"] as srv:
+        worker = _worker(srv)
         srv.proc.kill()
         srv.proc.wait()
         deadline = time.monotonic() + 60

@@ -179,11 +179,26 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
-def test_kvflow_serve_second_signal_ends_the_drain_without_a_traceback(tiny_ckpt_dir, sig):
-    with ServeProcess("serve", "--model", str(tiny_ckpt_dir), "--threads", "1", "--served-model-name", MODEL,
-                      "--drain-timeout", "600", "--log-level", "info", *SMALL_KV,
-                      command=(sys.executable, "-c", HELD_SERVE)) as srv:
+SIGNALS = [signal.SIGTERM, signal.SIGINT]
+
+
+@pytest.fixture(scope="module")
+def held_serves(tiny_ckpt_dir):
+    """A `HELD_SERVE` process for each of `SIGNALS`, all started at once when the first test below runs (each test
+    ends its own; leaving the module stops any still running)."""
+    procs = {sig: ServeProcess("serve", "--model", str(tiny_ckpt_dir), "--threads", "1", "--served-model-name", MODEL,
+                               "--drain-timeout", "600", "--log-level", "info", *SMALL_KV,
+                               command=(sys.executable, "-c", HELD_SERVE)) for sig in SIGNALS}
+    try:
+        yield procs
+    finally:
+        for p in procs.values():
+            p.__exit__()
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=["sigterm", "ctrl-c"])
+def test_kvflow_serve_second_signal_ends_the_drain_without_a_traceback(held_serves, sig):
+    with held_serves[sig] as srv:
         srv.wait_ready()
         with held_stream(srv.url, None, HELD) as lines:
             srv.send_signal(sig)
