@@ -55,9 +55,6 @@ class Launch(NamedTuple):
     event: torch.cuda.Event | None  # recorded after the copy (None off CUDA: the step ran eagerly)
     rows: int
 
-    def ready(self) -> bool:
-        return self.event is None or self.event.query()
-
     def wait(self) -> None:
         """Until the ids are on the host (the GIL released meanwhile)."""
         if self.event is not None:

@@ -117,7 +117,12 @@ class LastSampled:
         """Whether every `AHEAD` of `msg` can be filled: a first stage of several stages may have the
         step before the last stage's ids for it (they travel apart)."""
         return AHEAD not in msg.token_ids or all(
-            self._launched(s) is not None or self.ids.get(s.rid, (-1,))[0] == s.context_len - 1 for _, s in self._aheads(msg))
+            self._launched(s) is not None or self._read_back(s) is not None for _, s in self._aheads(msg))
+
+    def _read_back(self, s) -> int | None:
+        """The id read back for `s`'s input position (an `AHEAD` seq's: the token before its context end), if any."""
+        pos, t = self.ids.get(s.rid, (-1, None))
+        return t if pos == s.context_len - 1 else None
 
     def _launched(self, s) -> int | None:
         """The row of the flight whose argmax `s` (an `AHEAD` seq) takes in, if it is in the flight."""
@@ -136,8 +141,8 @@ class LastSampled:
                 row = self._launched(s)
                 if row is not None:
                     src = row
-                elif self.ids.get(s.rid, (-1,))[0] == s.context_len - 1:
-                    ids[i] = self.ids[s.rid][1]
+                elif (t := self._read_back(s)) is not None:
+                    ids[i] = t
                 else:
                     return None
             out.append(src)
@@ -147,8 +152,8 @@ class LastSampled:
         """Replace each `AHEAD` in `msg.token_ids` by the id sampled for its position (a step is run
         only once it is `ready`)."""
         for i, s in self._aheads(msg):
-            pos, t = self.ids.get(s.rid, (-1, AHEAD))
-            if pos != s.context_len - 1:
+            t = self._read_back(s)
+            if t is None:
                 raise RuntimeError(f"decode-ahead step {msg.batch}: no token sampled for {s.rid} at {s.context_len - 1}")
             msg.token_ids[i] = t
 
