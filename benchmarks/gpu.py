@@ -554,8 +554,10 @@ def _serve(ckpt: str, device: str, n: int, new: int, vocab: int, name: str) -> d
                 stages = sum(p.depth for p in backend.pipelines)
                 result["stage_busy_fraction"] = sum(r[1] for r in list(log)[before:]) / stages / wall
             handles = getattr(backend, "stages", None)
-            if handles:  # steps a one-stage pipeline launched behind the one before (its heartbeats: every 0.25 s)
-                await asyncio.sleep(0.3)
+            if handles:  # steps a one-stage pipeline launched behind the one before: from a heartbeat sent after the run
+                done, deadline = time.monotonic(), time.monotonic() + 10
+                while any(s.last_heartbeat <= done for s in handles.values()) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
                 result["launched_ahead"] = sum(getattr(s, "launched_ahead", 0) for s in handles.values())
             workers = getattr(backend, "workers", None)
             if workers is not None and hasattr(workers, "rings"):  # hidden states through shared memory or on the messages
